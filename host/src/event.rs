@@ -1,0 +1,267 @@
+//! The domain types every other module speaks: an [`Event`] read from the
+//! outbox, the [`Message`]s a plugin routes it to, and why a plugin may
+//! refuse it ([`Rejection`]). Also the envelope: the CloudEvents headers the
+//! relay puts on every message so consumers can deduplicate by event id.
+
+use chrono::{DateTime, SecondsFormat, Utc};
+
+/// One outbox row, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    pub id: String,
+    /// Order key within the table (the sequence column, or created_at in µs).
+    pub sequence: i64,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub event_type: String,
+    pub event_version: u32,
+    /// UTF-8 JSON.
+    pub payload: Vec<u8>,
+    pub headers: Vec<(String, String)>,
+    pub created_at: DateTime<Utc>,
+    /// Delivery attempts that already failed.
+    pub attempts: u32,
+}
+
+impl Event {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+
+    pub fn traceparent(&self) -> Option<&str> {
+        self.header("traceparent")
+    }
+}
+
+/// A row exactly as the store read it, before validation. Every field a
+/// producer could leave NULL or malformed is optional here; [`RawRow::validate`]
+/// turns it into an [`Event`] or into the reason it is malformed.
+#[derive(Debug, Clone, Default)]
+pub struct RawRow {
+    pub id: String,
+    pub sequence: i64,
+    pub aggregate_type: Option<String>,
+    pub aggregate_id: Option<String>,
+    pub event_type: Option<String>,
+    pub event_version: Option<i64>,
+    pub payload: Option<String>,
+    pub headers: Option<String>,
+    pub created_at: Option<DateTime<Utc>>,
+    pub attempts: i32,
+}
+
+/// A row that cannot become an event, with the reason.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Malformed {
+    pub id: String,
+    pub sequence: i64,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub reason: String,
+}
+
+impl RawRow {
+    pub fn validate(self) -> Result<Event, Malformed> {
+        let malformed = |row: &RawRow, reason: String| Malformed {
+            id: row.id.clone(),
+            sequence: row.sequence,
+            aggregate_type: row.aggregate_type.clone().unwrap_or_default(),
+            aggregate_id: row.aggregate_id.clone().unwrap_or_default(),
+            reason,
+        };
+        let required = |v: &Option<String>, col: &str| -> Result<String, String> {
+            match v {
+                Some(s) if !s.is_empty() => Ok(s.clone()),
+                Some(_) => Err(format!("{col} is empty")),
+                None => Err(format!("{col} is NULL")),
+            }
+        };
+        let fields = (|| -> Result<_, String> {
+            let aggregate_type = required(&self.aggregate_type, "aggregate_type")?;
+            let aggregate_id = required(&self.aggregate_id, "aggregate_id")?;
+            let event_type = required(&self.event_type, "event_type")?;
+            let payload = self.payload.clone().ok_or("payload is NULL")?;
+            serde_json::from_str::<serde::de::IgnoredAny>(&payload)
+                .map_err(|e| format!("payload is not valid JSON: {e}"))?;
+            let event_version = match self.event_version {
+                None => 1,
+                Some(v) => u32::try_from(v).map_err(|_| format!("event_version {v} is out of range"))?,
+            };
+            let headers = match self.headers.as_deref() {
+                None | Some("") | Some("null") => Vec::new(),
+                Some(h) => parse_headers(h)?,
+            };
+            let created_at = self.created_at.ok_or("created_at is NULL")?;
+            Ok((aggregate_type, aggregate_id, event_type, payload, event_version, headers, created_at))
+        })();
+        match fields {
+            Ok((aggregate_type, aggregate_id, event_type, payload, event_version, headers, created_at)) => {
+                Ok(Event {
+                    id: self.id,
+                    sequence: self.sequence,
+                    aggregate_type,
+                    aggregate_id,
+                    event_type,
+                    event_version,
+                    payload: payload.into_bytes(),
+                    headers,
+                    created_at,
+                    attempts: u32::try_from(self.attempts).unwrap_or(0),
+                })
+            }
+            Err(reason) => Err(malformed(&self, reason)),
+        }
+    }
+}
+
+/// Producer headers: a JSON object of string (or scalar) values.
+fn parse_headers(text: &str) -> Result<Vec<(String, String)>, String> {
+    let v: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| format!("headers are not valid JSON: {e}"))?;
+    let obj = v.as_object().ok_or("headers must be a JSON object")?;
+    Ok(obj
+        .iter()
+        .map(|(k, v)| {
+            let s = match v {
+                serde_json::Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            (k.clone(), s)
+        })
+        .collect())
+}
+
+/// One message to publish (what a plugin returned, after validation).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    pub sink: String,
+    pub topic: String,
+    pub key: Option<Vec<u8>>,
+    pub partition: Option<i32>,
+    pub headers: Vec<(String, String)>,
+    pub payload: Vec<u8>,
+}
+
+/// Why a plugin (or the host on its behalf) refused an event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Rejection {
+    /// Transient: retry with backoff.
+    Retryable(String),
+    /// Permanent: the event goes to the failed state.
+    Invalid(String),
+}
+
+impl Rejection {
+    pub fn reason(&self) -> &str {
+        match self {
+            Rejection::Retryable(r) | Rejection::Invalid(r) => r,
+        }
+    }
+
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Rejection::Retryable(_) => "retryable",
+            Rejection::Invalid(_) => "invalid",
+        }
+    }
+}
+
+/// What a plugin made of one event.
+pub type Outcome = Result<Vec<Message>, Rejection>;
+
+/// CloudEvents header names (Kafka and NATS protocol bindings, binary mode).
+pub mod ce {
+    pub const ID: &str = "ce_id";
+    pub const TYPE: &str = "ce_type";
+    pub const SOURCE: &str = "ce_source";
+    pub const SPEC_VERSION: &str = "ce_specversion";
+    pub const TIME: &str = "ce_time";
+    pub const SUBJECT: &str = "ce_subject";
+    /// Extension attributes (lower-case alphanumerics, per the spec).
+    pub const AGGREGATE_TYPE: &str = "ce_aggregatetype";
+    pub const AGGREGATE_ID: &str = "ce_aggregateid";
+    pub const EVENT_VERSION: &str = "ce_eventversion";
+    pub const SEQUENCE: &str = "ce_sequence";
+    pub const TRACEPARENT: &str = "traceparent";
+    pub const TRACESTATE: &str = "tracestate";
+}
+
+/// The envelope headers for every message routed from `event`, followed by
+/// the plugin's own headers (a plugin cannot override the envelope).
+pub fn envelope(event: &Event, source: &str, plugin_headers: &[(String, String)]) -> Vec<(String, String)> {
+    let mut h = Vec::with_capacity(10 + plugin_headers.len());
+    h.push((ce::ID.into(), event.id.clone()));
+    h.push((ce::TYPE.into(), event.event_type.clone()));
+    h.push((ce::SOURCE.into(), source.to_string()));
+    h.push((ce::SPEC_VERSION.into(), "1.0".into()));
+    h.push((ce::TIME.into(), event.created_at.to_rfc3339_opts(SecondsFormat::Micros, true)));
+    h.push((ce::SUBJECT.into(), event.aggregate_id.clone()));
+    h.push((ce::AGGREGATE_TYPE.into(), event.aggregate_type.clone()));
+    h.push((ce::AGGREGATE_ID.into(), event.aggregate_id.clone()));
+    h.push((ce::EVENT_VERSION.into(), event.event_version.to_string()));
+    h.push((ce::SEQUENCE.into(), event.sequence.to_string()));
+    for name in [ce::TRACEPARENT, ce::TRACESTATE] {
+        if let Some(v) = event.header(name) {
+            h.push((name.into(), v.into()));
+        }
+    }
+    for (k, v) in plugin_headers {
+        if !h.iter().any(|(hk, _)| hk == k) {
+            h.push((k.clone(), v.clone()));
+        }
+    }
+    h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw() -> RawRow {
+        RawRow {
+            id: "e1".into(),
+            sequence: 7,
+            aggregate_type: Some("order".into()),
+            aggregate_id: Some("o1".into()),
+            event_type: Some("created".into()),
+            event_version: Some(2),
+            payload: Some(r#"{"a":1}"#.into()),
+            headers: Some(r#"{"traceparent":"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}"#.into()),
+            created_at: Some(Utc::now()),
+            attempts: 0,
+        }
+    }
+
+    #[test]
+    fn valid_row_becomes_event() {
+        let e = raw().validate().unwrap();
+        assert_eq!(e.event_version, 2);
+        assert!(e.traceparent().unwrap().starts_with("00-0af7"));
+    }
+
+    #[test]
+    fn malformed_rows_say_why() {
+        let mut r = raw();
+        r.payload = Some("{oops".into());
+        assert!(r.validate().unwrap_err().reason.starts_with("payload is not valid JSON"));
+        let mut r = raw();
+        r.aggregate_id = None;
+        assert_eq!(r.validate().unwrap_err().reason, "aggregate_id is NULL");
+        let mut r = raw();
+        r.headers = Some("[1]".into());
+        assert_eq!(r.validate().unwrap_err().reason, "headers must be a JSON object");
+    }
+
+    #[test]
+    fn envelope_carries_id_and_trace_and_keeps_plugin_headers() {
+        let e = raw().validate().unwrap();
+        let h = envelope(&e, "/outroute/test", &[("x".into(), "1".into()), ("ce_id".into(), "forged".into())]);
+        let get = |k: &str| h.iter().find(|(hk, _)| hk == k).map(|(_, v)| v.as_str());
+        assert_eq!(get("ce_id"), Some("e1"));
+        assert_eq!(get("ce_specversion"), Some("1.0"));
+        assert_eq!(get("ce_eventversion"), Some("2"));
+        assert!(get("traceparent").is_some());
+        assert_eq!(get("x"), Some("1"));
+        assert_eq!(h.iter().filter(|(k, _)| k == "ce_id").count(), 1);
+    }
+}

@@ -1,0 +1,126 @@
+//! `outroute`: the transactional-outbox relay with WebAssembly routing
+//! plugins. This file is the command line; each command is a few lines that
+//! call into the library modules:
+//!
+//! * `relay`   — the run loop (row → event → plugin → messages → acks → mark)
+//! * `store`   — the outbox table, leases, failure state (PostgreSQL, SQLite)
+//! * `plugin`  — the sandboxed wasmtime runtime for routing plugins
+//! * `sink`    — Kafka, NATS and file publishers that wait for acks
+//! * `routing` — which route handles an event, what its messages may do
+//! * `config`  — the TOML file, its schema and its validation
+//! * `metrics` — Prometheus series and health endpoints
+//! * `ops`     — status, failed events, replay, plugin test (operator tools)
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+mod config;
+mod event;
+mod failpoint;
+mod metrics;
+mod ops;
+mod plugin;
+mod quickstart;
+mod relay;
+mod routing;
+mod sink;
+mod store;
+
+#[derive(Parser)]
+#[command(name = "outroute", version, about = "Transactional-outbox relay with WebAssembly routing plugins")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args, Clone)]
+pub(crate) struct ConfigArg {
+    /// Configuration file.
+    #[arg(short, long, env = "OUTROUTE_CONFIG", default_value = "outroute.toml")]
+    pub(crate) config: PathBuf,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Relay events until SIGTERM/SIGINT.
+    Run(ConfigArg),
+    /// Create outroute's tables (and the canonical outbox table). Idempotent.
+    Migrate {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Only the coordination tables, not the canonical outbox table.
+        #[arg(long)]
+        coordination_only: bool,
+    },
+    /// Backlog, oldest pending age, failed count, relays and their lanes.
+    Status {
+        #[command(flatten)]
+        config: ConfigArg,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Failed events (dead letters): list, show, retry, discard.
+    Failed {
+        #[command(subcommand)]
+        action: ops::FailedAction,
+    },
+    /// Re-publish already-published events.
+    Replay(ops::ReplayArgs),
+    /// Try and inspect plugins.
+    Plugin {
+        #[command(subcommand)]
+        action: ops::PluginAction,
+    },
+    /// Check a configuration file or print its JSON Schema.
+    Config {
+        #[command(subcommand)]
+        action: ConfigAction,
+    },
+    /// Run the embedded demo end to end: SQLite outbox, example plugin, file sink.
+    Quickstart(quickstart::QuickstartArgs),
+}
+
+#[derive(Subcommand)]
+enum ConfigAction {
+    /// Validate a file; prints `file:key: reason` for every problem.
+    Check(ConfigArg),
+    /// Print the JSON Schema of the configuration file.
+    Schema,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("outroute: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(dispatch(cli.command)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("outroute: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
+    match command {
+        Command::Run(c) => ops::run(&c.config).await,
+        Command::Migrate { config, coordination_only } => ops::migrate(&config.config, !coordination_only).await,
+        Command::Status { config, json } => ops::status(&config.config, json).await,
+        Command::Failed { action } => ops::failed(action).await,
+        Command::Replay(args) => ops::replay(args).await,
+        Command::Plugin { action } => ops::plugin(action).await,
+        Command::Config { action: ConfigAction::Check(c) } => Ok(ops::config_check(&c.config)),
+        Command::Config { action: ConfigAction::Schema } => {
+            println!("{}", serde_json::to_string_pretty(&config::schema())?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Quickstart(args) => quickstart::run(args).await,
+    }
+}

@@ -1,0 +1,156 @@
+//! Metrics and health, served over HTTP by `outroute run`.
+//!
+//! Every series is named here, once. What to alert on (README "Operating"):
+//! `outroute_oldest_pending_age_seconds` rising, `outroute_events_failed_total`
+//! increasing, `/readyz` failing.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::sink::Sinks;
+use crate::store::Store;
+
+pub const BACKLOG: &str = "outroute_backlog_events";
+pub const OLDEST_PENDING_AGE: &str = "outroute_oldest_pending_age_seconds";
+pub const EVENTS_PUBLISHED: &str = "outroute_events_published_total";
+pub const MESSAGES_PUBLISHED: &str = "outroute_messages_published_total";
+pub const COMMIT_TO_ACK: &str = "outroute_commit_to_ack_seconds";
+pub const PLUGIN_CALL: &str = "outroute_plugin_call_seconds";
+pub const REJECTIONS: &str = "outroute_rejections_total";
+pub const RETRIES: &str = "outroute_retries_total";
+pub const EVENTS_FAILED: &str = "outroute_events_failed_total";
+pub const PUBLISH_ERRORS: &str = "outroute_publish_errors_total";
+pub const LEASE_HANDOVERS: &str = "outroute_lease_handovers_total";
+pub const LANES_OWNED: &str = "outroute_lanes_owned";
+pub const MARK_FENCED: &str = "outroute_mark_fenced_total";
+pub const BATCH_SECONDS: &str = "outroute_batch_seconds";
+pub const PLUGIN_RELOADS: &str = "outroute_plugin_reloads_total";
+pub const PURGED: &str = "outroute_purged_events_total";
+
+/// Install the Prometheus recorder (once per process).
+pub fn install() -> Result<PrometheusHandle> {
+    let latency = [
+        0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
+    ];
+    let fast = [
+        0.000_002, 0.000_005, 0.000_01, 0.000_02, 0.000_05, 0.000_1, 0.000_5, 0.001, 0.005, 0.01, 0.05, 0.1,
+    ];
+    PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Full(COMMIT_TO_ACK.into()), &latency)?
+        .set_buckets_for_metric(Matcher::Full(BATCH_SECONDS.into()), &latency)?
+        .set_buckets_for_metric(Matcher::Full(PLUGIN_CALL.into()), &fast)?
+        .install_recorder()
+        .context("installing the metrics recorder")
+}
+
+/// What `/readyz` looks at, updated by the relay as it works.
+pub struct Health {
+    started: Instant,
+    last_progress_ms: AtomicI64,
+    backlog: AtomicI64,
+    store_ok: AtomicBool,
+    pub stall_after: Duration,
+}
+
+impl Health {
+    pub fn new(stall_after: Duration) -> Arc<Self> {
+        Arc::new(Health {
+            started: Instant::now(),
+            last_progress_ms: AtomicI64::new(0),
+            backlog: AtomicI64::new(0),
+            store_ok: AtomicBool::new(true),
+            stall_after,
+        })
+    }
+
+    fn now_ms(&self) -> i64 {
+        self.started.elapsed().as_millis() as i64
+    }
+
+    /// Events were published (or there was nothing to do).
+    pub fn progressed(&self) {
+        self.last_progress_ms.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    pub fn set_backlog(&self, n: i64) {
+        self.backlog.store(n, Ordering::Relaxed);
+        if n == 0 {
+            self.progressed();
+        }
+    }
+
+    pub fn set_store_ok(&self, ok: bool) {
+        self.store_ok.store(ok, Ordering::Relaxed);
+    }
+
+    /// `None` when ready, else why not.
+    pub fn stalled(&self) -> Option<String> {
+        let idle = Duration::from_millis((self.now_ms() - self.last_progress_ms.load(Ordering::Relaxed)).max(0) as u64);
+        let backlog = self.backlog.load(Ordering::Relaxed);
+        (backlog > 0 && idle > self.stall_after)
+            .then(|| format!("{backlog} events pending and nothing published for {}s", idle.as_secs()))
+    }
+}
+
+#[derive(Clone)]
+struct AppState {
+    prom: PrometheusHandle,
+    health: Arc<Health>,
+    store: Arc<Store>,
+    sinks: Sinks,
+}
+
+async fn metrics(State(s): State<AppState>) -> String {
+    s.prom.render()
+}
+
+async fn ready(State(s): State<AppState>) -> (StatusCode, String) {
+    let mut problems = Vec::new();
+    if !s.store.ping().await {
+        problems.push("database unreachable".to_string());
+    }
+    for (name, sink) in s.sinks.iter() {
+        if !sink.connected().await {
+            problems.push(format!("sink `{name}` not connected"));
+        }
+    }
+    if let Some(why) = s.health.stalled() {
+        problems.push(why);
+    }
+    if problems.is_empty() {
+        (StatusCode::OK, "ready\n".into())
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {}\n", problems.join("; ")))
+    }
+}
+
+/// Serve `/metrics`, `/healthz`, `/readyz` until `shutdown`.
+pub async fn serve(
+    listen: &str,
+    prom: PrometheusHandle,
+    health: Arc<Health>,
+    store: Arc<Store>,
+    sinks: Sinks,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> Result<tokio::task::JoinHandle<()>> {
+    let app = Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready))
+        .with_state(AppState { prom, health, store, sinks });
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("http.listen: cannot bind {listen}"))?;
+    tracing::info!(%listen, "serving /metrics, /healthz, /readyz");
+    Ok(tokio::spawn(async move {
+        let _ = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await;
+    }))
+}

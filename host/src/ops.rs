@@ -1,0 +1,516 @@
+//! Operator commands: `run`, `migrate`, `status`, `failed …`, `replay`,
+//! `plugin test|inspect`, `config check`. Each loads the config, talks to
+//! the store (and for replay, the sinks) and prints something a person can
+//! act on; `--json` where a script would want it.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use chrono::{DateTime, Utc};
+use clap::{Args, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{self, LogFormat, Loaded};
+use crate::event::{Event, Rejection};
+use crate::metrics::{self, Health};
+use crate::plugin::{self, Limits, PluginHandle, Runtime};
+use crate::relay::Relay;
+use crate::store::{Filter, Store};
+
+/// Load config or explain every problem.
+pub fn load(path: &Path) -> Result<Loaded> {
+    config::load(path).map_err(|e| anyhow::anyhow!("invalid configuration:\n{e}"))
+}
+
+pub fn init_logging(format: LogFormat, level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Human => builder.try_init(),
+        LogFormat::Json => builder.json().with_current_span(true).with_span_list(true).try_init(),
+    };
+}
+
+fn relay_id(loaded: &Loaded) -> String {
+    loaded.config.relay.id.clone().unwrap_or_else(|| {
+        let host = hostname::get().map(|h| h.to_string_lossy().into_owned()).unwrap_or_else(|_| "relay".into());
+        let short = uuid::Uuid::new_v4().simple().to_string();
+        format!("{host}-{}-{}", std::process::id(), &short[..8])
+    })
+}
+
+async fn open_store(loaded: &Loaded, relay_id: &str) -> Result<Store> {
+    let mut store = Store::connect(&loaded.config, relay_id).await?;
+    store.migrate(false).await?;
+    store.check_table().await?;
+    Ok(store)
+}
+
+/// `outroute run`.
+pub async fn run(path: &Path) -> Result<ExitCode> {
+    let loaded = load(path)?;
+    init_logging(loaded.config.log.format, &loaded.config.log.level);
+    let prom = metrics::install()?;
+    let id = relay_id(&loaded);
+    let store = Arc::new(open_store(&loaded, &id).await?);
+    let health = Health::new(loaded.config.relay.stall_after);
+    let relay = Arc::new(Relay::build(&loaded, store.clone(), health.clone()).await?);
+    let shutdown = CancellationToken::new();
+    let http = if loaded.config.http.listen.is_empty() {
+        None
+    } else {
+        Some(
+            metrics::serve(&loaded.config.http.listen, prom, health, store, relay.sinks.clone(), shutdown.clone())
+                .await?,
+        )
+    };
+    tokio::spawn(signal_shutdown(shutdown.clone()));
+    tracing::info!(relay = %id, routes = relay.routes.0.len(), "outroute relay started");
+    relay.run(shutdown).await?;
+    if let Some(h) = http {
+        let _ = tokio::time::timeout(Duration::from_secs(2), h).await;
+    }
+    tracing::info!("outroute relay stopped");
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn signal_shutdown(token: CancellationToken) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {},
+                    _ = tokio::signal::ctrl_c() => {},
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+    tracing::info!("signal received");
+    token.cancel();
+}
+
+pub async fn migrate(path: &Path, outbox: bool) -> Result<ExitCode> {
+    let loaded = load(path)?;
+    let store = Store::connect(&loaded.config, "migrate").await?;
+    store.migrate(outbox).await?;
+    println!("migrations applied to {}", config::redact_url(&loaded.config.store.url));
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn status(path: &Path, json: bool) -> Result<ExitCode> {
+    let loaded = load(path)?;
+    let store = open_store(&loaded, "status").await?;
+    let s = store.status().await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&s)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("table            {}", s.table);
+    println!("backlog          {} events", s.backlog);
+    match s.oldest_pending_age_seconds {
+        Some(a) => println!("oldest pending   {a:.1}s"),
+        None => println!("oldest pending   -"),
+    }
+    println!("retrying         {}", s.retrying);
+    println!("failed           {}", s.failed);
+    if !s.backlog_by_aggregate_type.is_empty() {
+        println!("backlog by aggregate type:");
+        for (t, n) in &s.backlog_by_aggregate_type {
+            println!("  {t:<20} {n}");
+        }
+    }
+    println!("relays           {}", s.relays.len());
+    for r in &s.relays {
+        println!(
+            "  {} (host {}, pid {}, heartbeat {:.1}s ago) holds {} lanes {:?}",
+            r.relay_id,
+            r.hostname,
+            r.pid,
+            r.heartbeat_age_seconds,
+            r.lanes.len(),
+            r.lanes
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Args, Clone, Default)]
+pub struct FilterArgs {
+    /// Only these event ids.
+    #[arg(long = "id")]
+    pub ids: Vec<String>,
+    #[arg(long)]
+    pub route: Option<String>,
+    #[arg(long)]
+    pub event_type: Option<String>,
+    #[arg(long)]
+    pub aggregate_type: Option<String>,
+    #[arg(long)]
+    pub aggregate_id: Option<String>,
+}
+
+impl FilterArgs {
+    fn filter(&self) -> Filter {
+        Filter {
+            ids: self.ids.clone(),
+            route: self.route.clone(),
+            event_type: self.event_type.clone(),
+            aggregate_type: self.aggregate_type.clone(),
+            aggregate_id: self.aggregate_id.clone(),
+            ..Filter::default()
+        }
+    }
+}
+
+#[derive(Subcommand)]
+pub enum FailedAction {
+    /// List failed events.
+    List {
+        #[command(flatten)]
+        config: crate::ConfigArg,
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Include discarded events.
+        #[arg(long)]
+        all: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one failed event in full.
+    Show {
+        #[command(flatten)]
+        config: crate::ConfigArg,
+        id: String,
+    },
+    /// Put failed events back in line (attempts reset, outbox order kept).
+    Retry {
+        #[command(flatten)]
+        config: crate::ConfigArg,
+        #[command(flatten)]
+        filter: FilterArgs,
+    },
+    /// Give up on failed events; they stop holding back their aggregate.
+    Discard {
+        #[command(flatten)]
+        config: crate::ConfigArg,
+        #[command(flatten)]
+        filter: FilterArgs,
+    },
+}
+
+fn require_filter(f: &FilterArgs) -> Result<()> {
+    if f.ids.is_empty() && f.route.is_none() && f.event_type.is_none() && f.aggregate_type.is_none() && f.aggregate_id.is_none()
+    {
+        bail!("name the events: --id, --route, --event-type, --aggregate-type or --aggregate-id");
+    }
+    Ok(())
+}
+
+pub async fn failed(action: FailedAction) -> Result<ExitCode> {
+    match action {
+        FailedAction::List { config, filter, all, json } => {
+            let store = open_store(&load(&config.config)?, "failed").await?;
+            let f = Filter { include_discarded: all, ..filter.filter() };
+            let list = store.failed_list(&f).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&list)?);
+            } else if list.is_empty() {
+                println!("no failed events");
+            } else {
+                println!("{:<38} {:<12} {:<16} {:<20} {:>3}  reason", "id", "aggregate", "aggregate id", "event type", "att");
+                for e in &list {
+                    println!(
+                        "{:<38} {:<12} {:<16} {:<20} {:>3}  {}{}",
+                        e.id,
+                        e.aggregate_type,
+                        e.aggregate_id,
+                        e.event_type,
+                        e.attempts,
+                        e.reason.as_deref().unwrap_or("-"),
+                        if e.discarded_at.is_some() { " (discarded)" } else { "" }
+                    );
+                }
+                println!("{} failed event(s)", list.len());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        FailedAction::Show { config, id } => {
+            let store = open_store(&load(&config.config)?, "failed").await?;
+            let f = Filter { ids: vec![id.clone()], include_discarded: true, ..Filter::default() };
+            match store.failed_list(&f).await?.into_iter().next() {
+                Some(e) => {
+                    println!("{}", serde_json::to_string_pretty(&e)?);
+                    Ok(ExitCode::SUCCESS)
+                }
+                None => {
+                    eprintln!("no failed event with id {id}");
+                    Ok(ExitCode::FAILURE)
+                }
+            }
+        }
+        FailedAction::Retry { config, filter } => {
+            require_filter(&filter)?;
+            let store = open_store(&load(&config.config)?, "failed").await?;
+            let n = store.failed_retry(&filter.filter()).await?;
+            println!("{n} event(s) put back in line");
+            Ok(ExitCode::SUCCESS)
+        }
+        FailedAction::Discard { config, filter } => {
+            require_filter(&filter)?;
+            let store = open_store(&load(&config.config)?, "failed").await?;
+            let n = store.failed_discard(&filter.filter()).await?;
+            println!("{n} event(s) discarded");
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+#[derive(Args)]
+pub struct ReplayArgs {
+    #[command(flatten)]
+    config: crate::ConfigArg,
+    /// Events created at or after this time (RFC 3339).
+    #[arg(long)]
+    since: Option<DateTime<Utc>>,
+    /// Events created before this time (RFC 3339).
+    #[arg(long)]
+    until: Option<DateTime<Utc>>,
+    #[arg(long)]
+    aggregate_type: Option<String>,
+    #[arg(long)]
+    aggregate_id: Option<String>,
+    #[arg(long)]
+    event_type: Option<String>,
+    /// Count what would be re-published, publish nothing.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
+    let loaded = load(&a.config.config)?;
+    init_logging(loaded.config.log.format, "warn");
+    if a.since.is_none() && a.until.is_none() && a.aggregate_type.is_none() && a.aggregate_id.is_none() && a.event_type.is_none()
+    {
+        bail!("replay needs a selection: --since/--until, --aggregate-type, --aggregate-id or --event-type");
+    }
+    let filter = Filter {
+        since: a.since,
+        until: a.until,
+        aggregate_type: a.aggregate_type,
+        aggregate_id: a.aggregate_id,
+        event_type: a.event_type,
+        ..Filter::default()
+    };
+    let store = Arc::new(open_store(&loaded, "replay").await?);
+    let total = store.published_count(&filter).await?;
+    if a.dry_run {
+        println!("{total} published event(s) match; nothing re-published (dry run)");
+        return Ok(ExitCode::SUCCESS);
+    }
+    let relay = Relay::build(&loaded, store.clone(), Health::new(Duration::from_secs(3600))).await?;
+    let bar = ProgressBar::new(total as u64).with_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} events ({per_sec}, eta {eta})")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let (mut sent, mut failed) = (0usize, Vec::new());
+    let mut after = i64::MIN;
+    loop {
+        let page = store.published(&filter, after, 500).await?;
+        let Some(last) = page.last() else { break };
+        after = match &last.row {
+            Ok(e) => e.sequence,
+            Err(m) => m.sequence,
+        };
+        let n = page.len();
+        let (ok, bad) = relay.replay_batch(page).await;
+        sent += ok.len();
+        failed.extend(bad);
+        bar.inc(n as u64);
+    }
+    bar.finish_and_clear();
+    for sink in relay.sinks.values() {
+        sink.flush().await;
+    }
+    println!("re-published {sent} event(s); {} could not be", failed.len());
+    for (id, reason) in failed.iter().take(20) {
+        println!("  {id}: {reason}");
+    }
+    Ok(if failed.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+#[derive(Subcommand)]
+pub enum PluginAction {
+    /// Route sample events through a plugin and print the messages or the
+    /// rejection as JSON.
+    Test {
+        /// The compiled plugin (.wasm).
+        plugin: PathBuf,
+        /// Route config handed to the plugin's init (JSON text or @file).
+        #[arg(long, default_value = "null")]
+        config: String,
+        /// Event file (one JSON event or an array); `-` for standard input.
+        #[arg(long, default_value = "-")]
+        event: String,
+        /// CPU budget per event.
+        #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+        cpu_budget: Duration,
+        /// Memory cap in MiB.
+        #[arg(long, default_value_t = 64)]
+        memory_mib: u32,
+    },
+    /// Print the plugin's world, imports, exports, name and version.
+    Inspect { plugin: PathBuf },
+}
+
+fn plugin_runtime() -> Result<Runtime> {
+    let dir = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir)
+        .join(".cache/outroute/plugins");
+    Runtime::new(dir)
+}
+
+/// A sample event as `plugin test` reads it; everything but the type and
+/// payload has a default.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SampleEvent {
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default)]
+    sequence: i64,
+    aggregate_type: String,
+    aggregate_id: String,
+    event_type: String,
+    #[serde(default = "one")]
+    event_version: u32,
+    payload: serde_json::Value,
+    #[serde(default)]
+    headers: std::collections::BTreeMap<String, String>,
+    #[serde(default)]
+    created_at: Option<DateTime<Utc>>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn read_text(arg: &str) -> Result<String> {
+    if arg == "-" {
+        let mut s = String::new();
+        std::io::stdin().read_to_string(&mut s).context("reading standard input")?;
+        Ok(s)
+    } else {
+        let p = arg.strip_prefix('@').unwrap_or(arg);
+        std::fs::read_to_string(p).with_context(|| format!("reading {p}"))
+    }
+}
+
+pub async fn plugin(action: PluginAction) -> Result<ExitCode> {
+    match action {
+        PluginAction::Inspect { plugin } => {
+            let rt = plugin_runtime()?;
+            let info = tokio::task::spawn_blocking(move || plugin::inspect(&rt, &plugin)).await??;
+            println!("{}", serde_json::to_string_pretty(&info)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        PluginAction::Test { plugin, config, event, cpu_budget, memory_mib } => {
+            let config_text = if config.starts_with('@') { read_text(&config)? } else { config };
+            let config: serde_json::Value =
+                serde_json::from_str(&config_text).context("--config is not JSON")?;
+            let text = read_text(&event)?;
+            let value: serde_json::Value = serde_json::from_str(&text).context("--event is not JSON")?;
+            let samples: Vec<SampleEvent> = match value {
+                serde_json::Value::Array(_) => serde_json::from_value(value),
+                other => serde_json::from_value(other).map(|e| vec![e]),
+            }
+            .context("--event: expected {aggregate_type, aggregate_id, event_type, payload, …} or a list of them")?;
+            let events: Vec<Event> = samples
+                .into_iter()
+                .enumerate()
+                .map(|(i, s)| Event {
+                    id: s.id.unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
+                    sequence: if s.sequence == 0 { i as i64 + 1 } else { s.sequence },
+                    aggregate_type: s.aggregate_type,
+                    aggregate_id: s.aggregate_id,
+                    event_type: s.event_type,
+                    event_version: s.event_version,
+                    payload: s.payload.to_string().into_bytes(),
+                    headers: s.headers.into_iter().collect(),
+                    created_at: s.created_at.unwrap_or_else(Utc::now),
+                    attempts: 0,
+                })
+                .collect();
+            let rt = plugin_runtime()?;
+            let limits = Limits { cpu_budget, memory_bytes: (memory_mib as usize) << 20 };
+            let outcomes = tokio::task::spawn_blocking(move || -> Result<_> {
+                let handle = PluginHandle::load(&rt, &plugin, config, limits)?;
+                let p = handle.current().context("plugin unavailable")?;
+                Ok(events.iter().zip(p.route_batch(&events)).map(|(e, o)| (e.id.clone(), o)).collect::<Vec<_>>())
+            })
+            .await??;
+            let mut all_ok = true;
+            let out: Vec<serde_json::Value> = outcomes
+                .into_iter()
+                .map(|(id, o)| match o {
+                    Ok(msgs) => serde_json::json!({
+                        "event_id": id,
+                        "messages": msgs.iter().map(|m| serde_json::json!({
+                            "sink": m.sink,
+                            "topic": m.topic,
+                            "key": m.key.as_ref().map(|k| String::from_utf8_lossy(k).into_owned()),
+                            "partition": m.partition,
+                            "headers": m.headers.iter().cloned().collect::<std::collections::BTreeMap<_, _>>(),
+                            "payload": serde_json::from_slice::<serde_json::Value>(&m.payload)
+                                .unwrap_or_else(|_| serde_json::json!(String::from_utf8_lossy(&m.payload))),
+                        })).collect::<Vec<_>>(),
+                    }),
+                    Err(r) => {
+                        all_ok = false;
+                        let kind = match r {
+                            Rejection::Retryable(_) => "retryable",
+                            Rejection::Invalid(_) => "invalid",
+                        };
+                        serde_json::json!({"event_id": id, "rejection": {"kind": kind, "reason": r.reason()}})
+                    }
+                })
+                .collect();
+            println!("{}", serde_json::to_string_pretty(&out)?);
+            Ok(if all_ok { ExitCode::SUCCESS } else { ExitCode::from(3) })
+        }
+    }
+}
+
+pub fn config_check(path: &Path) -> ExitCode {
+    match config::load(path) {
+        Ok(l) => {
+            println!(
+                "{}: ok ({} routes, {} sinks, {} plugins)",
+                path.display(),
+                l.config.routes.len(),
+                l.config.sinks.len(),
+                l.config.plugins.len()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::FAILURE
+        }
+    }
+}

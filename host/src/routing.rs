@@ -1,0 +1,230 @@
+//! Routes: which events a plugin sees, and what its messages may do.
+//!
+//! A route selects events by glob patterns over aggregate type and event
+//! type. The first matching route (in config order) handles an event; an
+//! event no route selects fails with that reason (nothing is dropped
+//! silently). Every message a plugin returns is checked against its route's
+//! allow-list before anything is published: the sink must be allowed, the
+//! topic/subject must match one of the sink's patterns, the payload must fit
+//! the sink. This is how one shared relay keeps a team's plugin out of
+//! another team's topics.
+
+use globset::{GlobBuilder, GlobMatcher};
+
+use crate::config::{Config, RouteConfig};
+use crate::event::Message;
+
+/// Compile a topic/subject pattern: `*` is any run of characters except
+/// `.`, `**` is anything (including `.`), everything else is literal.
+pub fn topic_matcher(pattern: &str) -> Result<GlobMatcher, String> {
+    if pattern.is_empty() {
+        return Err("empty topic pattern".into());
+    }
+    // globset separates on '/'; topics on '.'. Swap so `*` stops at dots.
+    let swapped = pattern.replace('/', "\u{1}").replace('.', "/");
+    GlobBuilder::new(&swapped)
+        .literal_separator(true)
+        .build()
+        .map(|g| g.compile_matcher())
+        .map_err(|e| format!("bad topic pattern `{pattern}`: {e}"))
+}
+
+/// Compile a name pattern (aggregate type, event type): plain glob.
+pub fn name_matcher(pattern: &str) -> Result<GlobMatcher, String> {
+    GlobBuilder::new(pattern)
+        .build()
+        .map(|g| g.compile_matcher())
+        .map_err(|e| format!("bad pattern `{pattern}`: {e}"))
+}
+
+fn topic_key(topic: &str) -> String {
+    topic.replace('/', "\u{1}").replace('.', "/")
+}
+
+/// One sink a route may publish to.
+#[derive(Debug)]
+struct Allowed {
+    sink: String,
+    max_message_bytes: usize,
+    patterns: Vec<(String, GlobMatcher)>,
+}
+
+/// A compiled route.
+#[derive(Debug)]
+pub struct Route {
+    pub index: usize,
+    pub config: RouteConfig,
+    aggregate_types: Vec<GlobMatcher>,
+    event_types: Vec<GlobMatcher>,
+    allowed: Vec<Allowed>,
+}
+
+impl Route {
+    pub fn name(&self) -> &str {
+        &self.config.name
+    }
+
+    pub fn selects(&self, aggregate_type: &str, event_type: &str) -> bool {
+        self.aggregate_types.iter().any(|m| m.is_match(aggregate_type))
+            && self.event_types.iter().any(|m| m.is_match(event_type))
+    }
+
+    /// Check one message against the allow-list; `Err` is the reason the
+    /// event is rejected as invalid.
+    pub fn check(&self, m: &Message) -> Result<(), String> {
+        let Some(a) = self.allowed.iter().find(|a| a.sink == m.sink) else {
+            let allowed: Vec<&str> = self.allowed.iter().map(|a| a.sink.as_str()).collect();
+            return Err(format!(
+                "route `{}` may not publish to sink `{}` (allowed: {})",
+                self.name(),
+                m.sink,
+                allowed.join(", ")
+            ));
+        };
+        if m.topic.is_empty() {
+            return Err(format!("message for sink `{}` has an empty topic", m.sink));
+        }
+        let key = topic_key(&m.topic);
+        if !a.patterns.iter().any(|(_, g)| g.is_match(&key)) {
+            let pats: Vec<&str> = a.patterns.iter().map(|(p, _)| p.as_str()).collect();
+            return Err(format!(
+                "route `{}` may not publish to `{}` on sink `{}` (allowed: {})",
+                self.name(),
+                m.topic,
+                m.sink,
+                pats.join(", ")
+            ));
+        }
+        if m.payload.len() > a.max_message_bytes {
+            return Err(format!(
+                "message to `{}` on sink `{}` is {} bytes, over the sink's max_message_bytes of {}",
+                m.topic,
+                m.sink,
+                m.payload.len(),
+                a.max_message_bytes
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// All routes, in config order.
+#[derive(Debug)]
+pub struct Routes(pub Vec<Route>);
+
+impl Routes {
+    /// Compile routes from a validated config.
+    pub fn compile(config: &Config) -> Result<Self, String> {
+        let mut out = Vec::new();
+        for (index, r) in config.routes.iter().enumerate() {
+            let names = |pats: &[String]| -> Result<Vec<GlobMatcher>, String> {
+                pats.iter().map(|p| name_matcher(p)).collect()
+            };
+            let mut allowed = Vec::new();
+            for (sink, pats) in &r.allow {
+                let sink_cfg = config
+                    .sinks
+                    .get(sink)
+                    .ok_or_else(|| format!("route `{}`: no sink named `{sink}`", r.name))?;
+                allowed.push(Allowed {
+                    sink: sink.clone(),
+                    max_message_bytes: sink_cfg.max_message_bytes(),
+                    patterns: pats
+                        .iter()
+                        .map(|p| topic_matcher(p).map(|g| (p.clone(), g)))
+                        .collect::<Result<_, _>>()?,
+                });
+            }
+            out.push(Route {
+                index,
+                config: r.clone(),
+                aggregate_types: names(&r.aggregate_types)?,
+                event_types: names(&r.event_types)?,
+                allowed,
+            });
+        }
+        Ok(Routes(out))
+    }
+
+    /// The route that handles an event, if any.
+    pub fn select(&self, aggregate_type: &str, event_type: &str) -> Option<&Route> {
+        self.0.iter().find(|r| r.selects(aggregate_type, event_type))
+    }
+
+    /// Topic/subject patterns allowed on a sink by any route (used to check
+    /// that a JetStream stream captures them at start-up).
+    pub fn patterns_for_sink(&self, sink: &str) -> Vec<String> {
+        self.0
+            .iter()
+            .flat_map(|r| r.allowed.iter())
+            .filter(|a| a.sink == sink)
+            .flat_map(|a| a.patterns.iter().map(|(p, _)| p.clone()))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(sink: &str, topic: &str, n: usize) -> Message {
+        Message {
+            sink: sink.into(),
+            topic: topic.into(),
+            key: None,
+            partition: None,
+            headers: vec![],
+            payload: vec![0; n],
+        }
+    }
+
+    fn routes() -> Routes {
+        let toml = r#"
+            [store]
+            url = "postgres://x/y"
+            [sinks.kafka]
+            kind = "kafka"
+            brokers = "b:9092"
+            max_message_bytes = 100
+            [sinks.nats]
+            kind = "nats"
+            url = "nats://n:4222"
+            [plugins.p]
+            path = "p.wasm"
+            [[routes]]
+            name = "orders"
+            aggregate_types = ["order*"]
+            plugin = "p"
+            allow = { kafka = ["orders.*"], nats = ["orders.**"] }
+            [[routes]]
+            name = "rest"
+            plugin = "p"
+            allow = { kafka = ["misc"] }
+        "#;
+        let config: Config = toml::from_str(toml).unwrap();
+        Routes::compile(&config).unwrap()
+    }
+
+    #[test]
+    fn selection_is_first_match() {
+        let r = routes();
+        assert_eq!(r.select("order", "created").unwrap().name(), "orders");
+        assert_eq!(r.select("customer", "created").unwrap().name(), "rest");
+    }
+
+    #[test]
+    fn allow_list_is_enforced() {
+        let r = routes();
+        let orders = r.select("order", "x").unwrap();
+        assert!(orders.check(&m("kafka", "orders.created", 10)).is_ok());
+        let e = orders.check(&m("kafka", "orders.a.b", 10)).unwrap_err();
+        assert!(e.contains("may not publish to `orders.a.b`"), "{e}");
+        assert!(orders.check(&m("nats", "orders.a.b", 10)).is_ok());
+        let e = orders.check(&m("kafka", "payroll.salaries", 10)).unwrap_err();
+        assert!(e.contains("payroll.salaries"), "{e}");
+        let e = orders.check(&m("nowhere", "orders.x", 10)).unwrap_err();
+        assert!(e.contains("sink `nowhere`"), "{e}");
+        let e = orders.check(&m("kafka", "orders.x", 101)).unwrap_err();
+        assert!(e.contains("101 bytes"), "{e}");
+    }
+}

@@ -1,0 +1,105 @@
+//! Sinks: where messages go, and the only place that knows a broker's
+//! acknowledgement protocol. [`Sink::publish`] resolves only once the broker
+//! has acknowledged (Kafka delivery report, JetStream PubAck, file written),
+//! which is what lets the relay mark a row published afterwards.
+//!
+//! Each sink is a config struct (in `config.rs`) plus a builder, in its own
+//! file. Every failure is classified: [`PublishError::Retryable`] (broker
+//! down, timeout: try again later) or [`PublishError::Permanent`] (message
+//! too large, topic unknown, not authorised: the event fails with the
+//! broker's reason).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use anyhow::Result;
+
+use crate::config::SinkConfig;
+use crate::routing::Routes;
+
+pub mod file;
+pub mod kafka;
+pub mod nats;
+
+/// One message with its final headers, ready for a broker.
+#[derive(Debug, Clone)]
+pub struct Outgoing<'a> {
+    pub topic: &'a str,
+    pub key: Option<&'a [u8]>,
+    pub partition: Option<i32>,
+    pub headers: &'a [(String, String)],
+    pub payload: &'a [u8],
+    /// Broker-side deduplication id (JetStream `Nats-Msg-Id`): the event id,
+    /// plus `:n` for the n-th message of a fan-out.
+    pub dedup_id: &'a str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PublishError {
+    #[error("{0}")]
+    Retryable(String),
+    #[error("{0}")]
+    Permanent(String),
+}
+
+/// A configured destination.
+pub enum Sink {
+    Kafka(kafka::KafkaSink),
+    Nats(nats::NatsSink),
+    File(file::FileSink),
+}
+
+impl Sink {
+    /// Publish one message and wait for the broker's acknowledgement.
+    pub async fn publish(&self, m: Outgoing<'_>) -> Result<(), PublishError> {
+        match self {
+            Sink::Kafka(s) => s.publish(m).await,
+            Sink::Nats(s) => s.publish(m).await,
+            Sink::File(s) => s.publish(m).await,
+        }
+    }
+
+    /// Is the broker reachable right now (for `/readyz`)?
+    pub async fn connected(&self) -> bool {
+        match self {
+            Sink::Kafka(s) => s.connected().await,
+            Sink::Nats(s) => s.connected(),
+            Sink::File(_) => true,
+        }
+    }
+
+    /// Wait (bounded) for queued messages to leave, on shutdown.
+    pub async fn flush(&self) {
+        match self {
+            Sink::Kafka(s) => s.flush().await,
+            Sink::Nats(s) => s.flush().await,
+            Sink::File(s) => s.flush(),
+        }
+    }
+}
+
+/// All sinks by name.
+pub type Sinks = Arc<BTreeMap<String, Sink>>;
+
+/// Build every configured sink. Configuration errors (a bad librdkafka
+/// option, a JetStream subject no stream captures) refuse start-up; a broker
+/// that is merely down is not an error (the relay retries and is not ready).
+pub async fn build_all(
+    configs: &BTreeMap<String, SinkConfig>,
+    routes: &Routes,
+    base_dir: &std::path::Path,
+    publish_timeout: std::time::Duration,
+) -> Result<Sinks> {
+    let mut sinks = BTreeMap::new();
+    for (name, cfg) in configs {
+        let sink = match cfg {
+            SinkConfig::Kafka(k) => Sink::Kafka(kafka::KafkaSink::build(name, k, publish_timeout)?),
+            SinkConfig::Nats(n) => {
+                Sink::Nats(nats::NatsSink::build(name, n, &routes.patterns_for_sink(name), publish_timeout).await?)
+            }
+            SinkConfig::File(f) => Sink::File(file::FileSink::build(name, f, base_dir)?),
+        };
+        sinks.insert(name.clone(), sink);
+    }
+    Ok(Arc::new(sinks))
+}

@@ -1,0 +1,238 @@
+//! The outbox store: where the guarantees live.
+//!
+//! * **Claim** reads the next pending events of the lanes this relay owns,
+//!   in outbox order, skipping events that wait for a retry and every later
+//!   event of an aggregate that has an earlier event waiting or failed under
+//!   the `block` policy. Claiming writes nothing: the lane lease is the
+//!   claim (see `postgres.rs` for why).
+//! * **Mark** sets rows published (or deletes them) only after the broker
+//!   acknowledged, fenced by the lane lease: a relay that lost its lane
+//!   cannot mark rows another relay now owns.
+//! * **Retry / fail** record attempts, the next attempt time and the reason
+//!   in `outroute_event_state` (so tables that have nowhere to put them still
+//!   work), mirrored into the table's own columns when it has them.
+//!
+//! PostgreSQL is the production store (many relays); SQLite is the embedded
+//! default for one relay and the quickstart.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+
+use crate::config::{Config, StoreConfig};
+use crate::event::{Event, Malformed};
+
+pub mod postgres;
+pub mod sqlite;
+
+/// One claimed row: an event, or a row that cannot be one.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    pub lane: i32,
+    pub row: Result<Event, Malformed>,
+}
+
+impl Claim {
+    pub fn id(&self) -> &str {
+        match &self.row {
+            Ok(e) => &e.id,
+            Err(m) => &m.id,
+        }
+    }
+}
+
+/// An event that did not go through: what to record.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub id: String,
+    pub lane: i32,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub event_type: String,
+    pub sequence: i64,
+    /// Attempts so far, including this one.
+    pub attempts: u32,
+    pub reason: String,
+    pub route: Option<String>,
+    pub plugin: Option<String>,
+    pub plugin_version: Option<String>,
+    pub kind: FailureKind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum FailureKind {
+    /// Try again at this time; later events of the aggregate wait.
+    Retry { next_attempt_at: DateTime<Utc> },
+    /// Failed for good. `hold`: later events of the aggregate wait for an
+    /// operator (policy `block`).
+    Failed { hold: bool },
+}
+
+/// A failed event as `outroute failed list/show` prints it.
+#[derive(Debug, Clone, Serialize)]
+pub struct FailedEvent {
+    pub id: String,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub event_type: String,
+    pub seq: i64,
+    pub attempts: i32,
+    pub reason: Option<String>,
+    pub route: Option<String>,
+    pub plugin: Option<String>,
+    pub plugin_version: Option<String>,
+    pub first_error_at: DateTime<Utc>,
+    pub failed_at: Option<DateTime<Utc>>,
+    pub discarded_at: Option<DateTime<Utc>>,
+    pub holds_aggregate: bool,
+}
+
+/// Filters for `failed list|retry|discard` and `replay`.
+#[derive(Debug, Clone, Default)]
+pub struct Filter {
+    pub ids: Vec<String>,
+    pub route: Option<String>,
+    pub event_type: Option<String>,
+    pub aggregate_type: Option<String>,
+    pub aggregate_id: Option<String>,
+    pub since: Option<DateTime<Utc>>,
+    pub until: Option<DateTime<Utc>>,
+    pub include_discarded: bool,
+    pub limit: Option<i64>,
+}
+
+/// What `outroute status` shows.
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct Status {
+    pub table: String,
+    pub backlog: i64,
+    pub oldest_pending_age_seconds: Option<f64>,
+    pub retrying: i64,
+    pub failed: i64,
+    pub backlog_by_aggregate_type: Vec<(String, i64)>,
+    pub relays: Vec<RelayStatus>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RelayStatus {
+    pub relay_id: String,
+    pub hostname: String,
+    pub pid: i32,
+    pub heartbeat_age_seconds: f64,
+    pub lanes: Vec<i32>,
+}
+
+/// Result of a lease round: the lanes this relay may claim from.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Leases {
+    pub lanes: Vec<i32>,
+    /// Lanes newly taken over this round (metric: lease hand-overs).
+    pub acquired: usize,
+    /// Live relays sharing the lanes.
+    pub relays: i64,
+}
+
+/// The store, PostgreSQL or SQLite.
+pub enum Store {
+    Postgres(postgres::PgStore),
+    Sqlite(sqlite::SqliteStore),
+}
+
+macro_rules! dispatch {
+    ($self:ident, $s:ident => $e:expr) => {
+        match $self {
+            Store::Postgres($s) => $e,
+            Store::Sqlite($s) => $e,
+        }
+    };
+}
+
+impl Store {
+    /// Connect and check that the configured table and columns exist.
+    pub async fn connect(config: &Config, relay_id: &str) -> anyhow::Result<Store> {
+        let sc: &StoreConfig = &config.store;
+        if sc.url.starts_with("sqlite:") {
+            Ok(Store::Sqlite(sqlite::SqliteStore::connect(sc).await?))
+        } else {
+            Ok(Store::Postgres(postgres::PgStore::connect(config, relay_id).await?))
+        }
+    }
+
+    /// Create the coordination tables, and the canonical outbox table when
+    /// `outbox` is set. Idempotent.
+    pub async fn migrate(&self, outbox: bool) -> anyhow::Result<()> {
+        dispatch!(self, s => s.migrate(outbox).await)
+    }
+
+    /// Check the mapped table and columns (after migrations).
+    pub async fn check_table(&mut self) -> anyhow::Result<()> {
+        dispatch!(self, s => s.check_table().await)
+    }
+
+    /// Renew/acquire/release lane leases; returns the lanes to claim from.
+    pub async fn lease_round(&self) -> anyhow::Result<Leases> {
+        dispatch!(self, s => s.lease_round().await)
+    }
+
+    /// Give all lanes back (graceful shutdown).
+    pub async fn release_all(&self) -> anyhow::Result<()> {
+        dispatch!(self, s => s.release_all().await)
+    }
+
+    pub async fn claim(&self, lanes: &[i32], limit: u32) -> anyhow::Result<Vec<Claim>> {
+        dispatch!(self, s => s.claim(lanes, limit).await)
+    }
+
+    /// Mark these events published; returns how many were marked (rows in
+    /// lanes this relay no longer owns are not).
+    pub async fn mark_published(&self, ids: &[String]) -> anyhow::Result<u64> {
+        dispatch!(self, s => s.mark_published(ids).await)
+    }
+
+    /// Record retries and failures; returns how many were recorded.
+    pub async fn record_failures(&self, failures: &[Failure]) -> anyhow::Result<u64> {
+        dispatch!(self, s => s.record_failures(failures).await)
+    }
+
+    pub async fn status(&self) -> anyhow::Result<Status> {
+        dispatch!(self, s => s.status().await)
+    }
+
+    /// Pending events and the age of the oldest (for metrics).
+    pub async fn backlog(&self) -> anyhow::Result<(i64, Option<f64>)> {
+        dispatch!(self, s => s.backlog().await)
+    }
+
+    pub async fn failed_list(&self, f: &Filter) -> anyhow::Result<Vec<FailedEvent>> {
+        dispatch!(self, s => s.failed_list(f).await)
+    }
+
+    /// Put failed events back in line (attempts reset); returns the count.
+    pub async fn failed_retry(&self, f: &Filter) -> anyhow::Result<u64> {
+        dispatch!(self, s => s.failed_retry(f).await)
+    }
+
+    /// Give up on failed events for good (they stop holding their aggregate).
+    pub async fn failed_discard(&self, f: &Filter) -> anyhow::Result<u64> {
+        dispatch!(self, s => s.failed_discard(f).await)
+    }
+
+    /// Published events matching `f`, in outbox order, after `after_seq`.
+    pub async fn published(&self, f: &Filter, after_seq: i64, limit: i64) -> anyhow::Result<Vec<Claim>> {
+        dispatch!(self, s => s.published(f, after_seq, limit).await)
+    }
+
+    /// Count of published events matching `f` (replay progress).
+    pub async fn published_count(&self, f: &Filter) -> anyhow::Result<i64> {
+        dispatch!(self, s => s.published_count(f).await)
+    }
+
+    /// Delete up to `batch` published rows older than `older_than`.
+    pub async fn purge_published(&self, older_than: std::time::Duration, batch: i64) -> anyhow::Result<u64> {
+        dispatch!(self, s => s.purge_published(older_than, batch).await)
+    }
+
+    /// Is the database reachable?
+    pub async fn ping(&self) -> bool {
+        dispatch!(self, s => s.ping().await)
+    }
+}

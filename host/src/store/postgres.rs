@@ -1,0 +1,818 @@
+//! PostgreSQL store: leases, claims, marks and failure state for any outbox
+//! table shape.
+//!
+//! ## Ordering design: lanes
+//! Every aggregate hashes onto one of `relay.lanes` lanes
+//! (`hashtext(aggregate_type || '/' || aggregate_id) % lanes`). A lane has
+//! at most one live owner, recorded in `outroute_lanes` with a lease that the
+//! owner renews every `lease_ttl / 3`. Relays take a fair share of lanes
+//! (`ceil(lanes / live relays)`), stop claiming from extra lanes and let
+//! their leases lapse, so a new relay picks them up after at most one TTL.
+//!
+//! Because a lane has one owner, claiming needs no row locks and no writes:
+//! a claim is one `SELECT` of the owned lanes' next pending rows in outbox
+//! order (measured: row-lease designs that UPDATE lease columns at claim cost
+//! an extra write per row). Within a batch the relay keeps per-aggregate
+//! order itself. Marking is one statement that re-checks the lease inside
+//! the same statement (`FOR SHARE` on the lane rows): a relay whose lease
+//! lapsed (GC pause, network cut) marks nothing, and a takeover waits for an
+//! in-progress mark to commit. Worst case after a lapse is a duplicate
+//! publish carrying the same event id, never a loss or a reorder of first
+//! deliveries.
+//!
+//! A failing event holds back only its own aggregate: its retry time is
+//! stored in `outroute_event_state.blocks_until`, and the claim skips every
+//! later event of an aggregate with an earlier blocking state row.
+//!
+//! Cost per batch: 1 claim round-trip, 1 mark round-trip, plus one per
+//! failed event; lease upkeep is 2–3 statements every `lease_ttl / 3`.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow, bail};
+use chrono::{DateTime, Utc};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
+use sqlx::{ConnectOptions, Row};
+
+use super::{Claim, FailedEvent, Failure, FailureKind, Filter, Leases, RelayStatus, Status};
+use crate::config::{Config, Marking, Ordering, TableConfig};
+use crate::event::RawRow;
+
+
+/// Quote a validated identifier (`schema.table` → `"schema"."table"`).
+fn quote(ident: &str) -> String {
+    ident.split('.').map(|p| format!("\"{}\"", p.replace('"', "\"\""))).collect::<Vec<_>>().join(".")
+}
+
+/// Quote a string literal (standard_conforming_strings is on since 9.1).
+fn literal(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+/// The SQL for one table mapping, generated once at start-up.
+#[derive(Debug, Clone)]
+pub struct TableSql {
+    table: String,
+    id: String,
+    id_type: String,
+    seq: String,
+    aggregate_type: String,
+    aggregate_id: String,
+    pending: String,
+    published: String,
+    lane: String,
+    select_cols: String,
+    cfg: TableConfig,
+}
+
+impl TableSql {
+    fn new(t: &TableConfig, lanes: u32, id_type: &str) -> Self {
+        let col = |c: &str| format!("o.{}", quote(c));
+        let seq = match &t.sequence {
+            Some(s) => format!("{}::bigint", col(s)),
+            None => format!("(extract(epoch from {}::timestamptz) * 1000000)::bigint", col(&t.created_at)),
+        };
+        let aggregate_type = match (&t.aggregate_type, &t.aggregate_type_value) {
+            (Some(c), _) => format!("{}::text", col(c)),
+            (None, Some(v)) => format!("{}::text", literal(v)),
+            (None, None) => "''::text".into(),
+        };
+        let aggregate_id = format!("{}::text", col(&t.aggregate_id));
+        let failed = t.failed_at.as_ref().map(|f| format!(" AND {} IS NULL", col(f))).unwrap_or_default();
+        let (pending, published) = match &t.marking {
+            Marking::PublishedAt { column } => {
+                (format!("{} IS NULL{failed}", col(column)), format!("{} IS NOT NULL", col(column)))
+            }
+            Marking::Status { column, pending, sent, .. } => (
+                format!("{} = {}{failed}", col(column), literal(pending)),
+                format!("{} = {}", col(column), literal(sent)),
+            ),
+            Marking::Delete => (format!("TRUE{failed}"), "FALSE".into()),
+        };
+        let lane = format!(
+            "((hashtext(coalesce({aggregate_type}, '') || '/' || coalesce({aggregate_id}, '')) & 2147483647) % {lanes})::int"
+        );
+        let opt = |c: &Option<String>, cast: &str| match c {
+            Some(c) => format!("{}::{cast}", col(c)),
+            None => format!("NULL::{cast}"),
+        };
+        let select_cols = format!(
+            "{id}::text AS id, {seq} AS seq, {aggregate_type} AS aggregate_type, {aggregate_id} AS aggregate_id, \
+             {event_type}::text AS event_type, {version} AS event_version, {payload}::text AS payload, \
+             {headers} AS headers, {created}::timestamptz AS created_at, {lane} AS lane",
+            id = col(&t.id),
+            event_type = col(&t.event_type),
+            version = opt(&t.event_version, "bigint"),
+            payload = col(&t.payload),
+            headers = opt(&t.headers, "text"),
+            created = col(&t.created_at),
+        );
+        TableSql {
+            table: quote(&t.name),
+            id: col(&t.id),
+            id_type: id_type.to_string(),
+            seq,
+            aggregate_type,
+            aggregate_id,
+            pending,
+            published,
+            lane,
+            select_cols,
+            cfg: t.clone(),
+        }
+    }
+
+    /// `$n` cast to an array of the id column's type.
+    fn ids_param(&self, n: usize) -> String {
+        format!("${n}::text[]::{}[]", self.id_type)
+    }
+}
+
+pub struct PgStore {
+    pool: PgPool,
+    source: String,
+    relay_id: String,
+    lanes: u32,
+    lease_ttl: Duration,
+    ordering: Ordering,
+    cfg: TableConfig,
+    sql: Option<TableSql>,
+}
+
+impl PgStore {
+    pub async fn connect(config: &Config, relay_id: &str) -> Result<Self> {
+        let sc = &config.store;
+        let opts: PgConnectOptions = sc
+            .url
+            .parse::<PgConnectOptions>()
+            .map_err(|e| anyhow!("store.url: {e}"))?
+            .application_name("outroute")
+            .log_statements(tracing::log::LevelFilter::Trace)
+            .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(2));
+        let pool = PgPoolOptions::new()
+            .max_connections(sc.max_connections.max(2))
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(opts)
+            .await
+            .with_context(|| format!("connecting to {}", crate::config::redact_url(&sc.url)))?;
+        Ok(PgStore {
+            pool,
+            source: sc.table.name.clone(),
+            relay_id: relay_id.to_string(),
+            lanes: config.relay.lanes,
+            lease_ttl: config.relay.lease_ttl,
+            ordering: config.relay.ordering,
+            cfg: sc.table.clone(),
+            sql: None,
+        })
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    fn sql(&self) -> Result<&TableSql> {
+        self.sql.as_ref().ok_or_else(|| anyhow!("store used before check_table"))
+    }
+
+    pub async fn migrate(&self, outbox: bool) -> Result<()> {
+        // Two migration sets share `_sqlx_migrations`; each ignores the other's versions.
+        let mut c = sqlx::migrate!("../migrations/postgres/coordination");
+        c.set_ignore_missing(true);
+        c.run(&self.pool).await.context("applying coordination migrations")?;
+        if outbox {
+            let mut o = sqlx::migrate!("../migrations/postgres/outbox");
+            o.set_ignore_missing(true);
+            o.run(&self.pool).await.context("applying outbox migrations")?;
+        }
+        Ok(())
+    }
+
+    /// Look up every mapped column; refuse to start on the first missing
+    /// one, naming the config key.
+    pub async fn check_table(&mut self) -> Result<()> {
+        let t = &self.cfg;
+        let exists: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
+            .bind(quote(&t.name))
+            .fetch_one(&self.pool)
+            .await?;
+        if exists.is_none() {
+            bail!(
+                "store.table.name: table `{}` does not exist (run `outroute migrate` for the canonical table)",
+                t.name
+            );
+        }
+        let mut cols: Vec<(&str, &String)> = vec![
+            ("id", &t.id),
+            ("aggregate_id", &t.aggregate_id),
+            ("event_type", &t.event_type),
+            ("payload", &t.payload),
+            ("created_at", &t.created_at),
+        ];
+        for (k, v) in [
+            ("sequence", &t.sequence),
+            ("aggregate_type", &t.aggregate_type),
+            ("event_version", &t.event_version),
+            ("headers", &t.headers),
+            ("attempts", &t.attempts),
+            ("last_error", &t.last_error),
+            ("failed_at", &t.failed_at),
+        ] {
+            if let Some(v) = v {
+                cols.push((k, v));
+            }
+        }
+        if let Marking::PublishedAt { column } | Marking::Status { column, .. } = &t.marking {
+            cols.push(("marking.column", column));
+        }
+        let mut id_type = String::new();
+        for (key, col) in cols {
+            let ty: Option<String> = sqlx::query_scalar(
+                "SELECT format_type(a.atttypid, a.atttypmod) FROM pg_attribute a \
+                 WHERE a.attrelid = to_regclass($1) AND a.attname = $2 AND NOT a.attisdropped AND a.attnum > 0",
+            )
+            .bind(quote(&t.name))
+            .bind(col)
+            .fetch_optional(&self.pool)
+            .await?;
+            match ty {
+                None => bail!("store.table.{key}: column `{col}` not found in table `{}`", t.name),
+                Some(ty) if key == "id" => id_type = ty,
+                Some(_) => {}
+            }
+        }
+        // Only the base type name is safe to splice (e.g. `character varying(64)`).
+        let base = id_type.split('(').next().unwrap_or("text").trim().to_string();
+        if !base.chars().all(|c| c.is_ascii_alphanumeric() || c == ' ' || c == '_') {
+            bail!("store.table.id: unsupported id column type `{id_type}`");
+        }
+        self.sql = Some(TableSql::new(t, self.lanes, &base));
+        // Lane rows for this table; a changed lane count would break ordering.
+        let existing: i64 = sqlx::query_scalar("SELECT count(*) FROM outroute_lanes WHERE source = $1")
+            .bind(&self.source)
+            .fetch_one(&self.pool)
+            .await?;
+        if existing == 0 {
+            sqlx::query(
+                "INSERT INTO outroute_lanes (source, lane) SELECT $1, g FROM generate_series(0, $2 - 1) g \
+                 ON CONFLICT DO NOTHING",
+            )
+            .bind(&self.source)
+            .bind(self.lanes as i32)
+            .execute(&self.pool)
+            .await?;
+        } else if existing != self.lanes as i64 {
+            bail!(
+                "relay.lanes: table `{}` is partitioned into {existing} lanes, config says {}; \
+                 every relay of a table must use the same lane count",
+                self.source,
+                self.lanes
+            );
+        }
+        Ok(())
+    }
+
+    pub async fn lease_round(&self) -> Result<Leases> {
+        let ttl = self.lease_ttl.as_secs_f64();
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(
+            "INSERT INTO outroute_relays (source, relay_id, hostname, pid) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (source, relay_id) DO UPDATE SET heartbeat_at = now()",
+        )
+        .bind(&self.source)
+        .bind(&self.relay_id)
+        .bind(hostname::get().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default())
+        .bind(std::process::id() as i32)
+        .execute(&mut *tx)
+        .await?;
+        // Forget relays that stopped heartbeating long ago.
+        sqlx::query("DELETE FROM outroute_relays WHERE source = $1 AND heartbeat_at < now() - make_interval(secs => $2 * 10)")
+            .bind(&self.source)
+            .bind(ttl)
+            .execute(&mut *tx)
+            .await?;
+        let relays: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM outroute_relays WHERE source = $1 AND heartbeat_at > now() - make_interval(secs => $2)",
+        )
+        .bind(&self.source)
+        .bind(ttl)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        let relays_alive = relays.max(1);
+        let fair = (self.lanes as i64 + relays_alive - 1) / relays_alive;
+
+        // Renew what we hold (lanes already lapsed are lost).
+        let mut held: Vec<i32> = sqlx::query_scalar(
+            "UPDATE outroute_lanes SET lease_until = now() + make_interval(secs => $3) \
+             WHERE source = $1 AND owner = $2 AND lease_until > now() RETURNING lane",
+        )
+        .bind(&self.source)
+        .bind(&self.relay_id)
+        .bind(ttl)
+        .fetch_all(&self.pool)
+        .await?;
+        held.sort_unstable();
+        let mut acquired = 0;
+        if (held.len() as i64) < fair {
+            let want = fair - held.len() as i64;
+            let got: Vec<i32> = sqlx::query_scalar(
+                "UPDATE outroute_lanes l SET owner = $2, lease_until = now() + make_interval(secs => $3), epoch = l.epoch + 1 \
+                 FROM (SELECT lane FROM outroute_lanes WHERE source = $1 AND (owner IS NULL OR lease_until <= now()) \
+                       ORDER BY lane LIMIT $4 FOR UPDATE SKIP LOCKED) free \
+                 WHERE l.source = $1 AND l.lane = free.lane RETURNING l.lane",
+            )
+            .bind(&self.source)
+            .bind(&self.relay_id)
+            .bind(ttl)
+            .bind(want)
+            .fetch_all(&self.pool)
+            .await?;
+            acquired = got.len();
+            held.extend(got);
+            held.sort_unstable();
+        } else if (held.len() as i64) > fair {
+            // Over our share: stop claiming from the extra lanes now and let
+            // their leases lapse so another relay can take them after one TTL
+            // (in-flight batches finish well within it).
+            let extra = held.split_off(fair as usize);
+            tracing::info!(lanes = ?extra, "releasing lanes over the fair share");
+            sqlx::query("UPDATE outroute_lanes SET lease_until = now() + make_interval(secs => $3) WHERE source = $1 AND owner = $2 AND lane = ANY($4) AND lease_until > now() + make_interval(secs => $3)")
+                .bind(&self.source)
+                .bind(&self.relay_id)
+                .bind(ttl / 3.0)
+                .bind(&extra)
+                .execute(&self.pool)
+                .await?;
+        }
+        Ok(Leases { lanes: held, acquired, relays })
+    }
+
+    pub async fn release_all(&self) -> Result<()> {
+        sqlx::query("UPDATE outroute_lanes SET owner = NULL, lease_until = '-infinity' WHERE source = $1 AND owner = $2")
+            .bind(&self.source)
+            .bind(&self.relay_id)
+            .execute(&self.pool)
+            .await?;
+        sqlx::query("DELETE FROM outroute_relays WHERE source = $1 AND relay_id = $2")
+            .bind(&self.source)
+            .bind(&self.relay_id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    pub async fn claim(&self, lanes: &[i32], limit: u32) -> Result<Vec<Claim>> {
+        if lanes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let s = self.sql()?;
+        let hold = match self.ordering {
+            Ordering::Aggregate => format!(
+                "AND NOT EXISTS (SELECT 1 FROM outroute_event_state b WHERE b.source = $1 \
+                   AND b.aggregate_type = {at} AND b.aggregate_id = {ai} AND b.seq < {seq} AND b.blocks_until > now())",
+                at = s.aggregate_type,
+                ai = s.aggregate_id,
+                seq = s.seq
+            ),
+            Ordering::None => String::new(),
+        };
+        let q = format!(
+            "SELECT {cols}, COALESCE(st.attempts, 0) AS attempts FROM {table} o \
+             LEFT JOIN outroute_event_state st ON st.source = $1 AND st.event_id = {id}::text \
+             WHERE {pending} AND {lane} = ANY($2) \
+               AND (st.event_id IS NULL OR (st.failed_at IS NULL AND st.next_attempt_at <= now())) \
+               {hold} \
+             ORDER BY {seq}, {id} LIMIT $3",
+            cols = s.select_cols,
+            table = s.table,
+            id = s.id,
+            pending = s.pending,
+            lane = s.lane,
+            seq = s.seq,
+        );
+        let rows = sqlx::query(&q)
+            .bind(&self.source)
+            .bind(lanes)
+            .bind(limit as i64)
+            .fetch_all(&self.pool)
+            .await
+            .context("claiming events")?;
+        rows.iter().map(to_claim).collect()
+    }
+
+    pub async fn mark_published(&self, ids: &[String]) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let s = self.sql()?;
+        let change = match &s.cfg.marking {
+            Marking::PublishedAt { column } => {
+                format!("UPDATE {} o SET {} = now()", s.table, quote(column))
+            }
+            Marking::Status { column, sent, .. } => {
+                format!("UPDATE {} o SET {} = {}", s.table, quote(column), literal(sent))
+            }
+            Marking::Delete => format!("DELETE FROM {} o", s.table),
+        };
+        let q = format!(
+            "WITH fence AS (SELECT lane FROM outroute_lanes WHERE source = $1 AND owner = $2 AND lease_until > now() FOR SHARE), \
+             marked AS ({change} WHERE {id} = ANY({ids}) AND {pending} AND {lane} IN (SELECT lane FROM fence) RETURNING {id}::text AS id), \
+             cleared AS (DELETE FROM outroute_event_state st USING marked m WHERE st.source = $1 AND st.event_id = m.id) \
+             SELECT count(*) FROM marked",
+            id = s.id,
+            ids = s.ids_param(3),
+            pending = s.pending,
+            lane = s.lane,
+        );
+        let n: i64 = sqlx::query_scalar(&q)
+            .bind(&self.source)
+            .bind(&self.relay_id)
+            .bind(ids)
+            .fetch_one(&self.pool)
+            .await
+            .context("marking events published")?;
+        Ok(n as u64)
+    }
+
+    pub async fn record_failures(&self, failures: &[Failure]) -> Result<u64> {
+        let s = self.sql()?;
+        let mut recorded = 0;
+        for f in failures {
+            let (next, blocks, failed) = match f.kind {
+                FailureKind::Retry { next_attempt_at } => (next_attempt_at, Some(next_attempt_at), false),
+                FailureKind::Failed { hold } => (Utc::now(), if hold { None } else { Some(DateTime::<Utc>::MIN_UTC) }, true),
+            };
+            let blocks_sql = if blocks.is_none() { "'infinity'::timestamptz" } else { "$8" };
+            let q = format!(
+                "INSERT INTO outroute_event_state AS st (source, event_id, aggregate_type, aggregate_id, seq, event_type, \
+                   attempts, next_attempt_at, blocks_until, last_error, route, plugin, plugin_version, failed_at) \
+                 SELECT $1, $3, $4, $5, $6, $7, $9, $10, {blocks_sql}, $11, $12, $13, $14, CASE WHEN $15 THEN now() END \
+                 WHERE EXISTS (SELECT 1 FROM outroute_lanes WHERE source = $1 AND owner = $2 AND lane = $16 AND lease_until > now()) \
+                 ON CONFLICT (source, event_id) DO UPDATE SET attempts = EXCLUDED.attempts, \
+                   next_attempt_at = EXCLUDED.next_attempt_at, blocks_until = EXCLUDED.blocks_until, \
+                   last_error = EXCLUDED.last_error, route = EXCLUDED.route, plugin = EXCLUDED.plugin, \
+                   plugin_version = EXCLUDED.plugin_version, failed_at = EXCLUDED.failed_at, \
+                   discarded_at = NULL, updated_at = now()"
+            );
+            let done = sqlx::query(&q)
+                .bind(&self.source)
+                .bind(&self.relay_id)
+                .bind(&f.id)
+                .bind(&f.aggregate_type)
+                .bind(&f.aggregate_id)
+                .bind(f.sequence)
+                .bind(&f.event_type)
+                .bind(blocks.unwrap_or(DateTime::<Utc>::MAX_UTC))
+                .bind(f.attempts as i32)
+                .bind(next)
+                .bind(&f.reason)
+                .bind(&f.route)
+                .bind(&f.plugin)
+                .bind(&f.plugin_version)
+                .bind(failed)
+                .bind(f.lane)
+                .execute(&self.pool)
+                .await
+                .context("recording a failed attempt")?
+                .rows_affected();
+            if done == 0 {
+                continue; // fenced: the lane is no longer ours
+            }
+            recorded += 1;
+            self.mirror_failure(s, f, failed).await?;
+        }
+        Ok(recorded)
+    }
+
+    /// Keep the table's own attempts/last_error/failed columns in step.
+    async fn mirror_failure(&self, s: &TableSql, f: &Failure, failed: bool) -> Result<()> {
+        let mut sets = Vec::new();
+        if let Some(c) = &s.cfg.attempts {
+            sets.push(format!("{} = $2", quote(c)));
+        }
+        if let Some(c) = &s.cfg.last_error {
+            sets.push(format!("{} = $3", quote(c)));
+        }
+        if failed {
+            if let Some(c) = &s.cfg.failed_at {
+                sets.push(format!("{} = now()", quote(c)));
+            }
+            if let Marking::Status { column, failed: Some(v), .. } = &s.cfg.marking {
+                sets.push(format!("{} = {}", quote(column), literal(v)));
+            }
+        }
+        if sets.is_empty() {
+            return Ok(());
+        }
+        let q = format!("UPDATE {} o SET {} WHERE {} = ($1::text)::{}", s.table, sets.join(", "), s.id, s.id_type);
+        sqlx::query(&q)
+            .bind(&f.id)
+            .bind(f.attempts as i32)
+            .bind(&f.reason)
+            .execute(&self.pool)
+            .await
+            .context("updating the outbox row's failure columns")?;
+        Ok(())
+    }
+
+    pub async fn backlog(&self) -> Result<(i64, Option<f64>)> {
+        let s = self.sql()?;
+        let q = format!(
+            "SELECT count(*), extract(epoch from now() - min({created}::timestamptz))::float8 FROM {table} o \
+             WHERE {pending} AND NOT EXISTS (SELECT 1 FROM outroute_event_state st WHERE st.source = $1 \
+               AND st.event_id = {id}::text AND st.failed_at IS NOT NULL)",
+            created = format_args!("o.{}", quote(&s.cfg.created_at)),
+            table = s.table,
+            pending = s.pending,
+            id = s.id,
+        );
+        let row = sqlx::query(&q).bind(&self.source).fetch_one(&self.pool).await?;
+        Ok((row.try_get(0)?, row.try_get(1)?))
+    }
+
+    pub async fn status(&self) -> Result<Status> {
+        let s = self.sql()?;
+        let (backlog, oldest) = self.backlog().await?;
+        let counts = sqlx::query(
+            "SELECT count(*) FILTER (WHERE failed_at IS NULL), count(*) FILTER (WHERE failed_at IS NOT NULL AND discarded_at IS NULL) \
+             FROM outroute_event_state WHERE source = $1",
+        )
+        .bind(&self.source)
+        .fetch_one(&self.pool)
+        .await?;
+        let by_type_q = format!(
+            "SELECT {at}, count(*) FROM {table} o WHERE {pending} GROUP BY 1 ORDER BY 2 DESC LIMIT 50",
+            at = s.aggregate_type,
+            table = s.table,
+            pending = s.pending
+        );
+        let by_type = sqlx::query(&by_type_q)
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(|r| Ok((r.try_get::<Option<String>, _>(0)?.unwrap_or_default(), r.try_get::<i64, _>(1)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let relays = sqlx::query(
+            "SELECT r.relay_id, r.hostname, r.pid, extract(epoch from now() - r.heartbeat_at)::float8, \
+               COALESCE(array_agg(l.lane ORDER BY l.lane) FILTER (WHERE l.lane IS NOT NULL), '{}') \
+             FROM outroute_relays r LEFT JOIN outroute_lanes l ON l.source = r.source AND l.owner = r.relay_id AND l.lease_until > now() \
+             WHERE r.source = $1 GROUP BY 1, 2, 3, 4 ORDER BY 1",
+        )
+        .bind(&self.source)
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(|r| {
+            Ok(RelayStatus {
+                relay_id: r.try_get(0)?,
+                hostname: r.try_get(1)?,
+                pid: r.try_get(2)?,
+                heartbeat_age_seconds: r.try_get(3)?,
+                lanes: r.try_get(4)?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+        Ok(Status {
+            table: self.source.clone(),
+            backlog,
+            oldest_pending_age_seconds: oldest,
+            retrying: counts.try_get(0)?,
+            failed: counts.try_get(1)?,
+            backlog_by_aggregate_type: by_type,
+            relays,
+        })
+    }
+
+    /// WHERE clause over `outroute_event_state st` for a failed-event
+    /// filter; parameters $1..$6 are bound by [`Self::bind_failed`].
+    fn failed_where(f: &Filter) -> String {
+        let discarded = if f.include_discarded { "" } else { " AND st.discarded_at IS NULL" };
+        format!(
+            "st.source = $1 AND st.failed_at IS NOT NULL{discarded} \
+             AND ($2::text[] IS NULL OR st.event_id = ANY($2)) AND ($3::text IS NULL OR st.route = $3) \
+             AND ($4::text IS NULL OR st.event_type = $4) AND ($5::text IS NULL OR st.aggregate_type = $5) \
+             AND ($6::text IS NULL OR st.aggregate_id = $6)"
+        )
+    }
+
+    fn bind_failed<'q>(
+        &'q self,
+        q: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+        f: &'q Filter,
+    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+        q.bind(&self.source)
+            .bind(if f.ids.is_empty() { None } else { Some(&f.ids) })
+            .bind(&f.route)
+            .bind(&f.event_type)
+            .bind(&f.aggregate_type)
+            .bind(&f.aggregate_id)
+    }
+
+    pub async fn failed_list(&self, f: &Filter) -> Result<Vec<FailedEvent>> {
+        let q = format!(
+            "SELECT event_id, aggregate_type, aggregate_id, event_type, seq, attempts, last_error, route, plugin, plugin_version, \
+               first_error_at, failed_at, discarded_at, blocks_until = 'infinity' AS holds \
+             FROM outroute_event_state st WHERE {} ORDER BY seq LIMIT {}",
+            Self::failed_where(f),
+            f.limit.unwrap_or(1000)
+        );
+        let rows = self.bind_failed(sqlx::query(&q), f).fetch_all(&self.pool).await?;
+        rows.iter()
+            .map(|r| {
+                Ok(FailedEvent {
+                    id: r.try_get(0)?,
+                    aggregate_type: r.try_get(1)?,
+                    aggregate_id: r.try_get(2)?,
+                    event_type: r.try_get(3)?,
+                    seq: r.try_get(4)?,
+                    attempts: r.try_get(5)?,
+                    reason: r.try_get(6)?,
+                    route: r.try_get(7)?,
+                    plugin: r.try_get(8)?,
+                    plugin_version: r.try_get(9)?,
+                    first_error_at: r.try_get(10)?,
+                    failed_at: r.try_get(11)?,
+                    discarded_at: r.try_get(12)?,
+                    holds_aggregate: r.try_get(13)?,
+                })
+            })
+            .collect()
+    }
+
+    pub async fn failed_retry(&self, f: &Filter) -> Result<u64> {
+        let s = self.sql()?;
+        let mut tx = self.pool.begin().await?;
+        let q = format!(
+            "UPDATE outroute_event_state st SET failed_at = NULL, discarded_at = NULL, attempts = 0, \
+               next_attempt_at = now(), blocks_until = '-infinity', updated_at = now() \
+             WHERE {} RETURNING event_id",
+            Self::failed_where(f)
+        );
+        let ids: Vec<String> = self
+            .bind_failed(sqlx::query(&q), f)
+            .fetch_all(&mut *tx)
+            .await?
+            .iter()
+            .map(|r| r.try_get(0))
+            .collect::<Result<_, _>>()?;
+        // Undo the table's own failed marker so the row is pending again.
+        let mut sets = Vec::new();
+        if let Some(c) = &s.cfg.failed_at {
+            sets.push(format!("{} = NULL", quote(c)));
+        }
+        if let Marking::Status { column, pending, failed: Some(_), .. } = &s.cfg.marking {
+            sets.push(format!("{} = {}", quote(column), literal(pending)));
+        }
+        if !sets.is_empty() && !ids.is_empty() {
+            let q = format!("UPDATE {} o SET {} WHERE {} = ANY({})", s.table, sets.join(", "), s.id, s.ids_param(1));
+            sqlx::query(&q).bind(&ids).execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        Ok(ids.len() as u64)
+    }
+
+    pub async fn failed_discard(&self, f: &Filter) -> Result<u64> {
+        let q = format!(
+            "UPDATE outroute_event_state st SET discarded_at = now(), blocks_until = '-infinity', updated_at = now() \
+             WHERE {}",
+            Self::failed_where(f)
+        );
+        Ok(self.bind_failed(sqlx::query(&q), f).execute(&self.pool).await?.rows_affected())
+    }
+
+    fn published_where(&self, s: &TableSql) -> String {
+        format!(
+            "{published} AND ($1::timestamptz IS NULL OR o.{created}::timestamptz >= $1) \
+             AND ($2::timestamptz IS NULL OR o.{created}::timestamptz < $2) \
+             AND ($3::text IS NULL OR {at} = $3) AND ($4::text IS NULL OR {ai} = $4) \
+             AND ($5::text IS NULL OR o.{et}::text = $5)",
+            published = s.published,
+            created = quote(&s.cfg.created_at),
+            at = s.aggregate_type,
+            ai = s.aggregate_id,
+            et = quote(&s.cfg.event_type),
+        )
+    }
+
+    pub async fn published(&self, f: &Filter, after_seq: i64, limit: i64) -> Result<Vec<Claim>> {
+        let s = self.sql()?;
+        if matches!(s.cfg.marking, Marking::Delete) {
+            bail!("replay: marking style `delete` keeps no published events to replay");
+        }
+        let q = format!(
+            "SELECT {cols}, 0 AS attempts FROM {table} o WHERE {w} AND {seq} > $6 ORDER BY {seq}, {id} LIMIT $7",
+            cols = s.select_cols,
+            table = s.table,
+            w = self.published_where(s),
+            seq = s.seq,
+            id = s.id,
+        );
+        let rows = sqlx::query(&q)
+            .bind(f.since)
+            .bind(f.until)
+            .bind(&f.aggregate_type)
+            .bind(&f.aggregate_id)
+            .bind(&f.event_type)
+            .bind(after_seq)
+            .bind(limit)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(to_claim).collect()
+    }
+
+    pub async fn published_count(&self, f: &Filter) -> Result<i64> {
+        let s = self.sql()?;
+        if matches!(s.cfg.marking, Marking::Delete) {
+            return Ok(0);
+        }
+        let q = format!("SELECT count(*) FROM {} o WHERE {}", s.table, self.published_where(s));
+        Ok(sqlx::query_scalar(&q)
+            .bind(f.since)
+            .bind(f.until)
+            .bind(&f.aggregate_type)
+            .bind(&f.aggregate_id)
+            .bind(&f.event_type)
+            .fetch_one(&self.pool)
+            .await?)
+    }
+
+    pub async fn purge_published(&self, older_than: Duration, batch: i64) -> Result<u64> {
+        let s = self.sql()?;
+        let age = match &s.cfg.marking {
+            Marking::PublishedAt { column } => format!("o.{}", quote(column)),
+            Marking::Status { .. } => format!("o.{}::timestamptz", quote(&s.cfg.created_at)),
+            Marking::Delete => return Ok(0),
+        };
+        // Small batches by ctid: short transactions, no long locks.
+        let q = format!(
+            "DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT o.ctid FROM {table} o WHERE {published} \
+               AND {age} < now() - make_interval(secs => $1) LIMIT $2))",
+            table = s.table,
+            published = s.published,
+        );
+        Ok(sqlx::query(&q)
+            .bind(older_than.as_secs_f64())
+            .bind(batch)
+            .execute(&self.pool)
+            .await?
+            .rows_affected())
+    }
+
+    pub async fn ping(&self) -> bool {
+        sqlx::query("SELECT 1").execute(&self.pool).await.is_ok()
+    }
+}
+
+fn to_claim(r: &PgRow) -> Result<Claim> {
+    let raw = RawRow {
+        id: r.try_get("id")?,
+        sequence: r.try_get("seq")?,
+        aggregate_type: r.try_get("aggregate_type")?,
+        aggregate_id: r.try_get("aggregate_id")?,
+        event_type: r.try_get("event_type")?,
+        event_version: r.try_get("event_version")?,
+        payload: r.try_get("payload")?,
+        headers: r.try_get("headers")?,
+        created_at: r.try_get("created_at")?,
+        attempts: r.try_get("attempts")?,
+    };
+    Ok(Claim { lane: r.try_get("lane")?, row: raw.validate() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers_are_quoted() {
+        assert_eq!(quote("app.outbox"), "\"app\".\"outbox\"");
+        assert_eq!(literal("it's"), "'it''s'");
+    }
+
+    #[test]
+    fn legacy_status_table_sql() {
+        let t = TableConfig {
+            name: "t_outbox".into(),
+            id: "event_id".into(),
+            sequence: None,
+            aggregate_type: Some("aggregate_type".into()),
+            aggregate_type_value: None,
+            aggregate_id: "aggregate_id".into(),
+            event_type: "event_type".into(),
+            event_version: None,
+            payload: "payload".into(),
+            headers: None,
+            created_at: "create_time".into(),
+            attempts: Some("retry_count".into()),
+            last_error: None,
+            failed_at: None,
+            marking: Marking::Status { column: "status".into(), pending: "PENDING".into(), sent: "SENT".into(), failed: None },
+        };
+        let s = TableSql::new(&t, 16, "character varying");
+        assert_eq!(s.pending, "o.\"status\" = 'PENDING'");
+        assert!(s.seq.contains("extract(epoch from o.\"create_time\""));
+        assert!(s.lane.ends_with("% 16)::int"));
+        assert_eq!(s.ids_param(3), "$3::text[]::character varying[]");
+    }
+}

@@ -1,0 +1,388 @@
+//! SQLite store: the embedded default. Same table contract and the same
+//! claim/mark/failure semantics as PostgreSQL, for a single relay (SQLite
+//! has one writer, so there are no lanes to share: every event is lane 0).
+//! Only the canonical table is supported here.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use chrono::{DateTime, Utc};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow};
+use sqlx::{QueryBuilder, Row, Sqlite};
+
+use super::{Claim, FailedEvent, Failure, FailureKind, Filter, Leases, Status};
+use crate::config::{StoreConfig, TableConfig};
+use crate::event::RawRow;
+
+static MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");
+
+const SOURCE: &str = "outbox";
+
+pub struct SqliteStore {
+    pool: SqlitePool,
+}
+
+fn now_ms() -> i64 {
+    Utc::now().timestamp_millis()
+}
+
+const COLS: &str = "o.id AS id, o.seq AS seq, o.aggregate_type AS aggregate_type, o.aggregate_id AS aggregate_id, \
+    o.event_type AS event_type, o.event_version AS event_version, o.payload AS payload, o.headers AS headers, \
+    o.created_at AS created_at";
+
+impl SqliteStore {
+    pub async fn connect(c: &StoreConfig) -> Result<Self> {
+        if c.table != TableConfig::default() {
+            bail!("store.table: the SQLite store supports only the canonical table; map existing tables on PostgreSQL");
+        }
+        let opts = SqliteConnectOptions::from_str(&c.url)
+            .with_context(|| format!("store.url: `{}`", c.url))?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .busy_timeout(Duration::from_secs(5));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(c.max_connections.clamp(1, 4))
+            .connect_with(opts)
+            .await
+            .with_context(|| format!("opening {}", c.url))?;
+        Ok(SqliteStore { pool })
+    }
+
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    pub async fn migrate(&self, _outbox: bool) -> Result<()> {
+        MIGRATIONS.run(&self.pool).await.context("applying SQLite migrations")?;
+        Ok(())
+    }
+
+    pub async fn check_table(&mut self) -> Result<()> {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'outbox'")
+            .fetch_one(&self.pool)
+            .await?;
+        if n == 0 {
+            bail!("store.table.name: table `outbox` does not exist (run `outroute migrate`)");
+        }
+        Ok(())
+    }
+
+    pub async fn lease_round(&self) -> Result<Leases> {
+        Ok(Leases { lanes: vec![0], acquired: 0, relays: 1 })
+    }
+
+    pub async fn release_all(&self) -> Result<()> {
+        Ok(())
+    }
+
+    pub async fn claim(&self, _lanes: &[i32], limit: u32) -> Result<Vec<Claim>> {
+        let q = format!(
+            "SELECT {COLS}, COALESCE(st.attempts, 0) AS attempts FROM outbox o \
+             LEFT JOIN outroute_event_state st ON st.source = ?1 AND st.event_id = o.id \
+             WHERE o.published_at IS NULL AND o.failed_at IS NULL \
+               AND (st.event_id IS NULL OR (st.failed_at IS NULL AND st.next_attempt_at <= ?2)) \
+               AND NOT EXISTS (SELECT 1 FROM outroute_event_state b WHERE b.source = ?1 \
+                 AND b.aggregate_type = o.aggregate_type AND b.aggregate_id = o.aggregate_id \
+                 AND b.seq < o.seq AND b.blocks_until > ?2) \
+             ORDER BY o.seq LIMIT ?3"
+        );
+        let rows = sqlx::query(&q)
+            .bind(SOURCE)
+            .bind(now_ms())
+            .bind(limit as i64)
+            .fetch_all(&self.pool)
+            .await
+            .context("claiming events")?;
+        rows.iter().map(to_claim).collect()
+    }
+
+    pub async fn mark_published(&self, ids: &[String]) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let mut tx = self.pool.begin().await?;
+        let mut qb: QueryBuilder<Sqlite> = QueryBuilder::new(
+            "UPDATE outbox SET published_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') WHERE published_at IS NULL AND id IN (",
+        );
+        let mut sep = qb.separated(", ");
+        for id in ids {
+            sep.push_bind(id);
+        }
+        qb.push(")");
+        let n = qb.build().execute(&mut *tx).await?.rows_affected();
+        let mut qb: QueryBuilder<Sqlite> =
+            QueryBuilder::new("DELETE FROM outroute_event_state WHERE source = 'outbox' AND event_id IN (");
+        let mut sep = qb.separated(", ");
+        for id in ids {
+            sep.push_bind(id);
+        }
+        qb.push(")");
+        qb.build().execute(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(n)
+    }
+
+    pub async fn record_failures(&self, failures: &[Failure]) -> Result<u64> {
+        let mut tx = self.pool.begin().await?;
+        for f in failures {
+            let now = now_ms();
+            let (next, blocks, failed_at) = match f.kind {
+                FailureKind::Retry { next_attempt_at } => {
+                    (next_attempt_at.timestamp_millis(), next_attempt_at.timestamp_millis(), None)
+                }
+                FailureKind::Failed { hold } => (now, if hold { i64::MAX } else { i64::MIN }, Some(now)),
+            };
+            sqlx::query(
+                "INSERT INTO outroute_event_state (source, event_id, aggregate_type, aggregate_id, seq, event_type, attempts, \
+                   next_attempt_at, blocks_until, last_error, route, plugin, plugin_version, first_error_at, updated_at, failed_at) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?14, ?15) \
+                 ON CONFLICT (source, event_id) DO UPDATE SET attempts = excluded.attempts, next_attempt_at = excluded.next_attempt_at, \
+                   blocks_until = excluded.blocks_until, last_error = excluded.last_error, route = excluded.route, \
+                   plugin = excluded.plugin, plugin_version = excluded.plugin_version, updated_at = excluded.updated_at, \
+                   failed_at = excluded.failed_at, discarded_at = NULL",
+            )
+            .bind(SOURCE)
+            .bind(&f.id)
+            .bind(&f.aggregate_type)
+            .bind(&f.aggregate_id)
+            .bind(f.sequence)
+            .bind(&f.event_type)
+            .bind(f.attempts as i64)
+            .bind(next)
+            .bind(blocks)
+            .bind(&f.reason)
+            .bind(&f.route)
+            .bind(&f.plugin)
+            .bind(&f.plugin_version)
+            .bind(now)
+            .bind(failed_at)
+            .execute(&mut *tx)
+            .await?;
+            sqlx::query(
+                "UPDATE outbox SET attempts = ?2, last_error = ?3, \
+                   failed_at = CASE WHEN ?4 THEN strftime('%Y-%m-%dT%H:%M:%fZ', 'now') ELSE failed_at END WHERE id = ?1",
+            )
+            .bind(&f.id)
+            .bind(f.attempts as i64)
+            .bind(&f.reason)
+            .bind(failed_at.is_some())
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(failures.len() as u64)
+    }
+
+    pub async fn backlog(&self) -> Result<(i64, Option<f64>)> {
+        let row = sqlx::query(
+            "SELECT count(*), (julianday('now') - julianday(min(created_at))) * 86400.0 FROM outbox \
+             WHERE published_at IS NULL AND failed_at IS NULL",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        Ok((row.try_get(0)?, row.try_get(1)?))
+    }
+
+    pub async fn status(&self) -> Result<Status> {
+        let (backlog, oldest) = self.backlog().await?;
+        let row = sqlx::query(
+            "SELECT COALESCE(sum(failed_at IS NULL), 0), COALESCE(sum(failed_at IS NOT NULL AND discarded_at IS NULL), 0) \
+             FROM outroute_event_state WHERE source = ?1",
+        )
+        .bind(SOURCE)
+        .fetch_one(&self.pool)
+        .await?;
+        let by_type = sqlx::query(
+            "SELECT aggregate_type, count(*) FROM outbox WHERE published_at IS NULL AND failed_at IS NULL \
+             GROUP BY 1 ORDER BY 2 DESC LIMIT 50",
+        )
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+        .collect::<Result<Vec<_>>>()?;
+        Ok(Status {
+            table: SOURCE.into(),
+            backlog,
+            oldest_pending_age_seconds: oldest,
+            retrying: row.try_get(0)?,
+            failed: row.try_get(1)?,
+            backlog_by_aggregate_type: by_type,
+            relays: Vec::new(),
+        })
+    }
+
+    fn failed_query<'a>(head: &str, f: &'a Filter) -> QueryBuilder<'a, Sqlite> {
+        let mut qb = QueryBuilder::new(head);
+        qb.push(" WHERE source = 'outbox' AND failed_at IS NOT NULL");
+        if !f.include_discarded {
+            qb.push(" AND discarded_at IS NULL");
+        }
+        if !f.ids.is_empty() {
+            qb.push(" AND event_id IN (");
+            let mut sep = qb.separated(", ");
+            for id in &f.ids {
+                sep.push_bind(id.as_str());
+            }
+            qb.push(")");
+        }
+        for (col, v) in [
+            ("route", &f.route),
+            ("event_type", &f.event_type),
+            ("aggregate_type", &f.aggregate_type),
+            ("aggregate_id", &f.aggregate_id),
+        ] {
+            if let Some(v) = v {
+                qb.push(format!(" AND {col} = ")).push_bind(v.as_str());
+            }
+        }
+        qb
+    }
+
+    pub async fn failed_list(&self, f: &Filter) -> Result<Vec<FailedEvent>> {
+        let mut qb = Self::failed_query(
+            "SELECT event_id, aggregate_type, aggregate_id, event_type, seq, attempts, last_error, route, plugin, \
+               plugin_version, first_error_at, failed_at, discarded_at, blocks_until = 9223372036854775807 FROM outroute_event_state",
+            f,
+        );
+        qb.push(" ORDER BY seq LIMIT ").push_bind(f.limit.unwrap_or(1000));
+        let rows = qb.build().fetch_all(&self.pool).await?;
+        let ts = |ms: Option<i64>| ms.and_then(DateTime::<Utc>::from_timestamp_millis);
+        rows.iter()
+            .map(|r| {
+                Ok(FailedEvent {
+                    id: r.try_get(0)?,
+                    aggregate_type: r.try_get(1)?,
+                    aggregate_id: r.try_get(2)?,
+                    event_type: r.try_get(3)?,
+                    seq: r.try_get(4)?,
+                    attempts: r.try_get(5)?,
+                    reason: r.try_get(6)?,
+                    route: r.try_get(7)?,
+                    plugin: r.try_get(8)?,
+                    plugin_version: r.try_get(9)?,
+                    first_error_at: ts(r.try_get(10)?).unwrap_or_default(),
+                    failed_at: ts(r.try_get(11)?),
+                    discarded_at: ts(r.try_get(12)?),
+                    holds_aggregate: r.try_get(13)?,
+                })
+            })
+            .collect()
+    }
+
+    pub async fn failed_retry(&self, f: &Filter) -> Result<u64> {
+        let mut tx = self.pool.begin().await?;
+        let mut qb = Self::failed_query(
+            "UPDATE outroute_event_state SET failed_at = NULL, discarded_at = NULL, attempts = 0, \
+               next_attempt_at = 0, blocks_until = -9223372036854775808",
+            f,
+        );
+        qb.push(" RETURNING event_id");
+        let ids: Vec<String> =
+            qb.build().fetch_all(&mut *tx).await?.iter().map(|r| r.try_get(0)).collect::<Result<_, _>>()?;
+        for id in &ids {
+            sqlx::query("UPDATE outbox SET failed_at = NULL, attempts = 0 WHERE id = ?1").bind(id).execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        Ok(ids.len() as u64)
+    }
+
+    pub async fn failed_discard(&self, f: &Filter) -> Result<u64> {
+        let mut qb = Self::failed_query(
+            "UPDATE outroute_event_state SET discarded_at = CAST(strftime('%s','now') AS INTEGER) * 1000, \
+               blocks_until = -9223372036854775808",
+            f,
+        );
+        Ok(qb.build().execute(&self.pool).await?.rows_affected())
+    }
+
+    fn published_query<'a>(head: &str, f: &'a Filter) -> QueryBuilder<'a, Sqlite> {
+        let mut qb = QueryBuilder::new(head);
+        qb.push(" WHERE o.published_at IS NOT NULL");
+        if let Some(s) = f.since {
+            qb.push(" AND julianday(o.created_at) >= julianday(").push_bind(s.to_rfc3339()).push(")");
+        }
+        if let Some(u) = f.until {
+            qb.push(" AND julianday(o.created_at) < julianday(").push_bind(u.to_rfc3339()).push(")");
+        }
+        for (col, v) in [
+            ("aggregate_type", &f.aggregate_type),
+            ("aggregate_id", &f.aggregate_id),
+            ("event_type", &f.event_type),
+        ] {
+            if let Some(v) = v {
+                qb.push(format!(" AND o.{col} = ")).push_bind(v.as_str());
+            }
+        }
+        qb
+    }
+
+    pub async fn published(&self, f: &Filter, after_seq: i64, limit: i64) -> Result<Vec<Claim>> {
+        let mut qb = Self::published_query(&format!("SELECT {COLS}, 0 AS attempts FROM outbox o"), f);
+        qb.push(" AND o.seq > ").push_bind(after_seq).push(" ORDER BY o.seq LIMIT ").push_bind(limit);
+        let rows = qb.build().fetch_all(&self.pool).await?;
+        rows.iter().map(to_claim).collect()
+    }
+
+    pub async fn published_count(&self, f: &Filter) -> Result<i64> {
+        let mut qb = Self::published_query("SELECT count(*) FROM outbox o", f);
+        Ok(qb.build().fetch_one(&self.pool).await?.try_get(0)?)
+    }
+
+    pub async fn purge_published(&self, older_than: Duration, batch: i64) -> Result<u64> {
+        let cutoff = Utc::now() - chrono::Duration::from_std(older_than).unwrap_or_default();
+        Ok(sqlx::query(
+            "DELETE FROM outbox WHERE seq IN (SELECT seq FROM outbox WHERE published_at IS NOT NULL \
+               AND julianday(published_at) < julianday(?1) LIMIT ?2)",
+        )
+        .bind(cutoff.to_rfc3339())
+        .bind(batch)
+        .execute(&self.pool)
+        .await?
+        .rows_affected())
+    }
+
+    pub async fn ping(&self) -> bool {
+        sqlx::query("SELECT 1").execute(&self.pool).await.is_ok()
+    }
+}
+
+fn to_claim(r: &SqliteRow) -> Result<Claim> {
+    let created: Option<String> = r.try_get("created_at")?;
+    let raw = RawRow {
+        id: r.try_get("id")?,
+        sequence: r.try_get("seq")?,
+        aggregate_type: r.try_get("aggregate_type")?,
+        aggregate_id: r.try_get("aggregate_id")?,
+        event_type: r.try_get("event_type")?,
+        event_version: r.try_get("event_version")?,
+        payload: r.try_get("payload")?,
+        headers: r.try_get("headers")?,
+        created_at: created.and_then(|c| parse_time(&c)),
+        attempts: r.try_get::<i64, _>("attempts")? as i32,
+    };
+    Ok(Claim { lane: 0, row: raw.validate() })
+}
+
+/// SQLite timestamps: RFC 3339 or `YYYY-MM-DD HH:MM:SS[.fff]` (UTC).
+fn parse_time(s: &str) -> Option<DateTime<Utc>> {
+    DateTime::parse_from_rfc3339(s)
+        .map(|d| d.with_timezone(&Utc))
+        .ok()
+        .or_else(|| {
+            chrono::NaiveDateTime::parse_from_str(s, "%Y-%m-%d %H:%M:%S%.f")
+                .ok()
+                .map(|n| n.and_utc())
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn parses_both_time_formats() {
+        assert!(super::parse_time("2026-01-02T03:04:05.123Z").is_some());
+        assert!(super::parse_time("2026-01-02 03:04:05").is_some());
+        assert!(super::parse_time("yesterday").is_none());
+    }
+}

@@ -1,0 +1,100 @@
+//! hostile: a test fixture, not an example. It misbehaves on purpose so the
+//! test suite can prove the host contains it. The misbehaviour comes from the
+//! route config (`{"mode": "loop"}`) or, per event, from a `"hostile"` field
+//! in the payload; any other event is routed normally to `sink`/`topic`.
+//!
+//! Modes: `loop` (never returns), `oom` (allocates 1 GiB), `trap` (panics),
+//! `forbidden-topic`, `unknown-sink`, `oversize` (2 MiB payload),
+//! `retry` (always retryable), `reject` (always invalid).
+
+use outroute_guest::{Event, Message, Outcome, Rejection, Router, parse_config};
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+struct Config {
+    #[serde(default)]
+    mode: Option<String>,
+    #[serde(default = "kafka")]
+    sink: String,
+    #[serde(default = "topic")]
+    topic: String,
+}
+fn kafka() -> String {
+    "kafka".into()
+}
+fn topic() -> String {
+    "orders.{event_type}".into()
+}
+
+pub struct Hostile {
+    config: Config,
+}
+
+impl Router for Hostile {
+    const NAME: &'static str = "hostile";
+    const VERSION: &'static str = env!("CARGO_PKG_VERSION");
+
+    fn init(config: serde_json::Value) -> Result<Self, String> {
+        let config = if config.is_null() {
+            Config { mode: None, sink: kafka(), topic: topic() }
+        } else {
+            parse_config(Self::NAME, config)?
+        };
+        Ok(Hostile { config })
+    }
+
+    fn route(&self, event: &Event) -> Outcome {
+        let per_event = event
+            .json()
+            .ok()
+            .and_then(|v| v.get("hostile").and_then(|m| m.as_str()).map(String::from));
+        let mode = per_event.or_else(|| self.config.mode.clone()).unwrap_or_default();
+        let good = Message::to(&self.config.sink, event.expand(&self.config.topic))
+            .key(&event.aggregate_id)
+            .payload(event.payload.clone());
+        match mode.as_str() {
+            "loop" => {
+                let mut x: u64 = 0;
+                loop {
+                    x = std::hint::black_box(x.wrapping_add(1));
+                }
+            }
+            "oom" => {
+                let mut v: Vec<u8> = Vec::new();
+                v.resize(1 << 30, 1);
+                Ok(vec![good.payload(vec![v[v.len() - 1]])])
+            }
+            "trap" => panic!("hostile plugin panics on purpose"),
+            "forbidden-topic" => Ok(vec![Message::to(&self.config.sink, "payroll.salaries").payload(event.payload.clone())]),
+            "unknown-sink" => Ok(vec![Message::to("nowhere", event.expand(&self.config.topic)).payload(event.payload.clone())]),
+            "oversize" => Ok(vec![good.payload(vec![b'x'; 2 << 20])]),
+            "retry" => Err(Rejection::retryable("hostile plugin asks for a retry")),
+            "reject" => Err(Rejection::invalid("hostile plugin rejects this event")),
+            _ => Ok(vec![good]),
+        }
+    }
+}
+
+outroute_guest::export_router!(Hostile);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn benign_events_route_normally() {
+        let h = Hostile::init(serde_json::Value::Null).unwrap();
+        let m = h.route(&Event::new("order", "1", "created", json!({}))).unwrap();
+        assert_eq!(m[0].topic, "orders.created");
+    }
+
+    #[test]
+    fn per_event_mode_overrides() {
+        let h = Hostile::init(serde_json::Value::Null).unwrap();
+        let e = Event::new("order", "1", "created", json!({"hostile": "forbidden-topic"}));
+        assert_eq!(h.route(&e).unwrap()[0].topic, "payroll.salaries");
+        let e = Event::new("order", "1", "created", json!({"hostile": "reject"}));
+        assert!(matches!(h.route(&e), Err(Rejection::Invalid(_))));
+    }
+}
