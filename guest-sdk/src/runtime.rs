@@ -16,7 +16,7 @@ pub mod bindings {
         pub_export_macro: true,
         default_bindings_module: "outroute_guest::__private::bindings",
     });
-    pub use outroute::router::types::{Event, Message, Outcome, PluginInfo, Rejection};
+    pub use outroute::router::types::{Message, Rejection};
 }
 
 use bindings::outroute::router::{host, types as wit};
