@@ -1,32 +1,11 @@
-//! `outroute`: the transactional-outbox relay with WebAssembly routing
-//! plugins. This file is the command line; each command is a few lines that
-//! call into the library modules:
-//!
-//! * `relay`   — the run loop (row → event → plugin → messages → acks → mark)
-//! * `store`   — the outbox table, leases, failure state (PostgreSQL, SQLite)
-//! * `plugin`  — the sandboxed wasmtime runtime for routing plugins
-//! * `sink`    — Kafka, NATS and file publishers that wait for acks
-//! * `routing` — which route handles an event, what its messages may do
-//! * `config`  — the TOML file, its schema and its validation
-//! * `metrics` — Prometheus series and health endpoints
-//! * `ops`     — status, failed events, replay, plugin test (operator tools)
+//! The `outroute` command line; see the library docs (`lib.rs`) for the map.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Parser, Subcommand};
 
-mod config;
-mod event;
-mod failpoint;
-mod metrics;
-mod ops;
-mod plugin;
-mod quickstart;
-mod relay;
-mod routing;
-mod sink;
-mod store;
+use outroute::ops::ConfigArg;
+use outroute::{config, ops, quickstart};
 
 #[derive(Parser)]
 #[command(name = "outroute", version, about = "Transactional-outbox relay with WebAssembly routing plugins")]
@@ -35,12 +14,6 @@ struct Cli {
     command: Command,
 }
 
-#[derive(Args, Clone)]
-pub(crate) struct ConfigArg {
-    /// Configuration file.
-    #[arg(short, long, env = "OUTROUTE_CONFIG", default_value = "outroute.toml")]
-    pub(crate) config: PathBuf,
-}
 
 #[derive(Subcommand)]
 enum Command {

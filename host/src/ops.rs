@@ -22,6 +22,14 @@ use crate::plugin::{self, Limits, PluginHandle, Runtime};
 use crate::relay::Relay;
 use crate::store::{Filter, Store};
 
+/// `--config FILE` (or `OUTROUTE_CONFIG`), shared by the commands.
+#[derive(Args, Clone)]
+pub struct ConfigArg {
+    /// Configuration file.
+    #[arg(short, long, env = "OUTROUTE_CONFIG", default_value = "outroute.toml")]
+    pub config: PathBuf,
+}
+
 /// Load config or explain every problem.
 pub fn load(path: &Path) -> Result<Loaded> {
     config::load(path).map_err(|e| anyhow::anyhow!("invalid configuration:\n{e}"))
@@ -182,7 +190,7 @@ pub enum FailedAction {
     /// List failed events.
     List {
         #[command(flatten)]
-        config: crate::ConfigArg,
+        config: ConfigArg,
         #[command(flatten)]
         filter: FilterArgs,
         /// Include discarded events.
@@ -194,20 +202,20 @@ pub enum FailedAction {
     /// Show one failed event in full.
     Show {
         #[command(flatten)]
-        config: crate::ConfigArg,
+        config: ConfigArg,
         id: String,
     },
     /// Put failed events back in line (attempts reset, outbox order kept).
     Retry {
         #[command(flatten)]
-        config: crate::ConfigArg,
+        config: ConfigArg,
         #[command(flatten)]
         filter: FilterArgs,
     },
     /// Give up on failed events; they stop holding back their aggregate.
     Discard {
         #[command(flatten)]
-        config: crate::ConfigArg,
+        config: ConfigArg,
         #[command(flatten)]
         filter: FilterArgs,
     },
@@ -283,7 +291,7 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
 #[derive(Args)]
 pub struct ReplayArgs {
     #[command(flatten)]
-    config: crate::ConfigArg,
+    config: ConfigArg,
     /// Events created at or after this time (RFC 3339).
     #[arg(long)]
     since: Option<DateTime<Utc>>,

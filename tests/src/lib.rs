@@ -1,1 +1,524 @@
+//! Test harness for outroute's end-to-end suite: fresh PostgreSQL databases,
+//! business transactions that write outbox rows (some rolled back on
+//! purpose), the real `outroute` binary as a child process, consumers that
+//! read what reached tansu (Kafka protocol) and NATS JetStream, and the
+//! invariant checker every end-to-end test ends with.
+//!
+//! Services: PostgreSQL 127.0.0.1:5432, NATS 127.0.0.1:4222, tansu
+//! 127.0.0.1:9092 (`scripts/services` starts whatever is down).
 
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::{Offset, TopicPartitionList};
+use sqlx::postgres::{PgPool, PgPoolOptions};
+
+pub const KAFKA: &str = "127.0.0.1:9092";
+pub const NATS: &str = "nats://127.0.0.1:4222";
+
+pub fn pg_admin_url() -> String {
+    std::env::var("OUTROUTE_TEST_PG").unwrap_or_else(|_| "postgres://root@127.0.0.1:5432/test".into())
+}
+
+pub fn workspace() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
+}
+
+/// The `outroute` binary built alongside this test.
+pub fn bin() -> PathBuf {
+    if let Ok(p) = std::env::var("OUTROUTE_BIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().unwrap_or_default();
+    // target/debug/deps/<test> → target/debug/outroute
+    exe.parent().and_then(Path::parent).map(|d| d.join("outroute")).unwrap_or_else(|| "outroute".into())
+}
+
+/// A built example plugin (`scripts/build-plugins` puts them there).
+pub fn plugin(name: &str) -> PathBuf {
+    let p = workspace().join("plugins/dist").join(format!("{}.wasm", name.replace('-', "_")));
+    assert!(p.is_file(), "{} missing: run scripts/build-plugins", p.display());
+    p
+}
+
+/// A short unique tag for names (databases, topics, subjects).
+pub fn tag() -> String {
+    uuid::Uuid::new_v4().simple().to_string()[..10].to_string()
+}
+
+/// A fresh database with the canonical outbox table and a business table.
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+    pub pool: PgPool,
+}
+
+impl TestDb {
+    pub async fn new() -> Result<Self> {
+        let admin = PgPoolOptions::new().max_connections(1).connect(&pg_admin_url()).await?;
+        let name = format!("outroute_t_{}", tag());
+        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await?;
+        admin.close().await;
+        let base = pg_admin_url();
+        let url = format!("{}/{name}", &base[..base.rfind('/').unwrap_or(base.len())]);
+        let pool = PgPoolOptions::new().max_connections(16).connect(&url).await?;
+        sqlx::query("CREATE TABLE orders (id text PRIMARY KEY, version integer NOT NULL)").execute(&pool).await?;
+        Ok(TestDb { name, url, pool })
+    }
+
+    /// Apply outroute's migrations through the real binary.
+    pub fn migrate(&self, config: &Path) -> Result<()> {
+        let out = Command::new(bin()).args(["migrate", "-c"]).arg(config).output()?;
+        if !out.status.success() {
+            bail!("outroute migrate failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(())
+    }
+
+    pub async fn drop_db(self) {
+        self.pool.close().await;
+        if let Ok(admin) = PgPoolOptions::new().max_connections(1).connect(&pg_admin_url()).await {
+            let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name)).execute(&admin).await;
+        }
+    }
+
+    pub async fn count(&self, sql: &str) -> i64 {
+        sqlx::query_scalar(sql).fetch_one(&self.pool).await.unwrap_or(-1)
+    }
+}
+
+/// One event a producer committed.
+#[derive(Debug, Clone)]
+pub struct Expected {
+    pub id: String,
+    pub aggregate_id: String,
+    pub seq: i64,
+}
+
+/// What the producers wrote.
+#[derive(Debug, Default)]
+pub struct Workload {
+    pub committed: Vec<Expected>,
+    pub rolled_back: Vec<String>,
+}
+
+/// Business transactions: each updates an order and inserts its event in
+/// the same transaction; every `rollback_every`-th one rolls back. Four
+/// producers run at once, each owning a quarter of the aggregates, so the
+/// events of one aggregate are committed in order.
+pub async fn produce(
+    pool: &PgPool,
+    prefix: &str,
+    aggregates: usize,
+    per_aggregate: usize,
+    rollback_every: usize,
+) -> Result<Workload> {
+    let mut tasks = Vec::new();
+    for worker in 0..4usize {
+        let pool = pool.clone();
+        let prefix = prefix.to_string();
+        tasks.push(tokio::spawn(async move {
+            let mut w = Workload::default();
+            let mut n = 0usize;
+            for round in 0..per_aggregate {
+                for a in (worker..aggregates).step_by(4) {
+                    n += 1;
+                    let agg = format!("{prefix}-{a}");
+                    let id = uuid::Uuid::new_v4().to_string();
+                    let mut tx = pool.begin().await?;
+                    sqlx::query(
+                        "INSERT INTO orders (id, version) VALUES ($1, $2) ON CONFLICT (id) DO UPDATE SET version = $2",
+                    )
+                    .bind(&agg)
+                    .bind(round as i32)
+                    .execute(&mut *tx)
+                    .await?;
+                    let seq: i64 = sqlx::query_scalar(
+                        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, headers) \
+                         VALUES ($1::uuid, 'order', $2, 'order-updated', $3, $4) RETURNING seq",
+                    )
+                    .bind(&id)
+                    .bind(&agg)
+                    .bind(serde_json::json!({"order_id": agg, "version": round}))
+                    .bind(serde_json::json!({"traceparent": format!("00-{:032x}-{:016x}-01", n + 1, round + 1)}))
+                    .fetch_one(&mut *tx)
+                    .await?;
+                    if rollback_every > 0 && n % rollback_every == 0 {
+                        tx.rollback().await?;
+                        w.rolled_back.push(id);
+                    } else {
+                        tx.commit().await?;
+                        w.committed.push(Expected { id, aggregate_id: agg, seq });
+                    }
+                }
+            }
+            anyhow::Ok(w)
+        }));
+    }
+    let mut all = Workload::default();
+    for t in tasks {
+        let w = t.await??;
+        all.committed.extend(w.committed);
+        all.rolled_back.extend(w.rolled_back);
+    }
+    all.committed.sort_by_key(|e| e.seq);
+    Ok(all)
+}
+
+/// A message as a consumer saw it.
+#[derive(Debug, Clone)]
+pub struct Delivered {
+    pub topic: String,
+    pub partition: i32,
+    pub key: Option<String>,
+    pub headers: BTreeMap<String, String>,
+    pub payload: Vec<u8>,
+}
+
+impl Delivered {
+    pub fn id(&self) -> &str {
+        self.headers.get("ce_id").map(String::as_str).unwrap_or("")
+    }
+    pub fn aggregate(&self) -> &str {
+        self.headers.get("ce_aggregateid").map(String::as_str).unwrap_or("")
+    }
+    pub fn seq(&self) -> i64 {
+        self.headers.get("ce_sequence").and_then(|s| s.parse().ok()).unwrap_or(-1)
+    }
+}
+
+/// Invariants every end-to-end test checks (seed article 000).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Report {
+    pub committed: usize,
+    pub delivered_unique: usize,
+    /// Committed events never delivered.
+    pub lost: usize,
+    /// Delivered events that were never committed (rolled back or invented).
+    pub phantom: usize,
+    /// First deliveries of an aggregate's events out of outbox order.
+    pub order_violations: usize,
+    /// Extra deliveries of an already-delivered event id (allowed: at-least-once).
+    pub duplicates: usize,
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "committed={} delivered={} lost={} phantom={} order_violations={} duplicates={}",
+            self.committed, self.delivered_unique, self.lost, self.phantom, self.order_violations, self.duplicates
+        )
+    }
+}
+
+impl Report {
+    pub fn assert_clean(&self) {
+        assert!(
+            self.lost == 0 && self.phantom == 0 && self.order_violations == 0,
+            "delivery invariants broken: {self}"
+        );
+    }
+}
+
+/// Check one destination's deliveries (in the order the consumer read them,
+/// which per aggregate is partition/stream order).
+pub fn check(w: &Workload, delivered: &[Delivered]) -> Report {
+    let committed: HashMap<&str, &Expected> = w.committed.iter().map(|e| (e.id.as_str(), e)).collect();
+    let mut seen: HashSet<&str> = HashSet::new();
+    let mut last_seq: HashMap<&str, i64> = HashMap::new();
+    let mut r = Report { committed: w.committed.len(), ..Report::default() };
+    for d in delivered {
+        let id = d.id();
+        let Some(e) = committed.get(id) else {
+            r.phantom += 1;
+            continue;
+        };
+        if !seen.insert(id) {
+            r.duplicates += 1;
+            continue;
+        }
+        let last = last_seq.entry(e.aggregate_id.as_str()).or_insert(i64::MIN);
+        if e.seq < *last {
+            r.order_violations += 1;
+        }
+        *last = (*last).max(e.seq);
+    }
+    r.delivered_unique = seen.len();
+    r.lost = w.committed.len() - seen.len();
+    r
+}
+
+/// Write `outroute.toml`: the store, `[relay]` settings (`relay` is added
+/// to that table) and the rest (`body`: sinks, plugins, routes, http).
+pub fn write_config(dir: &Path, db_url: &str, relay: &str, body: &str) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join("outroute.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[store]\nurl = \"{db_url}\"\n\n[relay]\ncache_dir = \"{cache}\"\n{relay}\n\n{body}\n",
+            cache = std::env::temp_dir().join("outroute-test-cache").display()
+        ),
+    )?;
+    Ok(path)
+}
+
+pub fn test_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("outroute-e2e-{name}-{}", tag()));
+    let _ = std::fs::create_dir_all(&d);
+    d
+}
+
+/// A running `outroute run` process.
+pub struct Relay {
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl Relay {
+    pub fn start(config: &Path, env: &[(&str, &str)]) -> Result<Relay> {
+        let log = config.with_file_name(format!("relay-{}.log", tag()));
+        let file = std::fs::File::create(&log)?;
+        let mut cmd = Command::new(bin());
+        cmd.args(["run", "-c"]).arg(config).stdout(Stdio::null()).stderr(file);
+        cmd.env("RUST_LOG", "info");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().with_context(|| format!("starting {}", bin().display()))?;
+        Ok(Relay { child, log })
+    }
+
+    fn signal(&self, sig: i32) {
+        // SAFETY: plain kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.child.id() as i32, sig);
+        }
+    }
+
+    /// kill -9: no cleanup at all.
+    pub fn kill(&mut self) {
+        self.signal(libc::SIGKILL);
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM, then wait up to `timeout` for the exit status.
+    pub fn terminate(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        self.signal(libc::SIGTERM);
+        self.wait_exit(timeout)
+    }
+
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            self.kill();
+        }
+    }
+}
+
+/// Wait until `f` is true or the timeout passes; returns whether it became true.
+pub async fn eventually<F, Fut>(timeout: Duration, mut f: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if f().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+/// Create a Kafka topic on tansu.
+pub async fn create_topic(name: &str, partitions: i32) -> Result<()> {
+    let admin: AdminClient<DefaultClientContext> =
+        ClientConfig::new().set("bootstrap.servers", KAFKA).create()?;
+    let topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
+    let res = admin.create_topics(&[topic], &AdminOptions::new()).await?;
+    for r in res {
+        if let Err((t, e)) = r {
+            bail!("creating topic {t}: {e}");
+        }
+    }
+    Ok(())
+}
+
+/// Read `topic` (all partitions, from the start) until `want` distinct event
+/// ids arrived or `timeout` passed, then a little longer to catch duplicates.
+pub fn consume_kafka(topic: &str, partitions: i32, want: usize, timeout: Duration) -> Result<Vec<Delivered>> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", KAFKA)
+        .set("group.id", format!("outroute-test-{}", tag()))
+        .set("enable.auto.commit", "false")
+        .set("fetch.min.bytes", "65536")
+        .set("fetch.wait.max.ms", "10")
+        .create()?;
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partitions {
+        tpl.add_partition_offset(topic, p, Offset::Beginning)?;
+    }
+    consumer.assign(&tpl)?;
+    let mut out = Vec::new();
+    let mut ids = HashSet::new();
+    let deadline = Instant::now() + timeout;
+    let mut grace: Option<Instant> = None;
+    while Instant::now() < deadline && grace.is_none_or(|g| Instant::now() < g) {
+        match consumer.poll(Duration::from_millis(50)) {
+            Some(Ok(m)) => {
+                let mut headers = BTreeMap::new();
+                if let Some(h) = m.headers() {
+                    for hd in h.iter() {
+                        headers.insert(
+                            hd.key.to_string(),
+                            String::from_utf8_lossy(hd.value.unwrap_or_default()).into_owned(),
+                        );
+                    }
+                }
+                let d = Delivered {
+                    topic: m.topic().to_string(),
+                    partition: m.partition(),
+                    key: m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
+                    headers,
+                    payload: m.payload().unwrap_or_default().to_vec(),
+                };
+                ids.insert(d.id().to_string());
+                out.push(d);
+                if ids.len() >= want && grace.is_none() {
+                    grace = Some(Instant::now() + Duration::from_millis(500));
+                }
+            }
+            Some(Err(e)) => eprintln!("consumer: {e}"),
+            None => {}
+        }
+    }
+    Ok(out)
+}
+
+/// Create (or reset) a JetStream stream for `subjects`.
+pub async fn nats_stream(name: &str, subjects: Vec<String>) -> Result<async_nats::jetstream::Context> {
+    let client = async_nats::connect(NATS).await?;
+    let js = async_nats::jetstream::new(client);
+    let _ = js.delete_stream(name).await;
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: name.to_string(),
+        subjects,
+        duplicate_window: Duration::from_secs(120),
+        ..Default::default()
+    })
+    .await?;
+    Ok(js)
+}
+
+/// Read every message of a stream (in stream order) until `want` distinct
+/// event ids arrived or `timeout` passed.
+pub async fn consume_nats(js: &async_nats::jetstream::Context, stream: &str, want: usize, timeout: Duration) -> Result<Vec<Delivered>> {
+    use futures::StreamExt;
+    let s = js.get_stream(stream).await?;
+    let consumer = s
+        .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig {
+            deliver_policy: async_nats::jetstream::consumer::DeliverPolicy::All,
+            ..Default::default()
+        })
+        .await?;
+    let mut messages = consumer.messages().await?;
+    let mut out = Vec::new();
+    let mut ids = HashSet::new();
+    let deadline = Instant::now() + timeout;
+    while ids.len() < want {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        match tokio::time::timeout(left, messages.next()).await {
+            Ok(Some(Ok(m))) => {
+                let mut headers = BTreeMap::new();
+                if let Some(h) = &m.headers {
+                    for (k, vs) in h.iter() {
+                        if let Some(v) = vs.first() {
+                            headers.insert(k.to_string(), v.to_string());
+                        }
+                    }
+                }
+                let d = Delivered {
+                    topic: m.subject.to_string(),
+                    partition: 0,
+                    key: None,
+                    headers,
+                    payload: m.payload.to_vec(),
+                };
+                ids.insert(d.id().to_string());
+                out.push(d);
+            }
+            Ok(Some(Err(e))) => bail!("nats consumer: {e}"),
+            Ok(None) | Err(_) => break,
+        }
+    }
+    Ok(out)
+}
+
+/// GET a path from the relay's HTTP endpoint; returns (status, body).
+pub async fn http_get(addr: &str, path: &str) -> Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).await?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await?;
+    let status = buf.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    Ok((status, body))
+}
+
+/// A free TCP port on loopback for the relay's HTTP endpoint.
+pub fn free_addr() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| "127.0.0.1:0".into())
+}
+
+/// The value of a Prometheus series (first match of `name{…labels…}`).
+pub fn metric(text: &str, name_and_labels: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find(|l| l.starts_with(name_and_labels))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// Run the `outroute` binary with arguments; returns (status, stdout, stderr).
+pub fn cli(args: &[&str]) -> Result<(i32, String, String)> {
+    let out = Command::new(bin()).args(args).output()?;
+    Ok((
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}

@@ -1,0 +1,24 @@
+//! `outroute`: the transactional-outbox relay with WebAssembly routing
+//! plugins. The binary (`main.rs`) is the command line; this library holds the
+//! modules it calls into, so the end-to-end tests can drive them too:
+//!
+//! * `relay`   — the run loop (row → event → plugin → messages → acks → mark)
+//! * `store`   — the outbox table, leases, failure state (PostgreSQL, SQLite)
+//! * `plugin`  — the sandboxed wasmtime runtime for routing plugins
+//! * `sink`    — Kafka, NATS and file publishers that wait for acks
+//! * `routing` — which route handles an event, what its messages may do
+//! * `config`  — the TOML file, its schema and its validation
+//! * `metrics` — Prometheus series and health endpoints
+//! * `ops`     — status, failed events, replay, plugin test (operator tools)
+
+pub mod config;
+pub mod event;
+pub mod failpoint;
+pub mod metrics;
+pub mod ops;
+pub mod plugin;
+pub mod quickstart;
+pub mod relay;
+pub mod routing;
+pub mod sink;
+pub mod store;

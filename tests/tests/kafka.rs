@@ -1,0 +1,98 @@
+//! End to end through Kafka (tansu): business transactions → outbox →
+//! order-router plugin → Kafka, with headers, keys, metrics, readiness and a
+//! graceful shutdown checked on the way.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use outroute_e2e::*;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_end_to_end_with_headers_keys_metrics_and_shutdown() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let t = tag();
+    let topic = format!("t{t}.order-updated");
+    create_topic(&topic, 3).await?;
+    let http = free_addr();
+    let dir = test_dir("kafka");
+    let config = write_config(
+        &dir,
+        &db.url,
+        "lease_ttl = \"3s\"\nlanes = 16",
+        &format!(
+            r#"
+[http]
+listen = "{http}"
+[sinks.kafka]
+kind = "kafka"
+brokers = "{KAFKA}"
+[plugins.order-router]
+path = "{plugin}"
+[[routes]]
+name = "orders"
+aggregate_types = ["order"]
+plugin = "order-router"
+config = {{ sink = "kafka", topic = "t{t}.{{event_type}}" }}
+allow = {{ kafka = ["t{t}.*"] }}
+"#,
+            plugin = plugin("order-router").display()
+        ),
+    )?;
+    db.migrate(&config)?;
+    let work = produce(&db.pool, "agg", 50, 4, 7).await?;
+    assert!(!work.rolled_back.is_empty());
+
+    let mut relay = Relay::start(&config, &[])?;
+    let delivered = consume_kafka(&topic, 3, work.committed.len(), Duration::from_secs(60))?;
+    let report = check(&work, &delivered);
+    println!("kafka: {report}");
+    report.assert_clean();
+
+    // CloudEvents headers and trace context on every message.
+    for d in &delivered {
+        for h in ["ce_id", "ce_type", "ce_source", "ce_specversion", "ce_time", "ce_aggregateid", "ce_eventversion", "traceparent"] {
+            assert!(d.headers.contains_key(h), "message lacks header {h}: {:?}", d.headers);
+        }
+        assert_eq!(d.headers["ce_type"], "order-updated");
+        assert_eq!(d.headers["ce_specversion"], "1.0");
+        assert_eq!(d.key.as_deref(), Some(d.aggregate()), "key is the aggregate id");
+    }
+    // Keys land on consistent partitions.
+    let mut partition_of: HashMap<String, i32> = HashMap::new();
+    for d in &delivered {
+        let p = *partition_of.entry(d.key.clone().unwrap_or_default()).or_insert(d.partition);
+        assert_eq!(p, d.partition, "key {:?} seen on two partitions", d.key);
+    }
+    assert!(partition_of.values().collect::<std::collections::HashSet<_>>().len() > 1, "all keys on one partition");
+
+    // Rows marked only after acks: all published, none pending.
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL").await == 0
+        })
+        .await
+    );
+    assert_eq!(db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await, work.committed.len() as i64);
+
+    // Metrics after a known workload.
+    let (status, text) = http_get(&http, "/metrics").await?;
+    assert_eq!(status, 200);
+    assert_eq!(metric(&text, "outroute_events_published_total{route=\"orders\"}"), Some(work.committed.len() as f64));
+    assert_eq!(
+        metric(&text, "outroute_messages_published_total{route=\"orders\",sink=\"kafka\"}"),
+        Some(work.committed.len() as f64)
+    );
+    assert!(text.contains("outroute_commit_to_ack_seconds_bucket"), "{text}");
+    assert!(text.contains("outroute_plugin_call_seconds_bucket"));
+    assert!(metric(&text, "outroute_lanes_owned").unwrap_or(0.0) >= 16.0);
+    let (ready, body) = http_get(&http, "/readyz").await?;
+    assert_eq!(ready, 200, "{body}");
+    assert_eq!(http_get(&http, "/healthz").await?.0, 200);
+
+    // Graceful shutdown: exits cleanly and gives its lanes back.
+    let status = relay.terminate(Duration::from_secs(15)).expect("relay did not stop within 15s of SIGTERM");
+    assert!(status.success(), "exit status {status:?}\n{}", relay.log_text());
+    assert_eq!(db.count("SELECT count(*) FROM outroute_lanes WHERE owner IS NOT NULL").await, 0);
+    db.drop_db().await;
+    Ok(())
+}
