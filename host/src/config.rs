@@ -528,7 +528,9 @@ pub fn load(file: &Path) -> Result<Loaded, ConfigErrors> {
     }
     let figment = Figment::new()
         .merge(Toml::file_exact(file))
-        .merge(Env::prefixed("OUTROUTE_").split("__"));
+        // Only `OUTROUTE_<TABLE>__<KEY>` names are config overrides; other
+        // OUTROUTE_* variables (OUTROUTE_CONFIG, test hooks) are not.
+        .merge(Env::prefixed("OUTROUTE_").filter(|k| k.as_str().contains("__")).split("__"));
     let config: Config = figment.extract().map_err(|e| {
         ConfigErrors(
             e.into_iter()

@@ -406,54 +406,48 @@ impl Relay {
         }
     }
 
-    /// Publish every message of every `Plan::Publish`; result per event index.
+    /// Publish every message of every `Plan::Publish`; result per event
+    /// index. Messages are handed to the brokers one by one in batch order
+    /// (so an aggregate's events keep their order on a partition/stream),
+    /// then all acknowledgements are awaited together.
     async fn publish(&self, events: &[(Claim, Plan)]) -> HashMap<usize, Result<(), PublishError>> {
-        let mut sends = Vec::new();
+        let mut acks: HashMap<usize, Result<(), PublishError>> = HashMap::new();
+        let mut pending = Vec::new();
         for (i, (claim, plan)) in events.iter().enumerate() {
             let (Plan::Publish { messages, .. }, Ok(ev)) = (plan, &claim.row) else { continue };
-            let span = tracing::debug_span!("event", event_id = %ev.id, aggregate = %ev.aggregate_id,
-                trace_id = ev.traceparent().and_then(|t| t.split('-').nth(1)).unwrap_or(""));
+            acks.insert(i, Ok(()));
             for (j, msg) in messages.iter().enumerate() {
+                let Some(sink) = self.sinks.get(&msg.sink) else {
+                    record(&mut acks, i, &msg.sink, PublishError::Permanent(format!("no sink `{}`", msg.sink)));
+                    continue;
+                };
                 let headers = envelope(ev, &self.source, &msg.headers);
                 let dedup = if j == 0 { ev.id.clone() } else { format!("{}:{j}", ev.id) };
-                let sink = self.sinks.get(&msg.sink);
-                let timeout = self.config.publish_timeout;
-                sends.push(
-                    async move {
-                        let Some(sink) = sink else {
-                            return (i, Err(PublishError::Permanent(format!("no sink `{}`", msg.sink))));
-                        };
-                        let out = Outgoing {
-                            topic: &msg.topic,
-                            key: msg.key.as_deref(),
-                            partition: msg.partition,
-                            headers: &headers,
-                            payload: &msg.payload,
-                            dedup_id: &dedup,
-                        };
-                        let r = match tokio::time::timeout(timeout + Duration::from_secs(5), sink.publish(out)).await {
-                            Ok(r) => r,
-                            Err(_) => Err(PublishError::Retryable(format!("no acknowledgement within {timeout:?}"))),
-                        };
-                        if let Err(e) = &r {
-                            let kind = if matches!(e, PublishError::Permanent(_)) { "permanent" } else { "retryable" };
-                            metrics::counter!(m::PUBLISH_ERRORS, "sink" => msg.sink.clone(), "kind" => kind).increment(1);
-                            tracing::debug!("publish failed: {e}");
-                        }
-                        (i, r)
-                    }
-                    .instrument(span.clone()),
-                );
+                let out = Outgoing {
+                    topic: &msg.topic,
+                    key: msg.key.as_deref(),
+                    partition: msg.partition,
+                    headers: &headers,
+                    payload: &msg.payload,
+                    dedup_id: &dedup,
+                };
+                match sink.send(out).await {
+                    Ok(ack) => pending.push((i, msg.sink.as_str(), ack)),
+                    Err(e) => record(&mut acks, i, &msg.sink, e),
+                }
             }
         }
-        let mut acks: HashMap<usize, Result<(), PublishError>> = HashMap::new();
-        for (i, r) in join_all(sends).await {
-            let slot = acks.entry(i).or_insert(Ok(()));
-            // Permanent beats retryable beats ok.
-            match (&slot, r) {
-                (_, Ok(())) => {}
-                (Err(PublishError::Permanent(_)), Err(_)) => {}
-                (_, Err(e)) => *slot = Err(e),
+        failpoint::hit("before-ack");
+        let timeout = self.config.publish_timeout + Duration::from_secs(5);
+        let waits = pending.into_iter().map(|(i, sink, ack)| async move {
+            match tokio::time::timeout(timeout, ack.wait()).await {
+                Ok(r) => (i, sink, r),
+                Err(_) => (i, sink, Err(PublishError::Retryable(format!("no acknowledgement within {timeout:?}")))),
+            }
+        });
+        for (i, sink, r) in join_all(waits).await {
+            if let Err(e) = r {
+                record(&mut acks, i, sink, e);
             }
         }
         acks
@@ -651,6 +645,17 @@ impl Relay {
                 }
             }
         }
+    }
+}
+
+/// Note a failed message of event `i` (permanent beats retryable).
+fn record(acks: &mut HashMap<usize, Result<(), PublishError>>, i: usize, sink: &str, e: PublishError) {
+    let kind = if matches!(e, PublishError::Permanent(_)) { "permanent" } else { "retryable" };
+    metrics::counter!(m::PUBLISH_ERRORS, "sink" => sink.to_string(), "kind" => kind).increment(1);
+    tracing::debug!(sink, "publish failed: {e}");
+    let slot = acks.entry(i).or_insert(Ok(()));
+    if !matches!(slot, Err(PublishError::Permanent(_))) {
+        *slot = Err(e);
     }
 }
 

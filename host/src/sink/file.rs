@@ -37,7 +37,8 @@ impl FileSink {
         Ok(FileSink { name: name.to_string(), out: Mutex::new(out) })
     }
 
-    pub async fn publish(&self, m: Outgoing<'_>) -> Result<(), PublishError> {
+    /// Write one line; written and flushed is acknowledged.
+    pub fn send(&self, m: Outgoing<'_>) -> Result<(), PublishError> {
         let payload = match serde_json::from_slice::<serde_json::Value>(m.payload) {
             Ok(v) => v,
             Err(_) => json!(String::from_utf8_lossy(m.payload)),

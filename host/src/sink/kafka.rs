@@ -10,7 +10,10 @@ use rdkafka::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
-use tokio::sync::Semaphore;
+use std::sync::Arc;
+
+use rdkafka::producer::DeliveryFuture;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::{Outgoing, PublishError};
 use crate::config::KafkaSinkConfig;
@@ -18,7 +21,25 @@ use crate::config::KafkaSinkConfig;
 pub struct KafkaSink {
     name: String,
     producer: FutureProducer,
-    in_flight: Semaphore,
+    in_flight: Arc<Semaphore>,
+}
+
+/// A message librdkafka has queued; resolves on its delivery report.
+pub struct PendingAck {
+    delivery: DeliveryFuture,
+    sink: String,
+    topic: String,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl PendingAck {
+    pub async fn wait(self) -> Result<(), PublishError> {
+        match self.delivery.await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err((e, _))) => Err(classify(&self.sink, &self.topic, e)),
+            Err(_) => Err(PublishError::Retryable(format!("kafka sink `{}`: producer went away", self.sink))),
+        }
+    }
 }
 
 impl KafkaSink {
@@ -40,13 +61,16 @@ impl KafkaSink {
         let producer: FutureProducer = cc
             .create()
             .with_context(|| format!("sinks.{name}: cannot create the Kafka producer"))?;
-        Ok(KafkaSink { name: name.to_string(), producer, in_flight: Semaphore::new(c.max_in_flight.max(1)) })
+        Ok(KafkaSink { name: name.to_string(), producer, in_flight: Arc::new(Semaphore::new(c.max_in_flight.max(1))) })
     }
 
-    pub async fn publish(&self, m: Outgoing<'_>) -> Result<(), PublishError> {
-        let _permit = self
+    /// Queue one message (waiting while too many are in flight or
+    /// librdkafka's queue is full); the delivery report comes later.
+    pub async fn send(&self, m: Outgoing<'_>) -> Result<PendingAck, PublishError> {
+        let permit = self
             .in_flight
-            .acquire()
+            .clone()
+            .acquire_owned()
             .await
             .map_err(|_| PublishError::Retryable("sink is shutting down".into()))?;
         let mut headers = OwnedHeaders::new_with_capacity(m.headers.len());
@@ -61,8 +85,6 @@ impl KafkaSink {
         if let Some(p) = m.partition {
             record = record.partition(p);
         }
-        // Enqueue (waiting while librdkafka's queue is full), then await the
-        // delivery report.
         let delivery = loop {
             match self.producer.send_result(record) {
                 Ok(d) => break d,
@@ -73,12 +95,7 @@ impl KafkaSink {
                 Err((e, _)) => return Err(classify(&self.name, m.topic, e)),
             }
         };
-        crate::failpoint::hit("before-ack");
-        match delivery.await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err((e, _))) => Err(classify(&self.name, m.topic, e)),
-            Err(_) => Err(PublishError::Retryable(format!("kafka sink `{}`: producer went away", self.name))),
-        }
+        Ok(PendingAck { delivery, sink: self.name.clone(), topic: m.topic.to_string(), _permit: permit })
     }
 
     pub async fn connected(&self) -> bool {

@@ -1,7 +1,10 @@
 //! Sinks: where messages go, and the only place that knows a broker's
-//! acknowledgement protocol. [`Sink::publish`] resolves only once the broker
-//! has acknowledged (Kafka delivery report, JetStream PubAck, file written),
-//! which is what lets the relay mark a row published afterwards.
+//! acknowledgement protocol. Publishing is two steps: [`Sink::send`] hands a
+//! message to the broker client *in call order* (so per-key order holds) and
+//! returns an [`Ack`]; [`Ack::wait`] resolves only once the broker has
+//! acknowledged (Kafka delivery report, JetStream PubAck, file written),
+//! which is what lets the relay mark a row published afterwards. Many acks
+//! are awaited at once; the number in flight per sink is bounded.
 //!
 //! Each sink is a config struct (in `config.rs`) plus a builder, in its own
 //! file. Every failure is classified: [`PublishError::Retryable`] (broker
@@ -49,14 +52,40 @@ pub enum Sink {
     File(file::FileSink),
 }
 
-impl Sink {
-    /// Publish one message and wait for the broker's acknowledgement.
-    pub async fn publish(&self, m: Outgoing<'_>) -> Result<(), PublishError> {
+/// A message handed to a broker, not yet acknowledged. Holds its in-flight
+/// permit until the acknowledgement arrives.
+pub enum Ack {
+    Kafka(kafka::PendingAck),
+    Nats(nats::PendingAck),
+    /// Already acknowledged (file sink, core NATS).
+    Done,
+}
+
+impl Ack {
+    /// Wait for the broker's acknowledgement.
+    pub async fn wait(self) -> Result<(), PublishError> {
         match self {
-            Sink::Kafka(s) => s.publish(m).await,
-            Sink::Nats(s) => s.publish(m).await,
-            Sink::File(s) => s.publish(m).await,
+            Ack::Kafka(a) => a.wait().await,
+            Ack::Nats(a) => a.wait().await,
+            Ack::Done => Ok(()),
         }
+    }
+}
+
+impl Sink {
+    /// Hand one message to the broker. Messages sent one after another reach
+    /// the broker in that order; await the returned [`Ack`] for durability.
+    pub async fn send(&self, m: Outgoing<'_>) -> Result<Ack, PublishError> {
+        match self {
+            Sink::Kafka(s) => s.send(m).await.map(Ack::Kafka),
+            Sink::Nats(s) => s.send(m).await,
+            Sink::File(s) => s.send(m).map(|()| Ack::Done),
+        }
+    }
+
+    /// Send and wait for the acknowledgement.
+    pub async fn publish(&self, m: Outgoing<'_>) -> Result<(), PublishError> {
+        self.send(m).await?.wait().await
     }
 
     /// Is the broker reachable right now (for `/readyz`)?

@@ -8,7 +8,10 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, context::PublishErrorKind, message::PublishMessage};
-use tokio::sync::Semaphore;
+use std::sync::Arc;
+
+use async_nats::jetstream::context::PublishAckFuture;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::{Outgoing, PublishError};
 use crate::config::{NatsMode, NatsSinkConfig};
@@ -17,7 +20,29 @@ pub struct NatsSink {
     name: String,
     client: async_nats::Client,
     js: Option<jetstream::Context>,
-    in_flight: Semaphore,
+    in_flight: Arc<Semaphore>,
+}
+
+/// A JetStream publish sent, awaiting its PubAck.
+pub struct PendingAck {
+    ack: PublishAckFuture,
+    sink: String,
+    subject: String,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl PendingAck {
+    pub async fn wait(self) -> Result<(), PublishError> {
+        self.ack.await.map(|_| ()).map_err(|e| classify(&self.sink, &self.subject, &e))
+    }
+}
+
+fn classify(sink: &str, subject: &str, e: &async_nats::jetstream::context::PublishError) -> PublishError {
+    let reason = format!("nats sink `{sink}`, subject `{subject}`: {e}");
+    match e.kind() {
+        PublishErrorKind::MaxPayloadExceeded => PublishError::Permanent(reason),
+        _ => PublishError::Retryable(reason),
+    }
 }
 
 impl NatsSink {
@@ -63,13 +88,15 @@ impl NatsSink {
                 Some(ctx)
             }
         };
-        Ok(NatsSink { name: name.to_string(), client, js, in_flight: Semaphore::new(c.max_in_flight.max(1)) })
+        Ok(NatsSink { name: name.to_string(), client, js, in_flight: Arc::new(Semaphore::new(c.max_in_flight.max(1))) })
     }
 
-    pub async fn publish(&self, m: Outgoing<'_>) -> Result<(), PublishError> {
-        let _permit = self
+    /// Send one message; JetStream's PubAck comes later (core NATS has none).
+    pub async fn send(&self, m: Outgoing<'_>) -> Result<super::Ack, PublishError> {
+        let permit = self
             .in_flight
-            .acquire()
+            .clone()
+            .acquire_owned()
             .await
             .map_err(|_| PublishError::Retryable("sink is shutting down".into()))?;
         let mut headers = HeaderMap::new();
@@ -78,26 +105,26 @@ impl NatsSink {
         }
         let payload = bytes::Bytes::copy_from_slice(m.payload);
         let subject = m.topic.to_string();
-        let err = |kind: &str, e: &dyn std::fmt::Display| format!("nats sink `{}`, subject `{}`: {kind}{e}", self.name, m.topic);
         match &self.js {
             Some(js) => {
                 let publish = PublishMessage::build().payload(payload).headers(headers).message_id(m.dedup_id);
-                let ack = js.send_publish(subject, publish).await.map_err(|e| match e.kind() {
-                    PublishErrorKind::MaxPayloadExceeded => PublishError::Permanent(err("", &e)),
-                    _ => PublishError::Retryable(err("", &e)),
-                })?;
-                crate::failpoint::hit("before-ack");
-                ack.await.map_err(|e| match e.kind() {
-                    PublishErrorKind::MaxPayloadExceeded => PublishError::Permanent(err("", &e)),
-                    _ => PublishError::Retryable(err("", &e)),
-                })?;
-                Ok(())
+                let ack = js
+                    .send_publish(subject, publish)
+                    .await
+                    .map_err(|e| classify(&self.name, m.topic, &e))?;
+                Ok(super::Ack::Nats(PendingAck {
+                    ack,
+                    sink: self.name.clone(),
+                    subject: m.topic.to_string(),
+                    _permit: permit,
+                }))
             }
             None => self
                 .client
                 .publish_with_headers(subject, headers, payload)
                 .await
-                .map_err(|e| PublishError::Retryable(err("", &e))),
+                .map(|()| super::Ack::Done)
+                .map_err(|e| PublishError::Retryable(format!("nats sink `{}`, subject `{}`: {e}", self.name, m.topic))),
         }
     }
 

@@ -557,9 +557,10 @@ impl PgStore {
             "SELECT r.relay_id, r.hostname, r.pid, extract(epoch from now() - r.heartbeat_at)::float8, \
                COALESCE(array_agg(l.lane ORDER BY l.lane) FILTER (WHERE l.lane IS NOT NULL), '{}') \
              FROM outroute_relays r LEFT JOIN outroute_lanes l ON l.source = r.source AND l.owner = r.relay_id AND l.lease_until > now() \
-             WHERE r.source = $1 GROUP BY 1, 2, 3, 4 ORDER BY 1",
+             WHERE r.source = $1 AND r.heartbeat_at > now() - make_interval(secs => $2) GROUP BY 1, 2, 3, 4 ORDER BY 1",
         )
         .bind(&self.source)
+        .bind(self.lease_ttl.as_secs_f64())
         .fetch_all(&self.pool)
         .await?
         .iter()
