@@ -137,10 +137,17 @@ pub struct StoreConfig {
     /// Pool size.
     #[serde(default = "default_max_connections")]
     pub max_connections: u32,
-    /// The outbox table and how its columns map (defaults: the canonical
-    /// table created by `outroute migrate`).
+    /// The outbox table and how its columns map. Unset: the canonical table
+    /// created by `outroute migrate`.
     #[serde(default)]
-    pub table: TableConfig,
+    pub table: Option<TableConfig>,
+}
+
+impl StoreConfig {
+    /// The table mapping in force (the canonical table when unset).
+    pub fn table(&self) -> TableConfig {
+        self.table.clone().unwrap_or_else(TableConfig::canonical)
+    }
 }
 
 fn default_max_connections() -> u32 {
@@ -179,40 +186,51 @@ impl Default for Marking {
     }
 }
 
-/// Column mapping of the outbox table. Unset optional columns are absent in
-/// the table; constants stand in where noted.
+/// Column mapping of an outbox table. Optional columns left unset are
+/// absent from the table; constants stand in where noted. Two existing
+/// shapes are shown in `examples/`.
 #[derive(Debug, Clone, Deserialize, Serialize, JsonSchema, PartialEq, Eq)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct TableConfig {
     /// Table name, optionally schema-qualified (`app.outbox`).
     pub name: String,
     pub id: String,
     /// Monotonic ordering column. Unset: `created_at` orders events.
+    #[serde(default)]
     pub sequence: Option<String>,
     /// Aggregate type column; unset: `aggregate_type_value` is used.
+    #[serde(default)]
     pub aggregate_type: Option<String>,
     /// Constant aggregate type for tables without the column.
+    #[serde(default)]
     pub aggregate_type_value: Option<String>,
     pub aggregate_id: String,
     pub event_type: String,
     /// Schema version column; unset: every event is version 1.
+    #[serde(default)]
     pub event_version: Option<String>,
     pub payload: String,
     /// Headers column (JSON object); unset: no producer headers.
+    #[serde(default)]
     pub headers: Option<String>,
     pub created_at: String,
     /// Attempts counter kept up to date in the table too (optional).
+    #[serde(default)]
     pub attempts: Option<String>,
     /// Last error text kept in the table too (optional).
+    #[serde(default)]
     pub last_error: Option<String>,
     /// Timestamp set when an event fails (optional); failed rows are then
     /// excluded from the pending index.
+    #[serde(default)]
     pub failed_at: Option<String>,
+    #[serde(default)]
     pub marking: Marking,
 }
 
-impl Default for TableConfig {
-    fn default() -> Self {
+impl TableConfig {
+    /// The table `outroute migrate` creates.
+    pub fn canonical() -> Self {
         TableConfig {
             name: "outbox".into(),
             id: "id".into(),
@@ -626,7 +644,7 @@ impl Loaded {
                 format!("`{}` is neither a postgres:// nor a sqlite: URL", redact_url(&c.store.url)),
             );
         }
-        let t = &c.store.table;
+        let t = &c.store.table();
         let mut cols: Vec<(&str, &str)> = vec![
             ("id", &t.id),
             ("aggregate_id", &t.aggregate_id),
@@ -798,7 +816,7 @@ allow = { kafka = ["orders.*"] }
         let d = tmp();
         let l = load(&write(&d, GOOD)).unwrap();
         assert_eq!(l.config.routes[0].max_attempts, 10);
-        assert_eq!(l.config.store.table, TableConfig::default());
+        assert_eq!(l.config.store.table(), TableConfig::canonical());
     }
 
     #[test]
@@ -832,7 +850,7 @@ allow = { kafka = ["orders.*"] }
         let d = tmp();
         let body = GOOD.replace(
             "[sinks.kafka]",
-            "[store.table]\nname = \"outbox; drop table x\"\n[sinks.kafka]",
+            "[store.table]\nname = \"outbox; drop table x\"\nid = \"id\"\naggregate_id = \"a\"\nevent_type = \"e\"\npayload = \"p\"\ncreated_at = \"c\"\n[sinks.kafka]",
         );
         let text = load(&write(&d, &body)).unwrap_err().to_string();
         assert!(text.contains("store.table.name"), "{text}");

@@ -105,7 +105,7 @@ impl Relay {
             plugins,
             sinks,
             config: config.relay.clone(),
-            source: format!("/outroute/{}", config.store.table.name),
+            source: format!("/outroute/{}", config.store.table().name),
             health,
         })
     }

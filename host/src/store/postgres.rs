@@ -30,7 +30,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
-use chrono::{DateTime, Utc};
+use chrono::Utc;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{ConnectOptions, Row};
 
@@ -157,12 +157,12 @@ impl PgStore {
             .with_context(|| format!("connecting to {}", crate::config::redact_url(&sc.url)))?;
         Ok(PgStore {
             pool,
-            source: sc.table.name.clone(),
+            source: sc.table().name,
             relay_id: relay_id.to_string(),
             lanes: config.relay.lanes,
             lease_ttl: config.relay.lease_ttl,
             ordering: config.relay.ordering,
-            cfg: sc.table.clone(),
+            cfg: sc.table(),
             sql: None,
         })
     }
@@ -439,11 +439,15 @@ impl PgStore {
         let s = self.sql()?;
         let mut recorded = 0;
         for f in failures {
+            // blocks_until: the retry time, 'infinity' (failed, policy block)
+            // or '-infinity' (failed, policy skip).
             let (next, blocks, failed) = match f.kind {
-                FailureKind::Retry { next_attempt_at } => (next_attempt_at, Some(next_attempt_at), false),
-                FailureKind::Failed { hold } => (Utc::now(), if hold { None } else { Some(DateTime::<Utc>::MIN_UTC) }, true),
+                FailureKind::Retry { next_attempt_at } => (next_attempt_at, "retry", false),
+                FailureKind::Failed { hold: true } => (Utc::now(), "hold", true),
+                FailureKind::Failed { hold: false } => (Utc::now(), "none", true),
             };
-            let blocks_sql = if blocks.is_none() { "'infinity'::timestamptz" } else { "$8" };
+            let blocks_sql =
+                "CASE $8 WHEN 'hold' THEN 'infinity'::timestamptz WHEN 'none' THEN '-infinity'::timestamptz ELSE $10 END";
             let q = format!(
                 "INSERT INTO outroute_event_state AS st (source, event_id, aggregate_type, aggregate_id, seq, event_type, \
                    attempts, next_attempt_at, blocks_until, last_error, route, plugin, plugin_version, failed_at) \
@@ -463,7 +467,7 @@ impl PgStore {
                 .bind(&f.aggregate_id)
                 .bind(f.sequence)
                 .bind(&f.event_type)
-                .bind(blocks.unwrap_or(DateTime::<Utc>::MAX_UTC))
+                .bind(blocks)
                 .bind(f.attempts as i32)
                 .bind(next)
                 .bind(&f.reason)

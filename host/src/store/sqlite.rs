@@ -33,7 +33,7 @@ const COLS: &str = "o.id AS id, o.seq AS seq, o.aggregate_type AS aggregate_type
 
 impl SqliteStore {
     pub async fn connect(c: &StoreConfig) -> Result<Self> {
-        if c.table != TableConfig::default() {
+        if c.table() != TableConfig::canonical() {
             bail!("store.table: the SQLite store supports only the canonical table; map existing tables on PostgreSQL");
         }
         let opts = SqliteConnectOptions::from_str(&c.url)

@@ -1,0 +1,290 @@
+//! The PostgreSQL store against a real server: lease fencing and takeover,
+//! retention, and the two existing-table shapes from the seed articles
+//! relayed end to end (to NATS JetStream) without migrating them, including
+//! the operator workflow for a malformed row (`failed list` → fix → `failed
+//! retry`).
+
+use std::path::Path;
+use std::time::Duration;
+
+use outroute::store::Store;
+use outroute_e2e::*;
+
+async fn open(config: &Path, relay_id: &str) -> anyhow::Result<Store> {
+    let loaded = outroute::config::load(config).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut s = Store::connect(&loaded.config, relay_id).await?;
+    s.migrate(false).await?;
+    s.check_table().await?;
+    Ok(s)
+}
+
+fn file_sink_body(dir: &Path, table: &str) -> String {
+    format!(
+        r#"
+[http]
+listen = ""
+{table}
+[sinks.file]
+kind = "file"
+path = "{out}"
+[plugins.order-router]
+path = "{plugin}"
+[[routes]]
+name = "orders"
+plugin = "order-router"
+config = {{ sink = "file", topic = "orders.{{event_type}}" }}
+allow = {{ file = ["orders.*"] }}
+"#,
+        out = dir.join("out.jsonl").display(),
+        plugin = plugin("order-router").display()
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn expired_lease_is_taken_over_and_the_old_owner_cannot_mark() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("fence");
+    let config = write_config(&dir, &db.url, "lanes = 4\nlease_ttl = \"5s\"", &file_sink_body(&dir, ""))?;
+    db.migrate(&config)?;
+    let work = produce(&db.pool, "agg", 10, 2, 0).await?;
+
+    let a = open(&config, "relay-a").await?;
+    let la = a.lease_round().await?;
+    assert_eq!(la.lanes, vec![0, 1, 2, 3]);
+    let claimed = a.claim(&la.lanes, 100).await?;
+    assert_eq!(claimed.len(), work.committed.len());
+    let ids: Vec<String> = claimed.iter().map(|c| c.id().to_string()).collect();
+
+    // Relay A stalls (GC pause, network cut): its lease lapses, its heartbeat stops.
+    sqlx::query("UPDATE outroute_lanes SET lease_until = now() - interval '1 second'").execute(&db.pool).await?;
+    sqlx::query("UPDATE outroute_relays SET heartbeat_at = now() - interval '1 hour' WHERE relay_id = 'relay-a'")
+        .execute(&db.pool)
+        .await?;
+    let b = open(&config, "relay-b").await?;
+    let lb = b.lease_round().await?;
+    assert_eq!(lb.lanes, vec![0, 1, 2, 3], "B takes over every lapsed lane");
+    assert_eq!(lb.acquired, 4);
+
+    // A wakes up and tries to mark what it published: fenced out.
+    assert_eq!(a.mark_published(&ids).await?, 0, "a fenced-out relay marked rows");
+    assert_eq!(db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await, 0);
+    // A's renewal finds nothing left to renew.
+    assert!(a.lease_round().await?.lanes.is_empty() || db.count("SELECT count(*) FROM outroute_lanes WHERE owner = 'relay-a'").await == 0);
+
+    // B claims the same events and marks them exactly once.
+    let again = b.claim(&lb.lanes, 100).await?;
+    assert_eq!(again.len(), ids.len());
+    assert_eq!(b.mark_published(&ids).await?, ids.len() as u64);
+    assert_eq!(b.mark_published(&ids).await?, 0, "a second mark changed rows");
+    assert_eq!(a.mark_published(&ids).await?, 0);
+    assert_eq!(db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await, ids.len() as i64);
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn retention_deletes_only_published_rows_past_the_window() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("retention");
+    let config = write_config(&dir, &db.url, "", &file_sink_body(&dir, ""))?;
+    db.migrate(&config)?;
+    produce(&db.pool, "agg", 10, 3, 0).await?; // 30 rows
+    sqlx::query("UPDATE outbox SET published_at = now() - interval '3 days' WHERE seq <= 10").execute(&db.pool).await?;
+    sqlx::query("UPDATE outbox SET published_at = now() - interval '1 hour' WHERE seq > 10 AND seq <= 20").execute(&db.pool).await?;
+    let s = open(&config, "purger").await?;
+    let mut deleted = 0;
+    loop {
+        let n = s.purge_published(Duration::from_secs(86_400), 3).await?;
+        deleted += n;
+        if n < 3 {
+            break;
+        }
+    }
+    assert_eq!(deleted, 10);
+    assert_eq!(db.count("SELECT count(*) FROM outbox WHERE seq <= 10").await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await, 10);
+    assert_eq!(db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL").await, 10);
+    db.drop_db().await;
+    Ok(())
+}
+
+const OUTBOX_EVENTS: &str = r#"
+[store.table]
+name = "outbox_events"
+id = "id"
+aggregate_type_value = "order"
+aggregate_id = "aggregate_id"
+event_type = "event_type"
+payload = "payload"
+created_at = "created_at"
+attempts = "attempts"
+marking = { style = "published_at", column = "published_at" }
+"#;
+
+const T_OUTBOX: &str = r#"
+[store.table]
+name = "t_outbox"
+id = "event_id"
+aggregate_type = "aggregate_type"
+aggregate_id = "aggregate_id"
+event_type = "event_type"
+payload = "payload"
+created_at = "create_time"
+attempts = "retry_count"
+marking = { style = "status", column = "status", pending = "PENDING", sent = "SENT" }
+"#;
+
+fn nats_body(t: &str, table: &str) -> String {
+    format!(
+        r#"
+[http]
+listen = ""
+{table}
+[sinks.nats]
+kind = "nats"
+url = "{NATS}"
+[plugins.order-router]
+path = "{plugin}"
+[[routes]]
+name = "orders"
+plugin = "order-router"
+config = {{ sink = "nats", topic = "l{t}.{{event_type}}" }}
+allow = {{ nats = ["l{t}.*"] }}
+max_attempts = 1
+on_failure = "skip"
+"#,
+        plugin = plugin("order-router").display()
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn existing_tables_relay_without_migration() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let t = tag();
+    let js = nats_stream(&format!("L{t}"), vec![format!("l{t}.>")]).await?;
+    // The two shapes, exactly as the seed articles define them.
+    sqlx::query(
+        "CREATE TABLE outbox_events (id uuid PRIMARY KEY, event_type text NOT NULL, aggregate_id uuid NOT NULL, \
+         payload json NOT NULL, created_at timestamptz NOT NULL DEFAULT clock_timestamp(), published_at timestamptz, \
+         attempts int NOT NULL DEFAULT 0, lease_owner text, lease_until timestamptz)",
+    )
+    .execute(&db.pool)
+    .await?;
+    sqlx::query(
+        "CREATE TABLE t_outbox (event_id varchar(64) PRIMARY KEY, aggregate_type varchar(64), aggregate_id varchar(64), \
+         event_type varchar(128) NOT NULL, payload text, status varchar(16) NOT NULL DEFAULT 'PENDING', \
+         retry_count int NOT NULL DEFAULT 0, create_time timestamp NOT NULL DEFAULT clock_timestamp())",
+    )
+    .execute(&db.pool)
+    .await?;
+    let agg = uuid::Uuid::new_v4();
+    let mut ids1 = Vec::new();
+    for i in 0..20 {
+        let id = uuid::Uuid::new_v4();
+        sqlx::query("INSERT INTO outbox_events (id, event_type, aggregate_id, payload) VALUES ($1, 'order-created', $2, $3)")
+            .bind(id)
+            .bind(agg)
+            .bind(serde_json::json!({"n": i}))
+            .execute(&db.pool)
+            .await?;
+        ids1.push(id.to_string());
+    }
+    let mut ids2 = Vec::new();
+    for i in 0..20 {
+        let id = format!("evt-{i}");
+        sqlx::query("INSERT INTO t_outbox (event_id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'order', $2, 'order-paid', $3)")
+            .bind(&id)
+            .bind(format!("o-{}", i % 4))
+            .bind(format!("{{\"n\": {i}}}"))
+            .execute(&db.pool)
+            .await?;
+        ids2.push(id);
+    }
+    // Producer bugs: a payload that is not JSON, a NULL aggregate id.
+    sqlx::query("INSERT INTO t_outbox (event_id, aggregate_type, aggregate_id, event_type, payload) VALUES ('bad-json', 'order', 'o-x', 'order-paid', '{oops')")
+        .execute(&db.pool)
+        .await?;
+    sqlx::query("INSERT INTO t_outbox (event_id, aggregate_type, aggregate_id, event_type, payload) VALUES ('null-agg', 'order', NULL, 'order-paid', '{}')")
+        .execute(&db.pool)
+        .await?;
+
+    let dir1 = test_dir("legacy1");
+    let c1 = write_config(&dir1, &db.url, "lease_ttl = \"2s\"", &nats_body(&t, OUTBOX_EVENTS))?;
+    let dir2 = test_dir("legacy2");
+    let c2 = write_config(&dir2, &db.url, "lease_ttl = \"2s\"", &nats_body(&t, T_OUTBOX))?;
+    let mut r1 = Relay::start(&c1, &[])?;
+    let mut r2 = Relay::start(&c2, &[])?;
+    let delivered = consume_nats(&js, &format!("L{t}"), 40, Duration::from_secs(60)).await?;
+    let got: std::collections::HashSet<String> = delivered.iter().map(|d| d.id().to_string()).collect();
+    for id in ids1.iter().chain(&ids2) {
+        assert!(got.contains(id), "event {id} not delivered");
+    }
+    assert!(!got.contains("bad-json") && !got.contains("null-agg"));
+    // outbox_events: the 20 events of one aggregate arrive in created_at order.
+    let order: Vec<i64> = delivered
+        .iter()
+        .filter(|d| d.headers.get("ce_aggregatetype").map(String::as_str) == Some("order") && ids1.contains(&d.id().to_string()))
+        .map(|d| serde_json::from_slice::<serde_json::Value>(&d.payload).ok().and_then(|v| v["n"].as_i64()).unwrap_or(-1))
+        .collect();
+    assert_eq!(order, (0..20).collect::<Vec<_>>());
+    // Marked in the table's own style.
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            db.count("SELECT count(*) FROM outbox_events WHERE published_at IS NULL").await == 0
+                && db.count("SELECT count(*) FROM t_outbox WHERE status = 'SENT'").await == 20
+        })
+        .await
+    );
+    // The bad rows failed with their reasons, recorded beside the table; the
+    // relay did not loop on them (attempts mirrored into retry_count).
+    let c2s = c2.to_str().unwrap_or_default().to_string();
+    let listed = eventually(Duration::from_secs(10), || async {
+        cli(&["failed", "list", "--json", "-c", &c2s]).is_ok_and(|(_, out, _)| out.matches("\"id\"").count() == 2)
+    })
+    .await;
+    let (code, out, err) = cli(&["failed", "list", "--json", "-c", &c2s])?;
+    assert!(listed && code == 0, "{out}{err}\n{}", r2.log_text());
+    let failed: serde_json::Value = serde_json::from_str(&out)?;
+    let reasons: Vec<(String, String)> = failed
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|f| (f["id"].as_str().unwrap_or("").to_string(), f["reason"].as_str().unwrap_or("").to_string()))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert_eq!(reasons.len(), 2, "{out}");
+    assert!(reasons.iter().any(|(id, r)| id == "bad-json" && r.contains("payload is not valid JSON")), "{out}");
+    assert!(reasons.iter().any(|(id, r)| id == "null-agg" && r.contains("aggregate_id is NULL")), "{out}");
+    assert_eq!(db.count("SELECT retry_count::bigint FROM t_outbox WHERE event_id = 'bad-json'").await, 1);
+    let (_, status, _) = cli(&["status", "--json", "-c", c2.to_str().unwrap_or_default()])?;
+    let status: serde_json::Value = serde_json::from_str(&status)?;
+    assert_eq!(status["backlog"], 0, "{status}");
+    assert_eq!(status["failed"], 2, "{status}");
+
+    // The operator fixes the payload and retries: it is published.
+    sqlx::query("UPDATE t_outbox SET payload = '{\"fixed\": true}' WHERE event_id = 'bad-json'").execute(&db.pool).await?;
+    let (code, out, err) = cli(&["failed", "retry", "--id", "bad-json", "-c", c2.to_str().unwrap_or_default()])?;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("1 event(s) put back"), "{out}");
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            db.count("SELECT count(*) FROM t_outbox WHERE event_id = 'bad-json' AND status = 'SENT'").await == 1
+        })
+        .await,
+        "retried event not published"
+    );
+    // And the NULL-aggregate row is discarded for good.
+    let (code, out, _) = cli(&["failed", "discard", "--id", "null-agg", "-c", c2.to_str().unwrap_or_default()])?;
+    assert_eq!(code, 0);
+    assert!(out.contains("1 event(s) discarded"), "{out}");
+    let (_, out, _) = cli(&["failed", "list", "--json", "-c", c2.to_str().unwrap_or_default()])?;
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&out)?.as_array().map(Vec::len), Some(0), "{out}");
+    let (_, out, _) = cli(&["failed", "show", "null-agg", "-c", c2.to_str().unwrap_or_default()])?;
+    assert!(out.contains("\"discarded_at\""), "{out}");
+
+    r1.terminate(Duration::from_secs(15));
+    r2.terminate(Duration::from_secs(15));
+    db.drop_db().await;
+    Ok(())
+}
