@@ -337,6 +337,7 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
     );
     let (mut sent, mut failed) = (0usize, Vec::new());
     let mut after = i64::MIN;
+    let run = Utc::now().format("%Y%m%dT%H%M%S").to_string();
     loop {
         let page = store.published(&filter, after, 500).await?;
         let Some(last) = page.last() else { break };
@@ -345,7 +346,7 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
             Err(m) => m.sequence,
         };
         let n = page.len();
-        let (ok, bad) = relay.replay_batch(page).await;
+        let (ok, bad) = relay.replay_batch(page, &run).await;
         sent += ok.len();
         failed.extend(bad);
         bar.inc(n as u64);

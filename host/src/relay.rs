@@ -62,7 +62,7 @@ pub(crate) enum Plan {
 }
 
 /// How many events a batch published, held and failed.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct BatchReport {
     pub published: usize,
     pub held: usize,
@@ -71,6 +71,8 @@ pub struct BatchReport {
     /// Every publish in the batch failed with a retryable error: the broker
     /// is likely down; the worker backs off.
     pub outage: bool,
+    /// One of the errors behind an outage, for the log.
+    pub outage_reason: Option<String>,
 }
 
 /// The lanes a relay may claim from, and until when that is safe.
@@ -201,7 +203,7 @@ impl Relay {
             let span = tracing::info_span!("batch", worker = index, events = claims.len());
             match self.process(claims, Some(valid_until)).instrument(span).await {
                 Ok(report) if report.outage => {
-                    tracing::warn!(backoff = ?outage_backoff, "every publish failed; backing off");
+                    tracing::warn!(backoff = ?outage_backoff, reason = report.outage_reason.as_deref().unwrap_or(""), "every publish failed; backing off");
                     sleep_or_cancel(jitter(outage_backoff), &shutdown).await;
                     outage_backoff = (outage_backoff * 2).min(Duration::from_secs(10));
                 }
@@ -250,9 +252,10 @@ impl Relay {
         if lease_valid_until.is_some_and(|t| Instant::now() >= t) {
             anyhow::bail!("lane lease expired before publishing; leaving the batch to the next owner");
         }
-        let acks = self.publish(&events).await;
+        let acks = self.publish(&events, None).await;
         report.outage = !acks.is_empty() && acks.values().all(|r| matches!(r, Err(PublishError::Retryable(_))));
         if report.outage {
+            report.outage_reason = acks.values().find_map(|r| r.as_ref().err().map(|e| e.to_string()));
             // Nothing went out: leave every event pending; the worker backs off.
             return Ok(report);
         }
@@ -410,7 +413,11 @@ impl Relay {
     /// index. Messages are handed to the brokers one by one in batch order
     /// (so an aggregate's events keep their order on a partition/stream),
     /// then all acknowledgements are awaited together.
-    async fn publish(&self, events: &[(Claim, Plan)]) -> HashMap<usize, Result<(), PublishError>> {
+    ///
+    /// `replay`: tags broker-side dedup ids (JetStream `Nats-Msg-Id`) so a
+    /// deliberate re-publish is not dropped as a duplicate; consumers still
+    /// see the same `ce_id`.
+    async fn publish(&self, events: &[(Claim, Plan)], replay: Option<&str>) -> HashMap<usize, Result<(), PublishError>> {
         let mut acks: HashMap<usize, Result<(), PublishError>> = HashMap::new();
         let mut pending = Vec::new();
         for (i, (claim, plan)) in events.iter().enumerate() {
@@ -422,7 +429,10 @@ impl Relay {
                     continue;
                 };
                 let headers = envelope(ev, &self.source, &msg.headers);
-                let dedup = if j == 0 { ev.id.clone() } else { format!("{}:{j}", ev.id) };
+                let mut dedup = if j == 0 { ev.id.clone() } else { format!("{}:{j}", ev.id) };
+                if let Some(tag) = replay {
+                    dedup = format!("{dedup}:replay-{tag}");
+                }
                 let out = Outgoing {
                     topic: &msg.topic,
                     key: msg.key.as_deref(),
@@ -690,9 +700,9 @@ impl Relay {
     /// Re-publish already-published events (operator `replay`): plan and
     /// publish, never mark and never record failures. Returns the ids that
     /// went out and the ones that did not, with reasons.
-    pub async fn replay_batch(&self, claims: Vec<Claim>) -> (Vec<String>, Vec<(String, String)>) {
+    pub async fn replay_batch(&self, claims: Vec<Claim>, run: &str) -> (Vec<String>, Vec<(String, String)>) {
         let events = self.plan(claims).await;
-        let acks = self.publish(&events).await;
+        let acks = self.publish(&events, Some(run)).await;
         let mut ok = Vec::new();
         let mut failed = Vec::new();
         for (i, (claim, plan)) in events.iter().enumerate() {

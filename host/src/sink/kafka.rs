@@ -10,7 +10,8 @@ use rdkafka::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
 
 use rdkafka::producer::DeliveryFuture;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -20,13 +21,20 @@ use crate::config::KafkaSinkConfig;
 
 pub struct KafkaSink {
     name: String,
-    producer: FutureProducer,
+    /// Replaced when librdkafka reports a fatal error (e.g. the idempotent
+    /// producer lost its sequence after a broker stall): a fatal producer
+    /// never recovers on its own.
+    producer: RwLock<FutureProducer>,
+    client_config: ClientConfig,
+    /// Set when the broker stopped accepting this producer's identity.
+    reset: Arc<AtomicBool>,
     in_flight: Arc<Semaphore>,
 }
 
 /// A message librdkafka has queued; resolves on its delivery report.
 pub struct PendingAck {
     delivery: DeliveryFuture,
+    reset: Arc<AtomicBool>,
     sink: String,
     topic: String,
     _permit: OwnedSemaphorePermit,
@@ -36,10 +44,26 @@ impl PendingAck {
     pub async fn wait(self) -> Result<(), PublishError> {
         match self.delivery.await {
             Ok(Ok(_)) => Ok(()),
-            Ok(Err((e, _))) => Err(classify(&self.sink, &self.topic, e)),
+            Ok(Err((e, _))) => {
+                if fences_producer(&e) {
+                    self.reset.store(true, Ordering::Relaxed);
+                }
+                Err(classify(&self.sink, &self.topic, e))
+            }
             Err(_) => Err(PublishError::Retryable(format!("kafka sink `{}`: producer went away", self.sink))),
         }
     }
+}
+
+/// Errors after which the broker will not take more from this producer
+/// identity (idempotent sequence lost after a stall): only a new producer
+/// helps.
+fn fences_producer(e: &KafkaError) -> bool {
+    use RDKafkaErrorCode as C;
+    matches!(
+        e.rdkafka_error_code(),
+        Some(C::ProducerFenced | C::InvalidProducerEpoch | C::UnknownProducerId | C::OutOfOrderSequenceNumber)
+    )
 }
 
 impl KafkaSink {
@@ -61,7 +85,7 @@ impl KafkaSink {
         let producer: FutureProducer = cc
             .create()
             .with_context(|| format!("sinks.{name}: cannot create the Kafka producer"))?;
-        Ok(KafkaSink { name: name.to_string(), producer, in_flight: Arc::new(Semaphore::new(c.max_in_flight.max(1))) })
+        Ok(KafkaSink { name: name.to_string(), producer: RwLock::new(producer), client_config: cc, reset: Arc::new(AtomicBool::new(false)), in_flight: Arc::new(Semaphore::new(c.max_in_flight.max(1))) })
     }
 
     /// Queue one message (waiting while too many are in flight or
@@ -85,8 +109,9 @@ impl KafkaSink {
         if let Some(p) = m.partition {
             record = record.partition(p);
         }
+        let producer = self.healthy_producer();
         let delivery = loop {
-            match self.producer.send_result(record) {
+            match producer.send_result(record) {
                 Ok(d) => break d,
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
                     record = r;
@@ -95,18 +120,43 @@ impl KafkaSink {
                 Err((e, _)) => return Err(classify(&self.name, m.topic, e)),
             }
         };
-        Ok(PendingAck { delivery, sink: self.name.clone(), topic: m.topic.to_string(), _permit: permit })
+        Ok(PendingAck { delivery, reset: self.reset.clone(), sink: self.name.clone(), topic: m.topic.to_string(), _permit: permit })
+    }
+
+    /// The current producer, replaced first if librdkafka declared it dead.
+    fn healthy_producer(&self) -> FutureProducer {
+        let current = match self.producer.read() {
+            Ok(p) => p.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        };
+        let fatal = current.client().fatal_error();
+        if fatal.is_none() && !self.reset.swap(false, Ordering::Relaxed) {
+            return current;
+        }
+        tracing::warn!(sink = %self.name, ?fatal, "the broker no longer accepts this Kafka producer; creating a new one");
+        match self.client_config.create::<FutureProducer>() {
+            Ok(fresh) => {
+                if let Ok(mut p) = self.producer.write() {
+                    *p = fresh.clone();
+                }
+                fresh
+            }
+            Err(e) => {
+                tracing::error!(sink = %self.name, "cannot recreate the Kafka producer: {e}");
+                current
+            }
+        }
     }
 
     pub async fn connected(&self) -> bool {
-        let p = self.producer.clone();
+        let p = self.healthy_producer();
         tokio::task::spawn_blocking(move || p.client().fetch_metadata(None, Duration::from_secs(2)).is_ok())
             .await
             .unwrap_or(false)
     }
 
     pub async fn flush(&self) {
-        let p = self.producer.clone();
+        let p = self.healthy_producer();
         let _ = tokio::task::spawn_blocking(move || p.flush(Duration::from_secs(5))).await;
     }
 }

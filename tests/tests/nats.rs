@@ -1,0 +1,146 @@
+//! NATS JetStream and fan-out: one event to a Kafka topic and a NATS
+//! subject, both acknowledged before the row is marked; JetStream drops a
+//! re-sent duplicate by `Nats-Msg-Id`; oversize messages fail for good;
+//! `replay` re-publishes exactly the selected events.
+
+use std::time::Duration;
+
+use outroute::config::{NatsMode, NatsSinkConfig};
+use outroute::sink::nats::NatsSink;
+use outroute::sink::{Outgoing, PublishError};
+use outroute_e2e::*;
+
+fn fanout_config(dir: &std::path::Path, db: &TestDb, t: &str) -> anyhow::Result<std::path::PathBuf> {
+    write_config(
+        dir,
+        &db.url,
+        "lease_ttl = \"3s\"",
+        &format!(
+            r#"
+[http]
+listen = ""
+[sinks.kafka]
+kind = "kafka"
+brokers = "{KAFKA}"
+[sinks.nats]
+kind = "nats"
+url = "{NATS}"
+[plugins.fanout]
+path = "{plugin}"
+[[routes]]
+name = "fanout"
+plugin = "fanout"
+config = {{ targets = [ {{ sink = "kafka", topic = "f{t}.{{event_type}}" }}, {{ sink = "nats", topic = "f{t}.{{aggregate_id}}.{{event_type}}" }} ] }}
+allow = {{ kafka = ["f{t}.*"], nats = ["f{t}.**"] }}
+"#,
+            plugin = plugin("fanout").display()
+        ),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn fanout_reaches_kafka_and_jetstream_and_replay_republishes_the_selection() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let t = tag();
+    let topic = format!("f{t}.order-updated");
+    create_topic(&topic, 3).await?;
+    let stream = format!("F{t}");
+    let js = nats_stream(&stream, vec![format!("f{t}.>")]).await?;
+    let dir = test_dir("fanout");
+    let config = fanout_config(&dir, &db, &t)?;
+    db.migrate(&config)?;
+    let work = produce(&db.pool, "agg", 20, 5, 6).await?;
+
+    let mut relay = Relay::start(&config, &[])?;
+    let kafka = consume_kafka(&topic, 3, work.committed.len(), Duration::from_secs(60))?;
+    let nats = consume_nats(&js, &stream, work.committed.len(), Duration::from_secs(60)).await?;
+    let (rk, rn) = (check(&work, &kafka), check(&work, &nats));
+    println!("fanout kafka: {rk}\nfanout nats: {rn}");
+    rk.assert_clean();
+    rn.assert_clean();
+    for m in &nats {
+        assert_eq!(m.headers.get("Nats-Msg-Id").map(String::as_str), Some(format!("{}:1", m.id()).as_str()));
+        assert!(m.topic.starts_with(&format!("f{t}.{}.", m.aggregate())), "{}", m.topic);
+        assert!(m.headers.contains_key("traceparent") && m.headers.contains_key("ce_time"));
+    }
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL").await == 0
+        })
+        .await
+    );
+    relay.terminate(Duration::from_secs(15));
+
+    // Replay one aggregate: exactly its events go out again, to both sinks.
+    let cfg = config.to_str().unwrap_or_default();
+    let selected: Vec<&Expected> = work.committed.iter().filter(|e| e.aggregate_id == "agg-3").collect();
+    let (code, out, err) = cli(&["replay", "--aggregate-id", "agg-3", "--dry-run", "-c", cfg])?;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with(&format!("{} published event(s) match", selected.len())), "{out}");
+    let (code, out, err) = cli(&["replay", "--aggregate-id", "agg-3", "-c", cfg])?;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains(&format!("re-published {} event(s)", selected.len())), "{out}");
+    let kafka2 = consume_kafka(&topic, 3, usize::MAX, Duration::from_secs(5))?;
+    let nats2 = consume_nats(&js, &stream, usize::MAX, Duration::from_secs(3)).await?;
+    for (name, before, after) in [("kafka", &kafka, &kafka2), ("nats", &nats, &nats2)] {
+        // What arrived after the replay, beyond what was there before.
+        let mut seen: std::collections::HashMap<&str, i64> = std::collections::HashMap::new();
+        for d in before.iter() {
+            *seen.entry(d.id()).or_default() -= 1;
+        }
+        for d in after.iter() {
+            *seen.entry(d.id()).or_default() += 1;
+        }
+        let mut extra_ids: Vec<&str> =
+            seen.iter().flat_map(|(id, n)| std::iter::repeat_n(*id, (*n).max(0) as usize)).collect();
+        extra_ids.sort();
+        let mut want: Vec<&str> = selected.iter().map(|e| e.id.as_str()).collect();
+        want.sort();
+        assert_eq!(extra_ids, want, "{name}: replay re-published something else");
+    }
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn jetstream_drops_a_resent_duplicate_and_refuses_oversize() -> anyhow::Result<()> {
+    let t = tag();
+    let stream = format!("D{t}");
+    let js = nats_stream(&stream, vec![format!("d{t}.>")]).await?;
+    let cfg = NatsSinkConfig {
+        url: NATS.into(),
+        mode: NatsMode::Jetstream,
+        max_message_bytes: 1 << 20,
+        max_in_flight: 100,
+        create_stream: None,
+    };
+    let sink = NatsSink::build("nats", &cfg, &[format!("d{t}.*")], Duration::from_secs(5)).await?;
+    let headers = vec![("ce_id".to_string(), "event-1".to_string())];
+    let subject = format!("d{t}.x");
+    let msg = |payload: &'static [u8]| Outgoing {
+        topic: &subject,
+        key: None,
+        partition: None,
+        headers: &headers,
+        payload,
+        dedup_id: "event-1",
+    };
+    sink.send(msg(b"{}")).await?.wait().await?;
+    sink.send(msg(b"{}")).await?.wait().await?; // after a crash between ack and mark
+    let info = js.get_stream(&stream).await?.info().await?.state.messages;
+    assert_eq!(info, 1, "JetStream kept a duplicate");
+
+    let big: &'static [u8] = Box::leak(vec![b'x'; 2 << 20].into_boxed_slice());
+    match sink.send(msg(big)).await {
+        Err(PublishError::Permanent(reason)) => assert!(reason.contains(&subject), "{reason}"),
+        other => panic!("oversize not refused: {:?}", other.map(|_| ())),
+    }
+
+    // No stream captures a subject the routes allow: refused at start-up.
+    let err = NatsSink::build("nats", &cfg, &[format!("nostream{t}.*")], Duration::from_secs(5))
+        .await
+        .err()
+        .expect("started without a stream");
+    assert!(format!("{err:#}").contains("no JetStream stream captures subject"), "{err:#}");
+    Ok(())
+}
