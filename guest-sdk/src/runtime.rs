@@ -44,10 +44,12 @@ pub fn init<R: Router>(config: String) -> Result<(), String> {
 }
 
 fn with_router<R: Router, T>(f: impl FnOnce(&R) -> T, fallback: impl FnOnce() -> T) -> T {
-    ROUTER.with(|r| match r.borrow().as_ref().and_then(|b| b.downcast_ref::<R>()) {
-        Some(router) => f(router),
-        None => fallback(),
-    })
+    ROUTER.with(
+        |r| match r.borrow().as_ref().and_then(|b| b.downcast_ref::<R>()) {
+            Some(router) => f(router),
+            None => fallback(),
+        },
+    )
 }
 
 fn not_initialised() -> Rejection {
@@ -56,7 +58,10 @@ fn not_initialised() -> Rejection {
 
 pub fn route<R: Router>(event: wit::Event) -> wit::Outcome {
     let event = from_wit(event);
-    to_wit(with_router::<R, _>(|r| r.route(&event), || Err(not_initialised())))
+    to_wit(with_router::<R, _>(
+        |r| r.route(&event),
+        || Err(not_initialised()),
+    ))
 }
 
 pub fn route_batch<R: Router>(events: Vec<wit::Event>) -> Vec<wit::Outcome> {

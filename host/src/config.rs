@@ -182,7 +182,9 @@ fn default_published_at() -> String {
 
 impl Default for Marking {
     fn default() -> Self {
-        Marking::PublishedAt { column: default_published_at() }
+        Marking::PublishedAt {
+            column: default_published_at(),
+        }
     }
 }
 
@@ -451,7 +453,9 @@ pub struct HttpConfig {
 
 impl Default for HttpConfig {
     fn default() -> Self {
-        HttpConfig { listen: "127.0.0.1:9464".into() }
+        HttpConfig {
+            listen: "127.0.0.1:9464".into(),
+        }
     }
 }
 
@@ -473,7 +477,10 @@ pub struct LogConfig {
 
 impl Default for LogConfig {
     fn default() -> Self {
-        LogConfig { format: LogFormat::Human, level: "info".into() }
+        LogConfig {
+            format: LogFormat::Human,
+            level: "info".into(),
+        }
     }
 }
 
@@ -520,7 +527,11 @@ pub struct Loaded {
 impl Loaded {
     /// A path from the config, resolved relative to the config file.
     pub fn resolve(&self, p: &Path) -> PathBuf {
-        if p.is_absolute() { p.to_path_buf() } else { self.base_dir.join(p) }
+        if p.is_absolute() {
+            p.to_path_buf()
+        } else {
+            self.base_dir.join(p)
+        }
     }
 
     pub fn cache_dir(&self) -> PathBuf {
@@ -548,7 +559,11 @@ pub fn load(file: &Path) -> Result<Loaded, ConfigErrors> {
         .merge(Toml::file_exact(file))
         // Only `OUTROUTE_<TABLE>__<KEY>` names are config overrides; other
         // OUTROUTE_* variables (OUTROUTE_CONFIG, test hooks) are not.
-        .merge(Env::prefixed("OUTROUTE_").filter(|k| k.as_str().contains("__")).split("__"));
+        .merge(
+            Env::prefixed("OUTROUTE_")
+                .filter(|k| k.as_str().contains("__"))
+                .split("__"),
+        );
     let config: Config = figment.extract().map_err(|e| {
         ConfigErrors(
             e.into_iter()
@@ -558,8 +573,16 @@ pub fn load(file: &Path) -> Result<Loaded, ConfigErrors> {
                         Some(n) if n.contains("environment")
                     );
                     ConfigError {
-                        file: if from_env { "environment".into() } else { shown.clone() },
-                        key: if e.path.is_empty() { "-".into() } else { e.path.join(".") },
+                        file: if from_env {
+                            "environment".into()
+                        } else {
+                            shown.clone()
+                        },
+                        key: if e.path.is_empty() {
+                            "-".into()
+                        } else {
+                            e.path.join(".")
+                        },
                         reason: e.kind.to_string(),
                     }
                 })
@@ -579,7 +602,11 @@ pub fn load(file: &Path) -> Result<Loaded, ConfigErrors> {
         Err(ConfigErrors(
             problems
                 .into_iter()
-                .map(|(key, reason)| ConfigError { file: shown.clone(), key, reason })
+                .map(|(key, reason)| ConfigError {
+                    file: shown.clone(),
+                    key,
+                    reason,
+                })
                 .collect(),
         ))
     }
@@ -615,10 +642,16 @@ impl Loaded {
         let mut err = |k: String, r: String| p.push((k, r));
 
         if c.relay.batch_size == 0 || c.relay.batch_size > 10_000 {
-            err("relay.batch_size".into(), "must be between 1 and 10000".into());
+            err(
+                "relay.batch_size".into(),
+                "must be between 1 and 10000".into(),
+            );
         }
         if c.relay.concurrency == 0 || c.relay.concurrency > 64 {
-            err("relay.concurrency".into(), "must be between 1 and 64".into());
+            err(
+                "relay.concurrency".into(),
+                "must be between 1 and 64".into(),
+            );
         }
         if c.relay.lanes == 0 || c.relay.lanes > 4096 {
             err("relay.lanes".into(), "must be between 1 and 4096".into());
@@ -627,12 +660,15 @@ impl Loaded {
             err("relay.lease_ttl".into(), "must be at least 1s".into());
         }
         if c.relay.poll_min > c.relay.poll_max {
-            err("relay.poll_min".into(), "must not exceed relay.poll_max".into());
+            err(
+                "relay.poll_min".into(),
+                "must not exceed relay.poll_max".into(),
+            );
         }
-        if let Some(ch) = &c.relay.notify_channel {
-            if let Err(e) = check_identifier(ch, false) {
-                err("relay.notify_channel".into(), e);
-            }
+        if let Some(ch) = &c.relay.notify_channel
+            && let Err(e) = check_identifier(ch, false)
+        {
+            err("relay.notify_channel".into(), e);
         }
 
         if !(c.store.url.starts_with("postgres://")
@@ -641,7 +677,10 @@ impl Loaded {
         {
             err(
                 "store.url".into(),
-                format!("`{}` is neither a postgres:// nor a sqlite: URL", redact_url(&c.store.url)),
+                format!(
+                    "`{}` is neither a postgres:// nor a sqlite: URL",
+                    redact_url(&c.store.url)
+                ),
             );
         }
         let t = &c.store.table();
@@ -696,42 +735,75 @@ impl Loaded {
         }
 
         for (name, sink) in &c.sinks {
-            if name.is_empty() || !name.chars().all(|ch| ch.is_ascii_alphanumeric() || ch == '-' || ch == '_') {
-                err(format!("sinks.{name}"), "sink names use letters, digits, `-` and `_`".into());
+            if name.is_empty()
+                || !name
+                    .chars()
+                    .all(|ch| ch.is_ascii_alphanumeric() || ch == '-' || ch == '_')
+            {
+                err(
+                    format!("sinks.{name}"),
+                    "sink names use letters, digits, `-` and `_`".into(),
+                );
             }
             if sink.max_message_bytes() == 0 {
-                err(format!("sinks.{name}.max_message_bytes"), "must be positive".into());
+                err(
+                    format!("sinks.{name}.max_message_bytes"),
+                    "must be positive".into(),
+                );
             }
-            if let SinkConfig::Nats(n) = sink {
-                if !n.url.starts_with("nats://") && !n.url.starts_with("tls://") && !n.url.contains(':') {
-                    err(format!("sinks.{name}.url"), format!("`{}` is not a NATS URL", n.url));
-                }
+            if let SinkConfig::Nats(n) = sink
+                && !n.url.starts_with("nats://")
+                && !n.url.starts_with("tls://")
+                && !n.url.contains(':')
+            {
+                err(
+                    format!("sinks.{name}.url"),
+                    format!("`{}` is not a NATS URL", n.url),
+                );
             }
         }
         for (name, plugin) in &c.plugins {
             let path = self.resolve(&plugin.path);
             if !path.is_file() {
-                err(format!("plugins.{name}.path"), format!("{} does not exist", path.display()));
+                err(
+                    format!("plugins.{name}.path"),
+                    format!("{} does not exist", path.display()),
+                );
             }
         }
         if c.routes.is_empty() {
-            err("routes".into(), "no routes: the relay would route nothing".into());
+            err(
+                "routes".into(),
+                "no routes: the relay would route nothing".into(),
+            );
         }
         let mut seen = std::collections::BTreeSet::new();
         for (i, r) in c.routes.iter().enumerate() {
             let key = |f: &str| format!("routes[{i}].{f}");
             if !seen.insert(r.name.clone()) {
-                err(key("name"), format!("route name `{}` is used twice", r.name));
+                err(
+                    key("name"),
+                    format!("route name `{}` is used twice", r.name),
+                );
             }
             if !c.plugins.contains_key(&r.plugin) {
-                err(key("plugin"), format!("no plugin named `{}` in [plugins]", r.plugin));
+                err(
+                    key("plugin"),
+                    format!("no plugin named `{}` in [plugins]", r.plugin),
+                );
             }
             if r.allow.is_empty() {
-                err(key("allow"), "allows no sink: every message would be rejected".into());
+                err(
+                    key("allow"),
+                    "allows no sink: every message would be rejected".into(),
+                );
             }
             for (sink, patterns) in &r.allow {
                 if !c.sinks.contains_key(sink) {
-                    err(key(&format!("allow.{sink}")), format!("no sink named `{sink}` in [sinks]"));
+                    err(
+                        key(&format!("allow.{sink}")),
+                        format!("no sink named `{sink}` in [sinks]"),
+                    );
                 }
                 for pat in patterns {
                     if let Err(e) = crate::routing::topic_matcher(pat) {
@@ -822,11 +894,19 @@ allow = { kafka = ["orders.*"] }
     #[test]
     fn errors_name_file_key_and_reason() {
         let d = tmp();
-        let body = GOOD.replace("plugin = \"p\"", "plugin = \"nope\"").replace("kafka = [", "kafak = [");
+        let body = GOOD
+            .replace("plugin = \"p\"", "plugin = \"nope\"")
+            .replace("kafka = [", "kafak = [");
         let errs = load(&write(&d, &body)).unwrap_err();
         let text = errs.to_string();
-        assert!(text.contains("outroute.toml:routes[0].plugin: no plugin named `nope`"), "{text}");
-        assert!(text.contains("outroute.toml:routes[0].allow.kafak: no sink named `kafak`"), "{text}");
+        assert!(
+            text.contains("outroute.toml:routes[0].plugin: no plugin named `nope`"),
+            "{text}"
+        );
+        assert!(
+            text.contains("outroute.toml:routes[0].allow.kafak: no sink named `kafak`"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -861,7 +941,10 @@ allow = { kafka = ["orders.*"] }
 
     #[test]
     fn redacts_passwords() {
-        assert_eq!(redact_url("postgres://u:secret@h/db"), "postgres://u:****@h/db");
+        assert_eq!(
+            redact_url("postgres://u:secret@h/db"),
+            "postgres://u:****@h/db"
+        );
         assert_eq!(redact_url("postgres://h/db"), "postgres://h/db");
     }
 }

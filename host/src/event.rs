@@ -25,7 +25,10 @@ pub struct Event {
 
 impl Event {
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
     }
 
     pub fn traceparent(&self) -> Option<&str> {
@@ -85,30 +88,46 @@ impl RawRow {
                 .map_err(|e| format!("payload is not valid JSON: {e}"))?;
             let event_version = match self.event_version {
                 None => 1,
-                Some(v) => u32::try_from(v).map_err(|_| format!("event_version {v} is out of range"))?,
+                Some(v) => {
+                    u32::try_from(v).map_err(|_| format!("event_version {v} is out of range"))?
+                }
             };
             let headers = match self.headers.as_deref() {
                 None | Some("") | Some("null") => Vec::new(),
                 Some(h) => parse_headers(h)?,
             };
             let created_at = self.created_at.ok_or("created_at is NULL")?;
-            Ok((aggregate_type, aggregate_id, event_type, payload, event_version, headers, created_at))
+            Ok((
+                aggregate_type,
+                aggregate_id,
+                event_type,
+                payload,
+                event_version,
+                headers,
+                created_at,
+            ))
         })();
         match fields {
-            Ok((aggregate_type, aggregate_id, event_type, payload, event_version, headers, created_at)) => {
-                Ok(Event {
-                    id: self.id,
-                    sequence: self.sequence,
-                    aggregate_type,
-                    aggregate_id,
-                    event_type,
-                    event_version,
-                    payload: payload.into_bytes(),
-                    headers,
-                    created_at,
-                    attempts: u32::try_from(self.attempts).unwrap_or(0),
-                })
-            }
+            Ok((
+                aggregate_type,
+                aggregate_id,
+                event_type,
+                payload,
+                event_version,
+                headers,
+                created_at,
+            )) => Ok(Event {
+                id: self.id,
+                sequence: self.sequence,
+                aggregate_type,
+                aggregate_id,
+                event_type,
+                event_version,
+                payload: payload.into_bytes(),
+                headers,
+                created_at,
+                attempts: u32::try_from(self.attempts).unwrap_or(0),
+            }),
             Err(reason) => Err(malformed(&self, reason)),
         }
     }
@@ -188,13 +207,22 @@ pub mod ce {
 
 /// The envelope headers for every message routed from `event`, followed by
 /// the plugin's own headers (a plugin cannot override the envelope).
-pub fn envelope(event: &Event, source: &str, plugin_headers: &[(String, String)]) -> Vec<(String, String)> {
+pub fn envelope(
+    event: &Event,
+    source: &str,
+    plugin_headers: &[(String, String)],
+) -> Vec<(String, String)> {
     let mut h = Vec::with_capacity(10 + plugin_headers.len());
     h.push((ce::ID.into(), event.id.clone()));
     h.push((ce::TYPE.into(), event.event_type.clone()));
     h.push((ce::SOURCE.into(), source.to_string()));
     h.push((ce::SPEC_VERSION.into(), "1.0".into()));
-    h.push((ce::TIME.into(), event.created_at.to_rfc3339_opts(SecondsFormat::Micros, true)));
+    h.push((
+        ce::TIME.into(),
+        event
+            .created_at
+            .to_rfc3339_opts(SecondsFormat::Micros, true),
+    ));
     h.push((ce::SUBJECT.into(), event.aggregate_id.clone()));
     h.push((ce::AGGREGATE_TYPE.into(), event.aggregate_type.clone()));
     h.push((ce::AGGREGATE_ID.into(), event.aggregate_id.clone()));
@@ -226,7 +254,10 @@ mod tests {
             event_type: Some("created".into()),
             event_version: Some(2),
             payload: Some(r#"{"a":1}"#.into()),
-            headers: Some(r#"{"traceparent":"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}"#.into()),
+            headers: Some(
+                r#"{"traceparent":"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}"#
+                    .into(),
+            ),
             created_at: Some(Utc::now()),
             attempts: 0,
         }
@@ -243,19 +274,31 @@ mod tests {
     fn malformed_rows_say_why() {
         let mut r = raw();
         r.payload = Some("{oops".into());
-        assert!(r.validate().unwrap_err().reason.starts_with("payload is not valid JSON"));
+        assert!(
+            r.validate()
+                .unwrap_err()
+                .reason
+                .starts_with("payload is not valid JSON")
+        );
         let mut r = raw();
         r.aggregate_id = None;
         assert_eq!(r.validate().unwrap_err().reason, "aggregate_id is NULL");
         let mut r = raw();
         r.headers = Some("[1]".into());
-        assert_eq!(r.validate().unwrap_err().reason, "headers must be a JSON object");
+        assert_eq!(
+            r.validate().unwrap_err().reason,
+            "headers must be a JSON object"
+        );
     }
 
     #[test]
     fn envelope_carries_id_and_trace_and_keeps_plugin_headers() {
         let e = raw().validate().unwrap();
-        let h = envelope(&e, "/outroute/test", &[("x".into(), "1".into()), ("ce_id".into(), "forged".into())]);
+        let h = envelope(
+            &e,
+            "/outroute/test",
+            &[("x".into(), "1".into()), ("ce_id".into(), "forged".into())],
+        );
         let get = |k: &str| h.iter().find(|(hk, _)| hk == k).map(|(_, v)| v.as_str());
         assert_eq!(get("ce_id"), Some("e1"));
         assert_eq!(get("ce_specversion"), Some("1.0"));

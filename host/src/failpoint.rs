@@ -8,8 +8,8 @@
 
 #[cfg(feature = "failpoints")]
 mod imp {
-    use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU64, Ordering};
 
     static CONFIG: OnceLock<Option<(String, u64)>> = OnceLock::new();
     static HITS: AtomicU64 = AtomicU64::new(0);
@@ -17,7 +17,10 @@ mod imp {
     fn config() -> &'static Option<(String, u64)> {
         CONFIG.get_or_init(|| {
             let name = std::env::var("OUTROUTE_FAILPOINT").ok()?;
-            let hit = std::env::var("OUTROUTE_FAILPOINT_HIT").ok().and_then(|h| h.parse().ok()).unwrap_or(1);
+            let hit = std::env::var("OUTROUTE_FAILPOINT_HIT")
+                .ok()
+                .and_then(|h| h.parse().ok())
+                .unwrap_or(1);
             Some((name, hit))
         })
     }
@@ -27,11 +30,12 @@ mod imp {
     }
 
     pub fn hit(name: &str) {
-        if let Some((n, at)) = config() {
-            if n == name && HITS.fetch_add(1, Ordering::SeqCst) + 1 >= *at {
-                eprintln!("outroute: failpoint `{name}` reached, aborting");
-                std::process::abort();
-            }
+        if let Some((n, at)) = config()
+            && n == name
+            && HITS.fetch_add(1, Ordering::SeqCst) + 1 >= *at
+        {
+            eprintln!("outroute: failpoint `{name}` reached, aborting");
+            std::process::abort();
         }
     }
 }

@@ -8,12 +8,15 @@ use outroute::ops::ConfigArg;
 use outroute::{config, ops, quickstart};
 
 #[derive(Parser)]
-#[command(name = "outroute", version, about = "Transactional-outbox relay with WebAssembly routing plugins")]
+#[command(
+    name = "outroute",
+    version,
+    about = "Transactional-outbox relay with WebAssembly routing plugins"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
 }
-
 
 #[derive(Subcommand)]
 enum Command {
@@ -65,7 +68,10 @@ enum ConfigAction {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("outroute: cannot start the async runtime: {e}");
@@ -84,13 +90,20 @@ fn main() -> ExitCode {
 async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
     match command {
         Command::Run(c) => ops::run(&c.config).await,
-        Command::Migrate { config, coordination_only } => ops::migrate(&config.config, !coordination_only).await,
+        Command::Migrate {
+            config,
+            coordination_only,
+        } => ops::migrate(&config.config, !coordination_only).await,
         Command::Status { config, json } => ops::status(&config.config, json).await,
         Command::Failed { action } => ops::failed(action).await,
         Command::Replay(args) => ops::replay(args).await,
         Command::Plugin { action } => ops::plugin(action).await,
-        Command::Config { action: ConfigAction::Check(c) } => Ok(ops::config_check(&c.config)),
-        Command::Config { action: ConfigAction::Schema } => {
+        Command::Config {
+            action: ConfigAction::Check(c),
+        } => Ok(ops::config_check(&c.config)),
+        Command::Config {
+            action: ConfigAction::Schema,
+        } => {
             println!("{}", serde_json::to_string_pretty(&config::schema())?);
             Ok(ExitCode::SUCCESS)
         }

@@ -41,7 +41,8 @@ pub fn install() -> Result<PrometheusHandle> {
         0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
     ];
     let fast = [
-        0.000_002, 0.000_005, 0.000_01, 0.000_02, 0.000_05, 0.000_1, 0.000_5, 0.001, 0.005, 0.01, 0.05, 0.1,
+        0.000_002, 0.000_005, 0.000_01, 0.000_02, 0.000_05, 0.000_1, 0.000_5, 0.001, 0.005, 0.01,
+        0.05, 0.1,
     ];
     PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Full(COMMIT_TO_ACK.into()), &latency)?
@@ -77,7 +78,8 @@ impl Health {
 
     /// Events were published (or there was nothing to do).
     pub fn progressed(&self) {
-        self.last_progress_ms.store(self.now_ms(), Ordering::Relaxed);
+        self.last_progress_ms
+            .store(self.now_ms(), Ordering::Relaxed);
     }
 
     pub fn set_backlog(&self, n: i64) {
@@ -93,10 +95,16 @@ impl Health {
 
     /// `None` when ready, else why not.
     pub fn stalled(&self) -> Option<String> {
-        let idle = Duration::from_millis((self.now_ms() - self.last_progress_ms.load(Ordering::Relaxed)).max(0) as u64);
+        let idle = Duration::from_millis(
+            (self.now_ms() - self.last_progress_ms.load(Ordering::Relaxed)).max(0) as u64,
+        );
         let backlog = self.backlog.load(Ordering::Relaxed);
-        (backlog > 0 && idle > self.stall_after)
-            .then(|| format!("{backlog} events pending and nothing published for {}s", idle.as_secs()))
+        (backlog > 0 && idle > self.stall_after).then(|| {
+            format!(
+                "{backlog} events pending and nothing published for {}s",
+                idle.as_secs()
+            )
+        })
     }
 }
 
@@ -128,7 +136,10 @@ async fn ready(State(s): State<AppState>) -> (StatusCode, String) {
     if problems.is_empty() {
         (StatusCode::OK, "ready\n".into())
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {}\n", problems.join("; ")))
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {}\n", problems.join("; ")),
+        )
     }
 }
 
@@ -145,12 +156,19 @@ pub async fn serve(
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready))
-        .with_state(AppState { prom, health, store, sinks });
+        .with_state(AppState {
+            prom,
+            health,
+            store,
+            sinks,
+        });
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("http.listen: cannot bind {listen}"))?;
     tracing::info!(%listen, "serving /metrics, /healthz, /readyz");
     Ok(tokio::spawn(async move {
-        let _ = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await;
+        let _ = axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown.cancelled_owned())
+            .await;
     }))
 }

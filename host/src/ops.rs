@@ -15,7 +15,7 @@ use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{self, LogFormat, Loaded};
+use crate::config::{self, Loaded, LogFormat};
 use crate::event::{Event, Rejection};
 use crate::metrics::{self, Health};
 use crate::plugin::{self, Limits, PluginHandle, Runtime};
@@ -38,16 +38,24 @@ pub fn load(path: &Path) -> Result<Loaded> {
 pub fn init_logging(format: LogFormat, level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     let _ = match format {
         LogFormat::Human => builder.try_init(),
-        LogFormat::Json => builder.json().with_current_span(true).with_span_list(true).try_init(),
+        LogFormat::Json => builder
+            .json()
+            .with_current_span(true)
+            .with_span_list(true)
+            .try_init(),
     };
 }
 
 fn relay_id(loaded: &Loaded) -> String {
     loaded.config.relay.id.clone().unwrap_or_else(|| {
-        let host = hostname::get().map(|h| h.to_string_lossy().into_owned()).unwrap_or_else(|_| "relay".into());
+        let host = hostname::get()
+            .map(|h| h.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| "relay".into());
         let short = uuid::Uuid::new_v4().simple().to_string();
         format!("{host}-{}-{}", std::process::id(), &short[..8])
     })
@@ -74,8 +82,15 @@ pub async fn run(path: &Path) -> Result<ExitCode> {
         None
     } else {
         Some(
-            metrics::serve(&loaded.config.http.listen, prom, health, store, relay.sinks.clone(), shutdown.clone())
-                .await?,
+            metrics::serve(
+                &loaded.config.http.listen,
+                prom,
+                health,
+                store,
+                relay.sinks.clone(),
+                shutdown.clone(),
+            )
+            .await?,
         )
     };
     tokio::spawn(signal_shutdown(shutdown.clone()));
@@ -116,7 +131,10 @@ pub async fn migrate(path: &Path, outbox: bool) -> Result<ExitCode> {
     let loaded = load(path)?;
     let store = Store::connect(&loaded.config, "migrate").await?;
     store.migrate(outbox).await?;
-    println!("migrations applied to {}", config::redact_url(&loaded.config.store.url));
+    println!(
+        "migrations applied to {}",
+        config::redact_url(&loaded.config.store.url)
+    );
     Ok(ExitCode::SUCCESS)
 }
 
@@ -222,7 +240,11 @@ pub enum FailedAction {
 }
 
 fn require_filter(f: &FilterArgs) -> Result<()> {
-    if f.ids.is_empty() && f.route.is_none() && f.event_type.is_none() && f.aggregate_type.is_none() && f.aggregate_id.is_none()
+    if f.ids.is_empty()
+        && f.route.is_none()
+        && f.event_type.is_none()
+        && f.aggregate_type.is_none()
+        && f.aggregate_id.is_none()
     {
         bail!("name the events: --id, --route, --event-type, --aggregate-type or --aggregate-id");
     }
@@ -231,16 +253,27 @@ fn require_filter(f: &FilterArgs) -> Result<()> {
 
 pub async fn failed(action: FailedAction) -> Result<ExitCode> {
     match action {
-        FailedAction::List { config, filter, all, json } => {
+        FailedAction::List {
+            config,
+            filter,
+            all,
+            json,
+        } => {
             let store = open_store(&load(&config.config)?, "failed").await?;
-            let f = Filter { include_discarded: all, ..filter.filter() };
+            let f = Filter {
+                include_discarded: all,
+                ..filter.filter()
+            };
             let list = store.failed_list(&f).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&list)?);
             } else if list.is_empty() {
                 println!("no failed events");
             } else {
-                println!("{:<38} {:<12} {:<16} {:<20} {:>3}  reason", "id", "aggregate", "aggregate id", "event type", "att");
+                println!(
+                    "{:<38} {:<12} {:<16} {:<20} {:>3}  reason",
+                    "id", "aggregate", "aggregate id", "event type", "att"
+                );
                 for e in &list {
                     println!(
                         "{:<38} {:<12} {:<16} {:<20} {:>3}  {}{}",
@@ -250,7 +283,11 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
                         e.event_type,
                         e.attempts,
                         e.reason.as_deref().unwrap_or("-"),
-                        if e.discarded_at.is_some() { " (discarded)" } else { "" }
+                        if e.discarded_at.is_some() {
+                            " (discarded)"
+                        } else {
+                            ""
+                        }
                     );
                 }
                 println!("{} failed event(s)", list.len());
@@ -259,7 +296,11 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
         }
         FailedAction::Show { config, id } => {
             let store = open_store(&load(&config.config)?, "failed").await?;
-            let f = Filter { ids: vec![id.clone()], include_discarded: true, ..Filter::default() };
+            let f = Filter {
+                ids: vec![id.clone()],
+                include_discarded: true,
+                ..Filter::default()
+            };
             match store.failed_list(&f).await?.into_iter().next() {
                 Some(e) => {
                     println!("{}", serde_json::to_string_pretty(&e)?);
@@ -312,9 +353,15 @@ pub struct ReplayArgs {
 pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
     let loaded = load(&a.config.config)?;
     init_logging(loaded.config.log.format, "warn");
-    if a.since.is_none() && a.until.is_none() && a.aggregate_type.is_none() && a.aggregate_id.is_none() && a.event_type.is_none()
+    if a.since.is_none()
+        && a.until.is_none()
+        && a.aggregate_type.is_none()
+        && a.aggregate_id.is_none()
+        && a.event_type.is_none()
     {
-        bail!("replay needs a selection: --since/--until, --aggregate-type, --aggregate-id or --event-type");
+        bail!(
+            "replay needs a selection: --since/--until, --aggregate-type, --aggregate-id or --event-type"
+        );
     }
     let filter = Filter {
         since: a.since,
@@ -330,7 +377,12 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
         println!("{total} published event(s) match; nothing re-published (dry run)");
         return Ok(ExitCode::SUCCESS);
     }
-    let relay = Relay::build(&loaded, store.clone(), Health::new(Duration::from_secs(3600))).await?;
+    let relay = Relay::build(
+        &loaded,
+        store.clone(),
+        Health::new(Duration::from_secs(3600)),
+    )
+    .await?;
     let bar = ProgressBar::new(total as u64).with_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} events ({per_sec}, eta {eta})")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
@@ -355,11 +407,18 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
     for sink in relay.sinks.values() {
         sink.flush().await;
     }
-    println!("re-published {sent} event(s); {} could not be", failed.len());
+    println!(
+        "re-published {sent} event(s); {} could not be",
+        failed.len()
+    );
     for (id, reason) in failed.iter().take(20) {
         println!("  {id}: {reason}");
     }
-    Ok(if failed.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(if failed.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 #[derive(Subcommand)]
@@ -422,7 +481,9 @@ fn one() -> u32 {
 fn read_text(arg: &str) -> Result<String> {
     if arg == "-" {
         let mut s = String::new();
-        std::io::stdin().read_to_string(&mut s).context("reading standard input")?;
+        std::io::stdin()
+            .read_to_string(&mut s)
+            .context("reading standard input")?;
         Ok(s)
     } else {
         let p = arg.strip_prefix('@').unwrap_or(arg);
@@ -438,12 +499,23 @@ pub async fn plugin(action: PluginAction) -> Result<ExitCode> {
             println!("{}", serde_json::to_string_pretty(&info)?);
             Ok(ExitCode::SUCCESS)
         }
-        PluginAction::Test { plugin, config, event, cpu_budget, memory_mib } => {
-            let config_text = if config.starts_with('@') { read_text(&config)? } else { config };
+        PluginAction::Test {
+            plugin,
+            config,
+            event,
+            cpu_budget,
+            memory_mib,
+        } => {
+            let config_text = if config.starts_with('@') {
+                read_text(&config)?
+            } else {
+                config
+            };
             let config: serde_json::Value =
                 serde_json::from_str(&config_text).context("--config is not JSON")?;
             let text = read_text(&event)?;
-            let value: serde_json::Value = serde_json::from_str(&text).context("--event is not JSON")?;
+            let value: serde_json::Value =
+                serde_json::from_str(&text).context("--event is not JSON")?;
             let samples: Vec<SampleEvent> = match value {
                 serde_json::Value::Array(_) => serde_json::from_value(value),
                 other => serde_json::from_value(other).map(|e| vec![e]),
@@ -454,7 +526,11 @@ pub async fn plugin(action: PluginAction) -> Result<ExitCode> {
                 .enumerate()
                 .map(|(i, s)| Event {
                     id: s.id.unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
-                    sequence: if s.sequence == 0 { i as i64 + 1 } else { s.sequence },
+                    sequence: if s.sequence == 0 {
+                        i as i64 + 1
+                    } else {
+                        s.sequence
+                    },
                     aggregate_type: s.aggregate_type,
                     aggregate_id: s.aggregate_id,
                     event_type: s.event_type,
@@ -466,11 +542,18 @@ pub async fn plugin(action: PluginAction) -> Result<ExitCode> {
                 })
                 .collect();
             let rt = plugin_runtime()?;
-            let limits = Limits { cpu_budget, memory_bytes: (memory_mib as usize) << 20 };
+            let limits = Limits {
+                cpu_budget,
+                memory_bytes: (memory_mib as usize) << 20,
+            };
             let outcomes = tokio::task::spawn_blocking(move || -> Result<_> {
                 let handle = PluginHandle::load(&rt, &plugin, config, limits)?;
                 let p = handle.current().context("plugin unavailable")?;
-                Ok(events.iter().zip(p.route_batch(&events)).map(|(e, o)| (e.id.clone(), o)).collect::<Vec<_>>())
+                Ok(events
+                    .iter()
+                    .zip(p.route_batch(&events))
+                    .map(|(e, o)| (e.id.clone(), o))
+                    .collect::<Vec<_>>())
             })
             .await??;
             let mut all_ok = true;
@@ -500,7 +583,11 @@ pub async fn plugin(action: PluginAction) -> Result<ExitCode> {
                 })
                 .collect();
             println!("{}", serde_json::to_string_pretty(&out)?);
-            Ok(if all_ok { ExitCode::SUCCESS } else { ExitCode::from(3) })
+            Ok(if all_ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(3)
+            })
         }
     }
 }

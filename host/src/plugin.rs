@@ -86,7 +86,10 @@ pub struct HostState {
 
 impl WasiView for HostState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
-        WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
     }
 }
 
@@ -112,9 +115,11 @@ impl Runtime {
         cfg.wasm_component_model(true);
         cfg.epoch_interruption(true);
         cfg.cranelift_opt_level(wasmtime::OptLevel::Speed);
-        let engine = Engine::new(&cfg).map_err(|e| anyhow!("creating the wasmtime engine: {e:#}"))?;
+        let engine =
+            Engine::new(&cfg).map_err(|e| anyhow!("creating the wasmtime engine: {e:#}"))?;
         let mut linker: Linker<HostState> = Linker::new(&engine);
-        wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(|e| anyhow!("linking WASI: {e:#}"))?;
+        wasmtime_wasi::p2::add_to_linker_sync(&mut linker)
+            .map_err(|e| anyhow!("linking WASI: {e:#}"))?;
         bindings::Router::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)
             .map_err(|e| anyhow!("linking the outroute host interface: {e:#}"))?;
 
@@ -139,10 +144,15 @@ impl Runtime {
 
     /// Compile (or load from the cache) the component at `path`.
     pub fn compile(&self, path: &Path) -> Result<Compiled> {
-        let bytes = std::fs::read(path).with_context(|| format!("reading plugin {}", path.display()))?;
+        let bytes =
+            std::fs::read(path).with_context(|| format!("reading plugin {}", path.display()))?;
         let hash = hex(&Sha256::digest(&bytes));
         let key = hex(&Sha256::digest(
-            format!("{hash};wasmtime-{};{ENGINE_FINGERPRINT}", wasmtime_version()).as_bytes(),
+            format!(
+                "{hash};wasmtime-{};{ENGINE_FINGERPRINT}",
+                wasmtime_version()
+            )
+            .as_bytes(),
         ));
         let cached = self.cache_dir.join(format!("{key}.cwasm"));
         let component = match self.load_cached(&cached) {
@@ -159,13 +169,24 @@ impl Runtime {
                 unsafe { Component::deserialize(&self.engine, &artifact) }?
             }
         };
-        let pre = self
-            .linker
-            .instantiate_pre(&component)
-            .map_err(|e| anyhow!("{} does not fit the outroute `router` world: {e:#}", path.display()))?;
-        let pre = bindings::RouterPre::new(pre)
-            .map_err(|e| anyhow!("{} does not export the `router` world: {e:#}", path.display()))?;
-        Ok(Compiled { component, pre, hash, path: path.to_path_buf() })
+        let pre = self.linker.instantiate_pre(&component).map_err(|e| {
+            anyhow!(
+                "{} does not fit the outroute `router` world: {e:#}",
+                path.display()
+            )
+        })?;
+        let pre = bindings::RouterPre::new(pre).map_err(|e| {
+            anyhow!(
+                "{} does not export the `router` world: {e:#}",
+                path.display()
+            )
+        })?;
+        Ok(Compiled {
+            component,
+            pre,
+            hash,
+            path: path.to_path_buf(),
+        })
     }
 
     fn load_cached(&self, path: &Path) -> Option<Component> {
@@ -212,7 +233,13 @@ impl Runtime {
             .build();
         let mut store = Store::new(
             &self.engine,
-            HostState { plugin: plugin.to_string(), limits, wasi, table: ResourceTable::new(), stderr },
+            HostState {
+                plugin: plugin.to_string(),
+                limits,
+                wasi,
+                table: ResourceTable::new(),
+                stderr,
+            },
         );
         store.limiter(|s| &mut s.limits);
         store.epoch_deadline_trap();
@@ -282,12 +309,24 @@ pub struct Plugin {
 impl Plugin {
     /// Instantiate once to read `describe` and check that `init` accepts the
     /// route config; the instance is kept for reuse.
-    pub fn new(runtime: &Runtime, compiled: Compiled, config: &serde_json::Value, limits: Limits) -> Result<Self> {
-        let config_json = if config.is_null() { String::new() } else { config.to_string() };
+    pub fn new(
+        runtime: &Runtime,
+        compiled: Compiled,
+        config: &serde_json::Value,
+        limits: Limits,
+    ) -> Result<Self> {
+        let config_json = if config.is_null() {
+            String::new()
+        } else {
+            config.to_string()
+        };
         let mut plugin = Plugin {
             runtime: runtime.clone(),
             compiled,
-            info: PluginInfo { name: String::new(), version: String::new() },
+            info: PluginInfo {
+                name: String::new(),
+                version: String::new(),
+            },
             config_json,
             limits,
             pool: Mutex::new(Vec::new()),
@@ -295,17 +334,25 @@ impl Plugin {
         };
         let mut inst = plugin.instantiate()?;
         inst.store.set_epoch_deadline(ticks(limits.cpu_budget, 1));
-        let info = inst
-            .router
-            .call_describe(&mut inst.store)
-            .map_err(|e| anyhow!("plugin {} failed in describe: {}", plugin.compiled.path.display(), trap_reason(&e, &inst.store, limits)))?;
-        plugin.info = PluginInfo { name: info.name, version: info.version };
+        let info = inst.router.call_describe(&mut inst.store).map_err(|e| {
+            anyhow!(
+                "plugin {} failed in describe: {}",
+                plugin.compiled.path.display(),
+                trap_reason(&e, &inst.store, limits)
+            )
+        })?;
+        plugin.info = PluginInfo {
+            name: info.name,
+            version: info.version,
+        };
         plugin.checkin(inst);
         Ok(plugin)
     }
 
     fn instantiate(&self) -> Result<Instance> {
-        let mut store = self.runtime.new_store(&self.info.name, self.limits.memory_bytes);
+        let mut store = self
+            .runtime
+            .new_store(&self.info.name, self.limits.memory_bytes);
         store.set_epoch_deadline(ticks(self.limits.cpu_budget, 1).max(100));
         let router = self
             .compiled
@@ -314,7 +361,12 @@ impl Plugin {
             .map_err(|e| anyhow!("instantiating {}: {e:#}", self.compiled.path.display()))?;
         router
             .call_init(&mut store, &self.config_json)
-            .map_err(|e| anyhow!("plugin init trapped: {}", trap_reason(&e, &store, self.limits)))?
+            .map_err(|e| {
+                anyhow!(
+                    "plugin init trapped: {}",
+                    trap_reason(&e, &store, self.limits)
+                )
+            })?
             .map_err(|e| anyhow!("plugin refused its route config: {e}"))?;
         Ok(Instance { store, router })
     }
@@ -328,10 +380,10 @@ impl Plugin {
     }
 
     fn checkin(&self, inst: Instance) {
-        if let Ok(mut p) = self.pool.lock() {
-            if p.len() < self.max_idle {
-                p.push(inst);
-            }
+        if let Ok(mut p) = self.pool.lock()
+            && p.len() < self.max_idle
+        {
+            p.push(inst);
         }
     }
 
@@ -346,12 +398,18 @@ impl Plugin {
             Ok(i) => i,
             Err(e) => {
                 let reason = format!("plugin {} could not be instantiated: {e:#}", self.info.name);
-                return events.iter().map(|_| Err(Rejection::Retryable(reason.clone()))).collect();
+                return events
+                    .iter()
+                    .map(|_| Err(Rejection::Retryable(reason.clone())))
+                    .collect();
             }
         };
-        inst.store.set_epoch_deadline(ticks(self.limits.cpu_budget, events.len()));
+        inst.store
+            .set_epoch_deadline(ticks(self.limits.cpu_budget, events.len()));
         let result = if wit_events.len() == 1 {
-            inst.router.call_route(&mut inst.store, &wit_events[0]).map(|o| vec![o])
+            inst.router
+                .call_route(&mut inst.store, &wit_events[0])
+                .map(|o| vec![o])
         } else {
             inst.router.call_route_batch(&mut inst.store, &wit_events)
         };
@@ -368,17 +426,26 @@ impl Plugin {
                     outcomes.len(),
                     events.len()
                 );
-                events.iter().map(|_| Err(Rejection::Invalid(reason.clone()))).collect()
+                events
+                    .iter()
+                    .map(|_| Err(Rejection::Invalid(reason.clone())))
+                    .collect()
             }
             Err(e) if events.len() == 1 => {
                 // The instance is poisoned after a trap: drop it.
                 let reason = trap_reason(&e, &inst.store, self.limits);
-                vec![Err(Rejection::Retryable(format!("plugin {} {reason}", self.info.name)))]
+                vec![Err(Rejection::Retryable(format!(
+                    "plugin {} {reason}",
+                    self.info.name
+                )))]
             }
             Err(_) => {
                 // Find the guilty event(s): route one at a time.
                 drop(inst);
-                events.iter().flat_map(|e| self.route_batch(std::slice::from_ref(e))).collect()
+                events
+                    .iter()
+                    .flat_map(|e| self.route_batch(std::slice::from_ref(e)))
+                    .collect()
             }
         }
     }
@@ -391,8 +458,14 @@ fn ticks(budget: Duration, events: usize) -> u64 {
 
 /// A clear, specific reason for a failed call.
 fn trap_reason(err: &wasmtime::Error, store: &Store<HostState>, limits: Limits) -> String {
-    let stderr = String::from_utf8_lossy(&store.data().stderr.contents()).trim().to_string();
-    let stderr = if stderr.is_empty() { String::new() } else { format!("; plugin stderr: {}", truncate(&stderr, 512)) };
+    let stderr = String::from_utf8_lossy(&store.data().stderr.contents())
+        .trim()
+        .to_string();
+    let stderr = if stderr.is_empty() {
+        String::new()
+    } else {
+        format!("; plugin stderr: {}", truncate(&stderr, 512))
+    };
     let text = format!("{err:#}");
     if let Some(trap) = err.downcast_ref::<Trap>() {
         return match trap {
@@ -405,13 +478,20 @@ fn trap_reason(err: &wasmtime::Error, store: &Store<HostState>, limits: Limits) 
         };
     }
     if text.contains("memory") && (text.contains("grow") || text.contains("limit")) {
-        return format!("exceeded its memory cap of {} MiB", limits.memory_bytes / (1024 * 1024));
+        return format!(
+            "exceeded its memory cap of {} MiB",
+            limits.memory_bytes / (1024 * 1024)
+        );
     }
     format!("failed: {}{stderr}", truncate(&text, 512))
 }
 
 fn truncate(s: &str, n: usize) -> String {
-    if s.chars().count() <= n { s.to_string() } else { format!("{}…", s.chars().take(n).collect::<String>()) }
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        format!("{}…", s.chars().take(n).collect::<String>())
+    }
 }
 
 fn to_wit(e: &Event) -> wit::Event {
@@ -455,7 +535,10 @@ pub fn inspect(runtime: &Runtime, path: &Path) -> Result<Inspection> {
     let imports = ty.imports(engine).map(|(n, _)| n.to_string()).collect();
     let exports = ty.exports(engine).map(|(n, _)| n.to_string()).collect();
     let hash = compiled.hash.clone();
-    let limits = Limits { cpu_budget: Duration::from_secs(1), memory_bytes: 256 << 20 };
+    let limits = Limits {
+        cpu_budget: Duration::from_secs(1),
+        memory_bytes: 256 << 20,
+    };
     let mut store = runtime.new_store("inspect", limits.memory_bytes);
     store.set_epoch_deadline(ticks(limits.cpu_budget, 1));
     let router = compiled.pre.instantiate(&mut store)?;
@@ -491,11 +574,19 @@ struct FileStamp {
 
 fn stamp(path: &Path) -> FileStamp {
     let md = std::fs::metadata(path).ok();
-    FileStamp { modified: md.as_ref().and_then(|m| m.modified().ok()), len: md.map(|m| m.len()).unwrap_or(0) }
+    FileStamp {
+        modified: md.as_ref().and_then(|m| m.modified().ok()),
+        len: md.map(|m| m.len()).unwrap_or(0),
+    }
 }
 
 impl PluginHandle {
-    pub fn load(runtime: &Runtime, path: &Path, config: serde_json::Value, limits: Limits) -> Result<Self> {
+    pub fn load(
+        runtime: &Runtime,
+        path: &Path,
+        config: serde_json::Value,
+        limits: Limits,
+    ) -> Result<Self> {
         let st = stamp(path);
         let compiled = runtime.compile(path)?;
         let plugin = Plugin::new(runtime, compiled, &config, limits)
@@ -521,14 +612,19 @@ impl PluginHandle {
     pub fn reload_if_changed(&self) -> Result<Option<PluginInfo>> {
         let now = stamp(&self.path);
         {
-            let Ok(mut last) = self.stamp.lock() else { return Ok(None) };
+            let Ok(mut last) = self.stamp.lock() else {
+                return Ok(None);
+            };
             if *last == now {
                 return Ok(None);
             }
             *last = now;
         }
         let compiled = self.runtime.compile(&self.path)?;
-        if self.current().is_some_and(|p| p.compiled.hash == compiled.hash) {
+        if self
+            .current()
+            .is_some_and(|p| p.compiled.hash == compiled.hash)
+        {
             return Ok(None);
         }
         let plugin = Plugin::new(&self.runtime, compiled, &self.config, self.limits)?;

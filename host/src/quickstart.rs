@@ -35,12 +35,20 @@ pub struct QuickstartArgs {
 pub async fn run(a: QuickstartArgs) -> Result<ExitCode> {
     crate::ops::init_logging(crate::config::LogFormat::Human, "warn");
     if !a.plugin.is_file() {
-        bail!("{} not found: build the example plugins first (scripts/build-plugins)", a.plugin.display());
+        bail!(
+            "{} not found: build the example plugins first (scripts/build-plugins)",
+            a.plugin.display()
+        );
     }
     std::fs::create_dir_all(&a.dir).with_context(|| format!("creating {}", a.dir.display()))?;
     let dir = a.dir.canonicalize()?;
     let plugin = a.plugin.canonicalize()?;
-    for f in ["outbox.db", "outbox.db-wal", "outbox.db-shm", "messages.jsonl"] {
+    for f in [
+        "outbox.db",
+        "outbox.db-wal",
+        "outbox.db-shm",
+        "messages.jsonl",
+    ] {
         let _ = std::fs::remove_file(dir.join(f));
     }
     let config_path = dir.join("outroute.toml");
@@ -81,7 +89,9 @@ listen = ""
     let mut store = Store::connect(&loaded.config, "quickstart").await?;
     store.migrate(true).await?;
     store.check_table().await?;
-    let Store::Sqlite(sq) = &store else { bail!("quickstart uses the SQLite store") };
+    let Store::Sqlite(sq) = &store else {
+        bail!("quickstart uses the SQLite store")
+    };
 
     // Business transactions: the order row and its event commit together.
     sqlx::query("CREATE TABLE IF NOT EXISTS orders (id TEXT PRIMARY KEY, status TEXT NOT NULL, total_cents INTEGER NOT NULL)")
@@ -125,7 +135,8 @@ listen = ""
 
     // Run the real relay until the outbox is drained.
     let store = Arc::new(store);
-    let relay = Arc::new(Relay::build(&loaded, store.clone(), Health::new(Duration::from_secs(60))).await?);
+    let relay =
+        Arc::new(Relay::build(&loaded, store.clone(), Health::new(Duration::from_secs(60))).await?);
     let shutdown = CancellationToken::new();
     let running = tokio::spawn(relay.clone().run(shutdown.clone()));
     let started = Instant::now();
@@ -146,26 +157,43 @@ listen = ""
     let mut by_topic: BTreeMap<String, usize> = BTreeMap::new();
     for line in text.lines() {
         if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
-            *by_topic.entry(v["topic"].as_str().unwrap_or("?").to_string()).or_default() += 1;
+            *by_topic
+                .entry(v["topic"].as_str().unwrap_or("?").to_string())
+                .or_default() += 1;
         }
     }
     let total: usize = by_topic.values().sum();
-    println!("routed {total} messages in {:.0} ms through plugin order-router:", elapsed.as_secs_f64() * 1000.0);
+    println!(
+        "routed {total} messages in {:.0} ms through plugin order-router:",
+        elapsed.as_secs_f64() * 1000.0
+    );
     for (topic, n) in &by_topic {
         println!("  file sink, topic {topic:<22} {n} messages");
     }
     let failed = store.failed_list(&Filter::default()).await?;
     println!("failed events: {}", failed.len());
     for f in &failed {
-        println!("  {} ({}): {}", f.id, f.aggregate_id, f.reason.as_deref().unwrap_or("-"));
+        println!(
+            "  {} ({}): {}",
+            f.id,
+            f.aggregate_id,
+            f.reason.as_deref().unwrap_or("-")
+        );
     }
     if let Some(first) = text.lines().next() {
         println!("first message:\n  {first}");
     }
-    println!("messages: {}\nconfig:   {}", out.display(), config_path.display());
+    println!(
+        "messages: {}\nconfig:   {}",
+        out.display(),
+        config_path.display()
+    );
     let rolled_back_published = text.contains("order-rolled-back");
     if total != written || rolled_back_published || failed.len() != 1 {
-        eprintln!("quickstart: unexpected result (routed {total} of {written}, failed {})", failed.len());
+        eprintln!(
+            "quickstart: unexpected result (routed {total} of {written}, failed {})",
+            failed.len()
+        );
         return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)

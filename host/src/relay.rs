@@ -53,12 +53,18 @@ pub struct Relay {
 #[derive(Debug)]
 pub(crate) enum Plan {
     /// Publish these messages, then mark.
-    Publish { route: usize, messages: Vec<Message> },
+    Publish {
+        route: usize,
+        messages: Vec<Message>,
+    },
     /// An earlier event of the same aggregate did not go through: leave this
     /// one pending (it is claimed again once the earlier one is resolved).
     Held,
     /// Record a failed attempt (retry or failed state).
-    Fail { route: Option<usize>, rejection: Rejection },
+    Fail {
+        route: Option<usize>,
+        rejection: Rejection,
+    },
 }
 
 /// How many events a batch published, held and failed.
@@ -90,17 +96,29 @@ impl Relay {
         let runtime = Runtime::new(loaded.cache_dir())?;
         let mut plugins = Vec::new();
         for r in &routes.0 {
-            let pc = config
-                .plugins
-                .get(&r.config.plugin)
-                .ok_or_else(|| anyhow::anyhow!("routes.{}: no plugin `{}`", r.name(), r.config.plugin))?;
-            let limits = Limits { cpu_budget: r.config.cpu_budget, memory_bytes: (r.config.memory_mib as usize) << 20 };
-            let handle = PluginHandle::load(&runtime, &loaded.resolve(&pc.path), r.config.config.clone(), limits)
-                .map_err(|e| anyhow::anyhow!("routes[{}] ({}): {e:#}", r.index, r.name()))?;
+            let pc = config.plugins.get(&r.config.plugin).ok_or_else(|| {
+                anyhow::anyhow!("routes.{}: no plugin `{}`", r.name(), r.config.plugin)
+            })?;
+            let limits = Limits {
+                cpu_budget: r.config.cpu_budget,
+                memory_bytes: (r.config.memory_mib as usize) << 20,
+            };
+            let handle = PluginHandle::load(
+                &runtime,
+                &loaded.resolve(&pc.path),
+                r.config.config.clone(),
+                limits,
+            )
+            .map_err(|e| anyhow::anyhow!("routes[{}] ({}): {e:#}", r.index, r.name()))?;
             plugins.push(Arc::new(handle));
         }
-        let sinks =
-            crate::sink::build_all(&config.sinks, &routes, &loaded.base_dir, config.relay.publish_timeout).await?;
+        let sinks = crate::sink::build_all(
+            &config.sinks,
+            &routes,
+            &loaded.base_dir,
+            config.relay.publish_timeout,
+        )
+        .await?;
         Ok(Relay {
             store,
             routes: Arc::new(routes),
@@ -117,20 +135,38 @@ impl Relay {
     /// back.
     pub async fn run(self: Arc<Self>, shutdown: CancellationToken) -> Result<()> {
         let wake = Arc::new(Notify::new());
-        let (lease_tx, lease_rx) = watch::channel(LeaseView { lanes: Vec::new(), valid_until: Instant::now() });
+        let (lease_tx, lease_rx) = watch::channel(LeaseView {
+            lanes: Vec::new(),
+            valid_until: Instant::now(),
+        });
         let stop_leasing = CancellationToken::new();
         let mut background = Vec::new();
-        background.push(tokio::spawn(self.clone().keep_leases(lease_tx, stop_leasing.clone(), wake.clone())));
+        background.push(tokio::spawn(self.clone().keep_leases(
+            lease_tx,
+            stop_leasing.clone(),
+            wake.clone(),
+        )));
         background.push(tokio::spawn(self.clone().watch_backlog(shutdown.clone())));
         background.push(tokio::spawn(self.clone().reload_plugins(shutdown.clone())));
         if let Some(retention) = self.config.retention {
-            background.push(tokio::spawn(self.clone().purge(retention, shutdown.clone())));
+            background.push(tokio::spawn(
+                self.clone().purge(retention, shutdown.clone()),
+            ));
         }
         if let Some(channel) = self.config.notify_channel.clone() {
-            background.push(tokio::spawn(self.clone().listen(channel, wake.clone(), shutdown.clone())));
+            background.push(tokio::spawn(self.clone().listen(
+                channel,
+                wake.clone(),
+                shutdown.clone(),
+            )));
         }
         let workers: Vec<_> = (0..self.config.concurrency)
-            .map(|i| tokio::spawn(self.clone().work(i, lease_rx.clone(), wake.clone(), shutdown.clone())))
+            .map(|i| {
+                tokio::spawn(
+                    self.clone()
+                        .work(i, lease_rx.clone(), wake.clone(), shutdown.clone()),
+                )
+            })
             .collect();
 
         shutdown.cancelled().await;
@@ -149,23 +185,33 @@ impl Relay {
         for sink in self.sinks.values() {
             sink.flush().await;
         }
-        if drained.is_ok() {
-            if let Err(e) = self.store.release_all().await {
-                tracing::warn!("could not release lanes (they lapse after lease_ttl): {e:#}");
-            }
+        if drained.is_ok()
+            && let Err(e) = self.store.release_all().await
+        {
+            tracing::warn!("could not release lanes (they lapse after lease_ttl): {e:#}");
         }
         Ok(())
     }
 
     /// One worker: claim → process → repeat, polling adaptively when idle.
-    async fn work(self: Arc<Self>, index: u32, mut leases: watch::Receiver<LeaseView>, wake: Arc<Notify>, shutdown: CancellationToken) {
+    async fn work(
+        self: Arc<Self>,
+        index: u32,
+        mut leases: watch::Receiver<LeaseView>,
+        wake: Arc<Notify>,
+        shutdown: CancellationToken,
+    ) {
         let n = self.config.concurrency as i32;
         let mut idle = self.config.poll_min;
         let mut outage_backoff = Duration::from_millis(100);
         while !shutdown.is_cancelled() {
             let view = leases.borrow_and_update().clone();
             let lanes: Vec<i32> = if Instant::now() < view.valid_until {
-                view.lanes.iter().copied().filter(|l| l % n == index as i32).collect()
+                view.lanes
+                    .iter()
+                    .copied()
+                    .filter(|l| l % n == index as i32)
+                    .collect()
             } else {
                 Vec::new()
             };
@@ -201,7 +247,11 @@ impl Relay {
             failpoint::hit("after-claim");
             let valid_until = leases.borrow().valid_until;
             let span = tracing::info_span!("batch", worker = index, events = claims.len());
-            match self.process(claims, Some(valid_until)).instrument(span).await {
+            match self
+                .process(claims, Some(valid_until))
+                .instrument(span)
+                .await
+            {
                 Ok(report) if report.outage => {
                     tracing::warn!(backoff = ?outage_backoff, reason = report.outage_reason.as_deref().unwrap_or(""), "every publish failed; backing off");
                     sleep_or_cancel(jitter(outage_backoff), &shutdown).await;
@@ -216,7 +266,10 @@ impl Relay {
                 }
                 Err(e) => {
                     self.health.set_store_ok(false);
-                    tracing::warn!(worker = index, "batch failed, its events stay pending: {e:#}");
+                    tracing::warn!(
+                        worker = index,
+                        "batch failed, its events stay pending: {e:#}"
+                    );
                     sleep_or_cancel(Duration::from_secs(1), &shutdown).await;
                 }
             }
@@ -225,7 +278,11 @@ impl Relay {
 
     /// One batch, start to finish. `lease_valid_until`: do not publish after
     /// this instant (another relay may own the lanes by then).
-    pub async fn process(&self, claims: Vec<Claim>, lease_valid_until: Option<Instant>) -> Result<BatchReport> {
+    pub async fn process(
+        &self,
+        claims: Vec<Claim>,
+        lease_valid_until: Option<Instant>,
+    ) -> Result<BatchReport> {
         let started = Instant::now();
         let mut report = BatchReport::default();
 
@@ -240,22 +297,29 @@ impl Relay {
                 let key = aggregate_key(claim);
                 if blocked.contains(&key) {
                     *plan = Plan::Held;
-                } else if let Plan::Fail { route, rejection } = plan {
-                    if self.holds_aggregate(*route, rejection, claim) {
-                        blocked.insert(key);
-                    }
+                } else if let Plan::Fail { route, rejection } = plan
+                    && self.holds_aggregate(*route, rejection, claim)
+                {
+                    blocked.insert(key);
                 }
             }
         }
 
         // 6. Messages → sinks, all at once; each resolves on its broker ack.
         if lease_valid_until.is_some_and(|t| Instant::now() >= t) {
-            anyhow::bail!("lane lease expired before publishing; leaving the batch to the next owner");
+            anyhow::bail!(
+                "lane lease expired before publishing; leaving the batch to the next owner"
+            );
         }
         let acks = self.publish(&events, None).await;
-        report.outage = !acks.is_empty() && acks.values().all(|r| matches!(r, Err(PublishError::Retryable(_))));
+        report.outage = !acks.is_empty()
+            && acks
+                .values()
+                .all(|r| matches!(r, Err(PublishError::Retryable(_))));
         if report.outage {
-            report.outage_reason = acks.values().find_map(|r| r.as_ref().err().map(|e| e.to_string()));
+            report.outage_reason = acks
+                .values()
+                .find_map(|r| r.as_ref().err().map(|e| e.to_string()));
             // Nothing went out: leave every event pending; the worker backs off.
             return Ok(report);
         }
@@ -285,7 +349,8 @@ impl Relay {
                     Some(Ok(())) | None => {
                         to_mark.push(claim.id().to_string());
                         if let Ok(ev) = &claim.row {
-                            let age = (now - ev.created_at).num_microseconds().unwrap_or(0) as f64 / 1e6;
+                            let age =
+                                (now - ev.created_at).num_microseconds().unwrap_or(0) as f64 / 1e6;
                             metrics::histogram!(m::COMMIT_TO_ACK).record(age.max(0.0));
                         }
                         let r = self.routes.0[*route].name().to_string();
@@ -303,7 +368,13 @@ impl Relay {
                         if ordered && self.holds_aggregate(Some(*route), &rejection, claim) {
                             blocked.insert(key);
                         }
-                        failures.push(self.failure(claim, Some(*route), &rejection, now, &mut report));
+                        failures.push(self.failure(
+                            claim,
+                            Some(*route),
+                            &rejection,
+                            now,
+                            &mut report,
+                        ));
                     }
                 },
                 Plan::Fail { route, rejection } => {
@@ -319,7 +390,10 @@ impl Relay {
         if (marked as usize) < to_mark.len() {
             let fenced = to_mark.len() - marked as usize;
             metrics::counter!(m::MARK_FENCED).increment(fenced as u64);
-            tracing::warn!(fenced, "lane lease lost: rows were published but not marked (they will be re-published with the same ids)");
+            tracing::warn!(
+                fenced,
+                "lane lease lost: rows were published but not marked (they will be re-published with the same ids)"
+            );
         }
         if marked > 0 {
             self.health.progressed();
@@ -344,8 +418,15 @@ impl Relay {
             let plan = match &claim.row {
                 Err(bad) => {
                     tracing::warn!(event_id = %bad.id, reason = %bad.reason, "malformed outbox row");
-                    let route = self.routes.0.iter().position(|r| r.selects(&bad.aggregate_type, ""));
-                    Plan::Fail { route, rejection: Rejection::Invalid(format!("malformed row: {}", bad.reason)) }
+                    let route = self
+                        .routes
+                        .0
+                        .iter()
+                        .position(|r| r.selects(&bad.aggregate_type, ""));
+                    Plan::Fail {
+                        route,
+                        rejection: Rejection::Invalid(format!("malformed row: {}", bad.reason)),
+                    }
                 }
                 // 2. Event → route (first match in config order).
                 Ok(ev) => match self.routes.select(&ev.aggregate_type, &ev.event_type) {
@@ -380,11 +461,17 @@ impl Relay {
             for (i, outcome) in idxs.into_iter().zip(outcomes) {
                 // 4. Plugin messages → checked against the route's allow-list.
                 events[i].1 = match outcome.and_then(|msgs| check_messages(route, msgs)) {
-                    Ok(messages) => Plan::Publish { route: route_idx, messages },
+                    Ok(messages) => Plan::Publish {
+                        route: route_idx,
+                        messages,
+                    },
                     Err(rejection) => {
                         metrics::counter!(m::REJECTIONS, "route" => route.name().to_string(), "kind" => rejection.kind())
                             .increment(1);
-                        Plan::Fail { route: Some(route_idx), rejection }
+                        Plan::Fail {
+                            route: Some(route_idx),
+                            rejection,
+                        }
                     }
                 };
             }
@@ -396,7 +483,9 @@ impl Relay {
     async fn call_plugin(&self, route_idx: usize, batch: Vec<Event>) -> Vec<Outcome> {
         let n = batch.len();
         let Some(plugin) = self.plugins[route_idx].current() else {
-            return (0..n).map(|_| Err(Rejection::Retryable("plugin unavailable".into()))).collect();
+            return (0..n)
+                .map(|_| Err(Rejection::Retryable("plugin unavailable".into())))
+                .collect();
         };
         let route = self.routes.0[route_idx].name().to_string();
         let started = Instant::now();
@@ -405,7 +494,9 @@ impl Relay {
         metrics::histogram!(m::PLUGIN_CALL, "route" => route).record(per_event);
         match result {
             Ok(outcomes) => outcomes,
-            Err(e) => (0..n).map(|_| Err(Rejection::Retryable(format!("plugin call panicked: {e}")))).collect(),
+            Err(e) => (0..n)
+                .map(|_| Err(Rejection::Retryable(format!("plugin call panicked: {e}"))))
+                .collect(),
         }
     }
 
@@ -417,19 +508,34 @@ impl Relay {
     /// `replay`: tags broker-side dedup ids (JetStream `Nats-Msg-Id`) so a
     /// deliberate re-publish is not dropped as a duplicate; consumers still
     /// see the same `ce_id`.
-    async fn publish(&self, events: &[(Claim, Plan)], replay: Option<&str>) -> HashMap<usize, Result<(), PublishError>> {
+    async fn publish(
+        &self,
+        events: &[(Claim, Plan)],
+        replay: Option<&str>,
+    ) -> HashMap<usize, Result<(), PublishError>> {
         let mut acks: HashMap<usize, Result<(), PublishError>> = HashMap::new();
         let mut pending = Vec::new();
         for (i, (claim, plan)) in events.iter().enumerate() {
-            let (Plan::Publish { messages, .. }, Ok(ev)) = (plan, &claim.row) else { continue };
+            let (Plan::Publish { messages, .. }, Ok(ev)) = (plan, &claim.row) else {
+                continue;
+            };
             acks.insert(i, Ok(()));
             for (j, msg) in messages.iter().enumerate() {
                 let Some(sink) = self.sinks.get(&msg.sink) else {
-                    record(&mut acks, i, &msg.sink, PublishError::Permanent(format!("no sink `{}`", msg.sink)));
+                    record(
+                        &mut acks,
+                        i,
+                        &msg.sink,
+                        PublishError::Permanent(format!("no sink `{}`", msg.sink)),
+                    );
                     continue;
                 };
                 let headers = envelope(ev, &self.source, &msg.headers);
-                let mut dedup = if j == 0 { ev.id.clone() } else { format!("{}:{j}", ev.id) };
+                let mut dedup = if j == 0 {
+                    ev.id.clone()
+                } else {
+                    format!("{}:{j}", ev.id)
+                };
                 if let Some(tag) = replay {
                     dedup = format!("{dedup}:replay-{tag}");
                 }
@@ -452,7 +558,13 @@ impl Relay {
         let waits = pending.into_iter().map(|(i, sink, ack)| async move {
             match tokio::time::timeout(timeout, ack.wait()).await {
                 Ok(r) => (i, sink, r),
-                Err(_) => (i, sink, Err(PublishError::Retryable(format!("no acknowledgement within {timeout:?}")))),
+                Err(_) => (
+                    i,
+                    sink,
+                    Err(PublishError::Retryable(format!(
+                        "no acknowledgement within {timeout:?}"
+                    ))),
+                ),
             }
         });
         for (i, sink, r) in join_all(waits).await {
@@ -480,43 +592,80 @@ impl Relay {
         let attempts = claim.row.as_ref().map(|e| e.attempts).unwrap_or(0) + 1;
         match rejection {
             Rejection::Retryable(_) if attempts < self.max_attempts(route) => true,
-            _ => route.map(|r| self.routes.0[r].config.on_failure).unwrap_or(OnFailure::Block) == OnFailure::Block,
+            _ => {
+                route
+                    .map(|r| self.routes.0[r].config.on_failure)
+                    .unwrap_or(OnFailure::Block)
+                    == OnFailure::Block
+            }
         }
     }
 
     fn max_attempts(&self, route: Option<usize>) -> u32 {
-        route.map(|r| self.routes.0[r].config.max_attempts).unwrap_or(1)
+        route
+            .map(|r| self.routes.0[r].config.max_attempts)
+            .unwrap_or(1)
     }
 
     /// The failure record for an event: retry with backoff, or failed.
-    fn failure(&self, claim: &Claim, route: Option<usize>, rejection: &Rejection, now: chrono::DateTime<Utc>, report: &mut BatchReport) -> Failure {
+    fn failure(
+        &self,
+        claim: &Claim,
+        route: Option<usize>,
+        rejection: &Rejection,
+        now: chrono::DateTime<Utc>,
+        report: &mut BatchReport,
+    ) -> Failure {
         let r: Option<&Route> = route.map(|i| &self.routes.0[i]);
-        let route_name = r.map(|r| r.name().to_string()).unwrap_or_else(|| "-".into());
+        let route_name = r
+            .map(|r| r.name().to_string())
+            .unwrap_or_else(|| "-".into());
         let (aggregate_type, aggregate_id, event_type, sequence, prior) = match &claim.row {
-            Ok(e) => (e.aggregate_type.clone(), e.aggregate_id.clone(), e.event_type.clone(), e.sequence, e.attempts),
-            Err(b) => (b.aggregate_type.clone(), b.aggregate_id.clone(), String::new(), b.sequence, 0),
+            Ok(e) => (
+                e.aggregate_type.clone(),
+                e.aggregate_id.clone(),
+                e.event_type.clone(),
+                e.sequence,
+                e.attempts,
+            ),
+            Err(b) => (
+                b.aggregate_type.clone(),
+                b.aggregate_id.clone(),
+                String::new(),
+                b.sequence,
+                0,
+            ),
         };
         let attempts = prior + 1;
-        let plugin = route.and_then(|i| self.plugins[i].current()).map(|p| p.info.clone());
+        let plugin = route
+            .and_then(|i| self.plugins[i].current())
+            .map(|p| p.info.clone());
         let kind = match rejection {
             Rejection::Retryable(_) if attempts < self.max_attempts(route) => {
-                let (min, max) = r.map(|r| (r.config.backoff_min, r.config.backoff_max)).unwrap_or_default();
+                let (min, max) = r
+                    .map(|r| (r.config.backoff_min, r.config.backoff_max))
+                    .unwrap_or_default();
                 let delay = jitter(min.saturating_mul(1 << (attempts - 1).min(20)).min(max));
                 report.retried += 1;
                 metrics::counter!(m::RETRIES, "route" => route_name.clone()).increment(1);
-                FailureKind::Retry { next_attempt_at: now + chrono::Duration::from_std(delay).unwrap_or_default() }
+                FailureKind::Retry {
+                    next_attempt_at: now + chrono::Duration::from_std(delay).unwrap_or_default(),
+                }
             }
             _ => {
                 report.failed += 1;
                 metrics::counter!(m::EVENTS_FAILED, "route" => route_name.clone()).increment(1);
                 let policy = r.map(|r| r.config.on_failure).unwrap_or(OnFailure::Block);
-                let hold = policy == OnFailure::Block && self.config.ordering == Ordering::Aggregate;
+                let hold =
+                    policy == OnFailure::Block && self.config.ordering == Ordering::Aggregate;
                 tracing::warn!(event_id = %claim.id(), route = %route_name, attempts, reason = %rejection.reason(), "event failed");
                 FailureKind::Failed { hold }
             }
         };
         let reason = match (&kind, rejection) {
-            (FailureKind::Failed { .. }, Rejection::Retryable(r)) => format!("gave up after {attempts} attempts: {r}"),
+            (FailureKind::Failed { .. }, Rejection::Retryable(r)) => {
+                format!("gave up after {attempts} attempts: {r}")
+            }
             _ => rejection.reason().to_string(),
         };
         Failure {
@@ -536,7 +685,12 @@ impl Relay {
     }
 
     /// Renew leases every `lease_ttl / 3`; publish the owned lanes.
-    async fn keep_leases(self: Arc<Self>, tx: watch::Sender<LeaseView>, stop: CancellationToken, wake: Arc<Notify>) {
+    async fn keep_leases(
+        self: Arc<Self>,
+        tx: watch::Sender<LeaseView>,
+        stop: CancellationToken,
+        wake: Arc<Notify>,
+    ) {
         let ttl = self.config.lease_ttl;
         let every = ttl / 3;
         loop {
@@ -546,13 +700,22 @@ impl Relay {
                     self.health.set_store_ok(true);
                     if l.acquired > 0 {
                         metrics::counter!(m::LEASE_HANDOVERS).increment(l.acquired as u64);
-                        tracing::info!(acquired = l.acquired, owned = l.lanes.len(), relays = l.relays, "acquired lanes");
+                        tracing::info!(
+                            acquired = l.acquired,
+                            owned = l.lanes.len(),
+                            relays = l.relays,
+                            "acquired lanes"
+                        );
                         wake.notify_waiters();
                     }
                     metrics::gauge!(m::LANES_OWNED).set(l.lanes.len() as f64);
                     // Stop using the lease a safety margin before it lapses.
-                    let valid_until = round_started + ttl - every.min(Duration::from_secs(2)).max(ttl / 10);
-                    let _ = tx.send(LeaseView { lanes: l.lanes, valid_until });
+                    let valid_until =
+                        round_started + ttl - every.min(Duration::from_secs(2)).max(ttl / 10);
+                    let _ = tx.send(LeaseView {
+                        lanes: l.lanes,
+                        valid_until,
+                    });
                 }
                 Err(e) => {
                     self.health.set_store_ok(false);
@@ -629,8 +792,15 @@ impl Relay {
     }
 
     /// Opt-in LISTEN wake-up (PostgreSQL only).
-    async fn listen(self: Arc<Self>, channel: String, wake: Arc<Notify>, shutdown: CancellationToken) {
-        let Store::Postgres(pg) = self.store.as_ref() else { return };
+    async fn listen(
+        self: Arc<Self>,
+        channel: String,
+        wake: Arc<Notify>,
+        shutdown: CancellationToken,
+    ) {
+        let Store::Postgres(pg) = self.store.as_ref() else {
+            return;
+        };
         while !shutdown.is_cancelled() {
             let mut listener = match sqlx::postgres::PgListener::connect_with(pg.pool()).await {
                 Ok(l) => l,
@@ -659,8 +829,17 @@ impl Relay {
 }
 
 /// Note a failed message of event `i` (permanent beats retryable).
-fn record(acks: &mut HashMap<usize, Result<(), PublishError>>, i: usize, sink: &str, e: PublishError) {
-    let kind = if matches!(e, PublishError::Permanent(_)) { "permanent" } else { "retryable" };
+fn record(
+    acks: &mut HashMap<usize, Result<(), PublishError>>,
+    i: usize,
+    sink: &str,
+    e: PublishError,
+) {
+    let kind = if matches!(e, PublishError::Permanent(_)) {
+        "permanent"
+    } else {
+        "retryable"
+    };
     metrics::counter!(m::PUBLISH_ERRORS, "sink" => sink.to_string(), "kind" => kind).increment(1);
     tracing::debug!(sink, "publish failed: {e}");
     let slot = acks.entry(i).or_insert(Ok(()));
@@ -700,7 +879,11 @@ impl Relay {
     /// Re-publish already-published events (operator `replay`): plan and
     /// publish, never mark and never record failures. Returns the ids that
     /// went out and the ones that did not, with reasons.
-    pub async fn replay_batch(&self, claims: Vec<Claim>, run: &str) -> (Vec<String>, Vec<(String, String)>) {
+    pub async fn replay_batch(
+        &self,
+        claims: Vec<Claim>,
+        run: &str,
+    ) -> (Vec<String>, Vec<(String, String)>) {
         let events = self.plan(claims).await;
         let acks = self.publish(&events, Some(run)).await;
         let mut ok = Vec::new();
@@ -708,8 +891,12 @@ impl Relay {
         for (i, (claim, plan)) in events.iter().enumerate() {
             match (plan, acks.get(&i)) {
                 (Plan::Publish { .. }, Some(Ok(())) | None) => ok.push(claim.id().to_string()),
-                (Plan::Publish { .. }, Some(Err(e))) => failed.push((claim.id().to_string(), e.to_string())),
-                (Plan::Fail { rejection, .. }, _) => failed.push((claim.id().to_string(), rejection.reason().to_string())),
+                (Plan::Publish { .. }, Some(Err(e))) => {
+                    failed.push((claim.id().to_string(), e.to_string()))
+                }
+                (Plan::Fail { rejection, .. }, _) => {
+                    failed.push((claim.id().to_string(), rejection.reason().to_string()))
+                }
                 (Plan::Held, _) => failed.push((claim.id().to_string(), "held".into())),
             }
         }

@@ -65,7 +65,9 @@ impl Route {
     }
 
     pub fn selects(&self, aggregate_type: &str, event_type: &str) -> bool {
-        self.aggregate_types.iter().any(|m| m.is_match(aggregate_type))
+        self.aggregate_types
+            .iter()
+            .any(|m| m.is_match(aggregate_type))
             && self.event_types.iter().any(|m| m.is_match(event_type))
     }
 
@@ -148,7 +150,9 @@ impl Routes {
 
     /// The route that handles an event, if any.
     pub fn select(&self, aggregate_type: &str, event_type: &str) -> Option<&Route> {
-        self.0.iter().find(|r| r.selects(aggregate_type, event_type))
+        self.0
+            .iter()
+            .find(|r| r.selects(aggregate_type, event_type))
     }
 
     /// Topic/subject patterns allowed on a sink by any route (used to check
@@ -220,7 +224,9 @@ mod tests {
         let e = orders.check(&m("kafka", "orders.a.b", 10)).unwrap_err();
         assert!(e.contains("may not publish to `orders.a.b`"), "{e}");
         assert!(orders.check(&m("nats", "orders.a.b", 10)).is_ok());
-        let e = orders.check(&m("kafka", "payroll.salaries", 10)).unwrap_err();
+        let e = orders
+            .check(&m("kafka", "payroll.salaries", 10))
+            .unwrap_err();
         assert!(e.contains("payroll.salaries"), "{e}");
         let e = orders.check(&m("nowhere", "orders.x", 10)).unwrap_err();
         assert!(e.contains("sink `nowhere`"), "{e}");

@@ -25,11 +25,15 @@ pub const KAFKA: &str = "127.0.0.1:9092";
 pub const NATS: &str = "nats://127.0.0.1:4222";
 
 pub fn pg_admin_url() -> String {
-    std::env::var("OUTROUTE_TEST_PG").unwrap_or_else(|_| "postgres://root@127.0.0.1:5432/test".into())
+    std::env::var("OUTROUTE_TEST_PG")
+        .unwrap_or_else(|_| "postgres://root@127.0.0.1:5432/test".into())
 }
 
 pub fn workspace() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
 }
 
 /// The `outroute` binary built alongside this test.
@@ -39,13 +43,22 @@ pub fn bin() -> PathBuf {
     }
     let exe = std::env::current_exe().unwrap_or_default();
     // target/debug/deps/<test> → target/debug/outroute
-    exe.parent().and_then(Path::parent).map(|d| d.join("outroute")).unwrap_or_else(|| "outroute".into())
+    exe.parent()
+        .and_then(Path::parent)
+        .map(|d| d.join("outroute"))
+        .unwrap_or_else(|| "outroute".into())
 }
 
 /// A built example plugin (`scripts/build-plugins` puts them there).
 pub fn plugin(name: &str) -> PathBuf {
-    let p = workspace().join("plugins/dist").join(format!("{}.wasm", name.replace('-', "_")));
-    assert!(p.is_file(), "{} missing: run scripts/build-plugins", p.display());
+    let p = workspace()
+        .join("plugins/dist")
+        .join(format!("{}.wasm", name.replace('-', "_")));
+    assert!(
+        p.is_file(),
+        "{} missing: run scripts/build-plugins",
+        p.display()
+    );
     p
 }
 
@@ -63,35 +76,63 @@ pub struct TestDb {
 
 impl TestDb {
     pub async fn new() -> Result<Self> {
-        let admin = PgPoolOptions::new().max_connections(1).connect(&pg_admin_url()).await?;
+        let admin = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&pg_admin_url())
+            .await?;
         let name = format!("outroute_t_{}", tag());
-        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await?;
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&admin)
+            .await?;
         admin.close().await;
         let base = pg_admin_url();
         let url = format!("{}/{name}", &base[..base.rfind('/').unwrap_or(base.len())]);
-        let pool = PgPoolOptions::new().max_connections(16).connect(&url).await?;
-        sqlx::query("CREATE TABLE orders (id text PRIMARY KEY, version integer NOT NULL)").execute(&pool).await?;
+        let pool = PgPoolOptions::new()
+            .max_connections(16)
+            .connect(&url)
+            .await?;
+        sqlx::query("CREATE TABLE orders (id text PRIMARY KEY, version integer NOT NULL)")
+            .execute(&pool)
+            .await?;
         Ok(TestDb { name, url, pool })
     }
 
     /// Apply outroute's migrations through the real binary.
     pub fn migrate(&self, config: &Path) -> Result<()> {
-        let out = Command::new(bin()).args(["migrate", "-c"]).arg(config).output()?;
+        let out = Command::new(bin())
+            .args(["migrate", "-c"])
+            .arg(config)
+            .output()?;
         if !out.status.success() {
-            bail!("outroute migrate failed: {}", String::from_utf8_lossy(&out.stderr));
+            bail!(
+                "outroute migrate failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         Ok(())
     }
 
     pub async fn drop_db(self) {
         self.pool.close().await;
-        if let Ok(admin) = PgPoolOptions::new().max_connections(1).connect(&pg_admin_url()).await {
-            let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name)).execute(&admin).await;
+        if let Ok(admin) = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&pg_admin_url())
+            .await
+        {
+            let _ = sqlx::query(&format!(
+                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                self.name
+            ))
+            .execute(&admin)
+            .await;
         }
     }
 
     pub async fn count(&self, sql: &str) -> i64 {
-        sqlx::query_scalar(sql).fetch_one(&self.pool).await.unwrap_or(-1)
+        sqlx::query_scalar(sql)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap_or(-1)
     }
 }
 
@@ -151,7 +192,7 @@ pub async fn produce(
                     .bind(serde_json::json!({"traceparent": format!("00-{:032x}-{:016x}-01", n + 1, round + 1)}))
                     .fetch_one(&mut *tx)
                     .await?;
-                    if rollback_every > 0 && n % rollback_every == 0 {
+                    if rollback_every > 0 && n.is_multiple_of(rollback_every) {
                         tx.rollback().await?;
                         w.rolled_back.push(id);
                     } else {
@@ -188,10 +229,16 @@ impl Delivered {
         self.headers.get("ce_id").map(String::as_str).unwrap_or("")
     }
     pub fn aggregate(&self) -> &str {
-        self.headers.get("ce_aggregateid").map(String::as_str).unwrap_or("")
+        self.headers
+            .get("ce_aggregateid")
+            .map(String::as_str)
+            .unwrap_or("")
     }
     pub fn seq(&self) -> i64 {
-        self.headers.get("ce_sequence").and_then(|s| s.parse().ok()).unwrap_or(-1)
+        self.headers
+            .get("ce_sequence")
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(-1)
     }
 }
 
@@ -215,7 +262,12 @@ impl std::fmt::Display for Report {
         write!(
             f,
             "committed={} delivered={} lost={} phantom={} order_violations={} duplicates={}",
-            self.committed, self.delivered_unique, self.lost, self.phantom, self.order_violations, self.duplicates
+            self.committed,
+            self.delivered_unique,
+            self.lost,
+            self.phantom,
+            self.order_violations,
+            self.duplicates
         )
     }
 }
@@ -232,10 +284,14 @@ impl Report {
 /// Check one destination's deliveries (in the order the consumer read them,
 /// which per aggregate is partition/stream order).
 pub fn check(w: &Workload, delivered: &[Delivered]) -> Report {
-    let committed: HashMap<&str, &Expected> = w.committed.iter().map(|e| (e.id.as_str(), e)).collect();
+    let committed: HashMap<&str, &Expected> =
+        w.committed.iter().map(|e| (e.id.as_str(), e)).collect();
     let mut seen: HashSet<&str> = HashSet::new();
     let mut last_seq: HashMap<&str, i64> = HashMap::new();
-    let mut r = Report { committed: w.committed.len(), ..Report::default() };
+    let mut r = Report {
+        committed: w.committed.len(),
+        ..Report::default()
+    };
     for d in delivered {
         let id = d.id();
         let Some(e) = committed.get(id) else {
@@ -289,12 +345,17 @@ impl Relay {
         let log = config.with_file_name(format!("relay-{}.log", tag()));
         let file = std::fs::File::create(&log)?;
         let mut cmd = Command::new(bin());
-        cmd.args(["run", "-c"]).arg(config).stdout(Stdio::null()).stderr(file);
+        cmd.args(["run", "-c"])
+            .arg(config)
+            .stdout(Stdio::null())
+            .stderr(file);
         cmd.env("RUST_LOG", "info");
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let child = cmd.spawn().with_context(|| format!("starting {}", bin().display()))?;
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("starting {}", bin().display()))?;
         Ok(Relay { child, log })
     }
 
@@ -359,8 +420,9 @@ where
 
 /// Create a Kafka topic on tansu.
 pub async fn create_topic(name: &str, partitions: i32) -> Result<()> {
-    let admin: AdminClient<DefaultClientContext> =
-        ClientConfig::new().set("bootstrap.servers", KAFKA).create()?;
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", KAFKA)
+        .create()?;
     let topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
     let res = admin.create_topics(&[topic], &AdminOptions::new()).await?;
     for r in res {
@@ -373,7 +435,12 @@ pub async fn create_topic(name: &str, partitions: i32) -> Result<()> {
 
 /// Read `topic` (all partitions, from the start) until `want` distinct event
 /// ids arrived or `timeout` passed, then a little longer to catch duplicates.
-pub fn consume_kafka(topic: &str, partitions: i32, want: usize, timeout: Duration) -> Result<Vec<Delivered>> {
+pub fn consume_kafka(
+    topic: &str,
+    partitions: i32,
+    want: usize,
+    timeout: Duration,
+) -> Result<Vec<Delivered>> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", KAFKA)
         .set("group.id", format!("outroute-test-{}", tag()))
@@ -423,7 +490,10 @@ pub fn consume_kafka(topic: &str, partitions: i32, want: usize, timeout: Duratio
 }
 
 /// Create (or reset) a JetStream stream for `subjects`.
-pub async fn nats_stream(name: &str, subjects: Vec<String>) -> Result<async_nats::jetstream::Context> {
+pub async fn nats_stream(
+    name: &str,
+    subjects: Vec<String>,
+) -> Result<async_nats::jetstream::Context> {
     let client = async_nats::connect(NATS).await?;
     let js = async_nats::jetstream::new(client);
     let _ = js.delete_stream(name).await;
@@ -439,7 +509,12 @@ pub async fn nats_stream(name: &str, subjects: Vec<String>) -> Result<async_nats
 
 /// Read every message of a stream (in stream order) until `want` distinct
 /// event ids arrived or `timeout` passed.
-pub async fn consume_nats(js: &async_nats::jetstream::Context, stream: &str, want: usize, timeout: Duration) -> Result<Vec<Delivered>> {
+pub async fn consume_nats(
+    js: &async_nats::jetstream::Context,
+    stream: &str,
+    want: usize,
+    timeout: Duration,
+) -> Result<Vec<Delivered>> {
     use futures::StreamExt;
     let s = js.get_stream(stream).await?;
     let consumer = s
@@ -488,11 +563,19 @@ pub async fn consume_nats(js: &async_nats::jetstream::Context, stream: &str, wan
 pub async fn http_get(addr: &str, path: &str) -> Result<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).await?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await?;
     let mut buf = String::new();
     s.read_to_string(&mut buf).await?;
-    let status = buf.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    let status = buf
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = buf
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
     Ok((status, body))
 }
 

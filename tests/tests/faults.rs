@@ -13,7 +13,12 @@ use outroute_e2e::*;
 
 const POINTS: [&str; 4] = ["after-claim", "before-ack", "after-ack", "mid-mark"];
 
-fn kafka_config(dir: &std::path::Path, db: &TestDb, t: &str, relay: &str) -> anyhow::Result<std::path::PathBuf> {
+fn kafka_config(
+    dir: &std::path::Path,
+    db: &TestDb,
+    t: &str,
+    relay: &str,
+) -> anyhow::Result<std::path::PathBuf> {
     write_config(
         dir,
         &db.url,
@@ -40,13 +45,21 @@ allow = {{ kafka = ["t{t}.*"] }}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn crash_at_every_point_loses_nothing_and_keeps_order() -> anyhow::Result<()> {
-    let iterations: usize = std::env::var("OUTROUTE_CRASH_ITERATIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
+    let iterations: usize = std::env::var("OUTROUTE_CRASH_ITERATIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
     let db = TestDb::new().await?;
     let t = tag();
     let topic = format!("t{t}.order-updated");
     create_topic(&topic, 3).await?;
     let dir = test_dir("crash");
-    let config = kafka_config(&dir, &db, &t, "lease_ttl = \"1s\"\nlanes = 8\nbatch_size = 40\nconcurrency = 2")?;
+    let config = kafka_config(
+        &dir,
+        &db,
+        &t,
+        "lease_ttl = \"1s\"\nlanes = 8\nbatch_size = 40\nconcurrency = 2",
+    )?;
     db.migrate(&config)?;
 
     let mut all = Workload::default();
@@ -57,12 +70,20 @@ async fn crash_at_every_point_loses_nothing_and_keeps_order() -> anyhow::Result<
             all.committed.extend(w.committed);
             all.rolled_back.extend(w.rolled_back);
             let hit = (1 + i % 3).to_string();
-            let mut relay = Relay::start(&config, &[("OUTROUTE_FAILPOINT", point), ("OUTROUTE_FAILPOINT_HIT", &hit)])?;
+            let mut relay = Relay::start(
+                &config,
+                &[
+                    ("OUTROUTE_FAILPOINT", point),
+                    ("OUTROUTE_FAILPOINT_HIT", &hit),
+                ],
+            )?;
             let status = relay.wait_exit(Duration::from_secs(60));
             let log = relay.log_text();
             assert!(
-                status.is_some_and(|s| !s.success()) && log.contains(&format!("failpoint `{point}` reached")),
-                "relay did not crash at {point} (is {} built with --features failpoints? scripts/test does that): {status:?}\n{log}", bin().display()
+                status.is_some_and(|s| !s.success())
+                    && log.contains(&format!("failpoint `{point}` reached")),
+                "relay did not crash at {point} (is {} built with --features failpoints? scripts/test does that): {status:?}\n{log}",
+                bin().display()
             );
             crashes += 1;
         }
@@ -76,13 +97,18 @@ async fn crash_at_every_point_loses_nothing_and_keeps_order() -> anyhow::Result<
     report.assert_clean();
     assert!(
         eventually(Duration::from_secs(20), || async {
-            db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL").await == 0
+            db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+                .await
+                == 0
         })
         .await,
         "rows left unmarked"
     );
     // Business data and event intent agree: one published event per committed transaction.
-    assert_eq!(db.count("SELECT count(*) FROM outbox").await, all.committed.len() as i64);
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox").await,
+        all.committed.len() as i64
+    );
     relay.terminate(Duration::from_secs(15));
     db.drop_db().await;
     Ok(())
@@ -95,10 +121,17 @@ async fn three_relays_with_kills_keep_per_aggregate_order() -> anyhow::Result<()
     let topic = format!("t{t}.order-updated");
     create_topic(&topic, 4).await?;
     let dir = test_dir("three");
-    let config = kafka_config(&dir, &db, &t, "lease_ttl = \"2s\"\nlanes = 32\nbatch_size = 200")?;
+    let config = kafka_config(
+        &dir,
+        &db,
+        &t,
+        "lease_ttl = \"2s\"\nlanes = 32\nbatch_size = 200",
+    )?;
     db.migrate(&config)?;
 
-    let mut relays: Vec<Relay> = (0..3).map(|_| Relay::start(&config, &[])).collect::<Result<_, _>>()?;
+    let mut relays: Vec<Relay> = (0..3)
+        .map(|_| Relay::start(&config, &[]))
+        .collect::<Result<_, _>>()?;
     let pool = db.pool.clone();
     let producer = tokio::spawn(async move { produce(&pool, "agg", 500, 20, 0).await });
     // Kill relays at random moments while events flow, restart them.
@@ -118,14 +151,22 @@ async fn three_relays_with_kills_keep_per_aggregate_order() -> anyhow::Result<()
     println!("three relays, {kills} kills: {report}");
     report.assert_clean();
     // Work was shared: the status command sees three live relays.
-    let (code, out, err) = cli(&["status", "--json", "-c", config.to_str().unwrap_or_default()])?;
+    let (code, out, err) = cli(&[
+        "status",
+        "--json",
+        "-c",
+        config.to_str().unwrap_or_default(),
+    ])?;
     assert_eq!(code, 0, "{err}");
     let status: serde_json::Value = serde_json::from_str(&out)?;
-    assert_eq!(status["relays"].as_array().map(|r| r.len()), Some(3), "{out}");
+    assert_eq!(
+        status["relays"].as_array().map(|r| r.len()),
+        Some(3),
+        "{out}"
+    );
     for mut r in relays {
         r.terminate(Duration::from_secs(15));
     }
     db.drop_db().await;
     Ok(())
 }
-

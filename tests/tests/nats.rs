@@ -10,7 +10,11 @@ use outroute::sink::nats::NatsSink;
 use outroute::sink::{Outgoing, PublishError};
 use outroute_e2e::*;
 
-fn fanout_config(dir: &std::path::Path, db: &TestDb, t: &str) -> anyhow::Result<std::path::PathBuf> {
+fn fanout_config(
+    dir: &std::path::Path,
+    db: &TestDb,
+    t: &str,
+) -> anyhow::Result<std::path::PathBuf> {
     write_config(
         dir,
         &db.url,
@@ -39,7 +43,8 @@ allow = {{ kafka = ["f{t}.*"], nats = ["f{t}.**"] }}
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn fanout_reaches_kafka_and_jetstream_and_replay_republishes_the_selection() -> anyhow::Result<()> {
+async fn fanout_reaches_kafka_and_jetstream_and_replay_republishes_the_selection()
+-> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let t = tag();
     let topic = format!("f{t}.order-updated");
@@ -59,13 +64,22 @@ async fn fanout_reaches_kafka_and_jetstream_and_replay_republishes_the_selection
     rk.assert_clean();
     rn.assert_clean();
     for m in &nats {
-        assert_eq!(m.headers.get("Nats-Msg-Id").map(String::as_str), Some(format!("{}:1", m.id()).as_str()));
-        assert!(m.topic.starts_with(&format!("f{t}.{}.", m.aggregate())), "{}", m.topic);
+        assert_eq!(
+            m.headers.get("Nats-Msg-Id").map(String::as_str),
+            Some(format!("{}:1", m.id()).as_str())
+        );
+        assert!(
+            m.topic.starts_with(&format!("f{t}.{}.", m.aggregate())),
+            "{}",
+            m.topic
+        );
         assert!(m.headers.contains_key("traceparent") && m.headers.contains_key("ce_time"));
     }
     assert!(
         eventually(Duration::from_secs(10), || async {
-            db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL").await == 0
+            db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+                .await
+                == 0
         })
         .await
     );
@@ -73,13 +87,23 @@ async fn fanout_reaches_kafka_and_jetstream_and_replay_republishes_the_selection
 
     // Replay one aggregate: exactly its events go out again, to both sinks.
     let cfg = config.to_str().unwrap_or_default();
-    let selected: Vec<&Expected> = work.committed.iter().filter(|e| e.aggregate_id == "agg-3").collect();
+    let selected: Vec<&Expected> = work
+        .committed
+        .iter()
+        .filter(|e| e.aggregate_id == "agg-3")
+        .collect();
     let (code, out, err) = cli(&["replay", "--aggregate-id", "agg-3", "--dry-run", "-c", cfg])?;
     assert_eq!(code, 0, "{err}");
-    assert!(out.starts_with(&format!("{} published event(s) match", selected.len())), "{out}");
+    assert!(
+        out.starts_with(&format!("{} published event(s) match", selected.len())),
+        "{out}"
+    );
     let (code, out, err) = cli(&["replay", "--aggregate-id", "agg-3", "-c", cfg])?;
     assert_eq!(code, 0, "{out}{err}");
-    assert!(out.contains(&format!("re-published {} event(s)", selected.len())), "{out}");
+    assert!(
+        out.contains(&format!("re-published {} event(s)", selected.len())),
+        "{out}"
+    );
     let kafka2 = consume_kafka(&topic, 3, usize::MAX, Duration::from_secs(5))?;
     let nats2 = consume_nats(&js, &stream, usize::MAX, Duration::from_secs(3)).await?;
     for (name, before, after) in [("kafka", &kafka, &kafka2), ("nats", &nats, &nats2)] {
@@ -91,12 +115,17 @@ async fn fanout_reaches_kafka_and_jetstream_and_replay_republishes_the_selection
         for d in after.iter() {
             *seen.entry(d.id()).or_default() += 1;
         }
-        let mut extra_ids: Vec<&str> =
-            seen.iter().flat_map(|(id, n)| std::iter::repeat_n(*id, (*n).max(0) as usize)).collect();
+        let mut extra_ids: Vec<&str> = seen
+            .iter()
+            .flat_map(|(id, n)| std::iter::repeat_n(*id, (*n).max(0) as usize))
+            .collect();
         extra_ids.sort();
         let mut want: Vec<&str> = selected.iter().map(|e| e.id.as_str()).collect();
         want.sort();
-        assert_eq!(extra_ids, want, "{name}: replay re-published something else");
+        assert_eq!(
+            extra_ids, want,
+            "{name}: replay re-published something else"
+        );
     }
     db.drop_db().await;
     Ok(())
@@ -137,10 +166,18 @@ async fn jetstream_drops_a_resent_duplicate_and_refuses_oversize() -> anyhow::Re
     }
 
     // No stream captures a subject the routes allow: refused at start-up.
-    let err = NatsSink::build("nats", &cfg, &[format!("nostream{t}.*")], Duration::from_secs(5))
-        .await
-        .err()
-        .expect("started without a stream");
-    assert!(format!("{err:#}").contains("no JetStream stream captures subject"), "{err:#}");
+    let err = NatsSink::build(
+        "nats",
+        &cfg,
+        &[format!("nostream{t}.*")],
+        Duration::from_secs(5),
+    )
+    .await
+    .err()
+    .expect("started without a stream");
+    assert!(
+        format!("{err:#}").contains("no JetStream stream captures subject"),
+        "{err:#}"
+    );
     Ok(())
 }

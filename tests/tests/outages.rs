@@ -16,7 +16,12 @@ fn pids(pattern: &str) -> Vec<i32> {
     Command::new("pgrep")
         .args(["-f", pattern])
         .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).lines().filter_map(|l| l.trim().parse().ok()).collect())
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter_map(|l| l.trim().parse().ok())
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -39,13 +44,28 @@ fn services() {
 fn rss_mib(pid: u32) -> f64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).map(String::from))
-        .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse::<f64>().ok()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .map(String::from)
+        })
+        .and_then(|l| {
+            l.split_whitespace()
+                .nth(1)
+                .and_then(|v| v.parse::<f64>().ok())
+        })
         .map(|kb| kb / 1024.0)
         .unwrap_or(0.0)
 }
 
-fn body(t: &str, http: &str, sinks: &str, plugin_name: &str, route_config: &str, allow: &str) -> String {
+fn body(
+    t: &str,
+    http: &str,
+    sinks: &str,
+    plugin_name: &str,
+    route_config: &str,
+    allow: &str,
+) -> String {
     format!(
         r#"
 [http]
@@ -85,7 +105,9 @@ async fn nats_down_for_10s_loses_nothing_and_fanout_waits_for_both_acks() -> any
         &body(
             &t,
             &http,
-            &format!("[sinks.kafka]\nkind = \"kafka\"\nbrokers = \"{KAFKA}\"\n[sinks.nats]\nkind = \"nats\"\nurl = \"{NATS}\""),
+            &format!(
+                "[sinks.kafka]\nkind = \"kafka\"\nbrokers = \"{KAFKA}\"\n[sinks.nats]\nkind = \"nats\"\nurl = \"{NATS}\""
+            ),
             "fanout",
             "{ targets = [ { sink = \"kafka\", topic = \"o{t}.{event_type}\" }, { sink = \"nats\", topic = \"o{t}.{event_type}\" } ] }",
             "{ kafka = [\"o{t}.*\"], nats = [\"o{t}.*\"] }",
@@ -94,22 +116,43 @@ async fn nats_down_for_10s_loses_nothing_and_fanout_waits_for_both_acks() -> any
     db.migrate(&config)?;
     let mut relay = Relay::start(&config, &[])?;
     let first = produce(&db.pool, "a", 20, 5, 0).await?;
-    assert!(eventually(Duration::from_secs(30), || async { db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL").await == 0 }).await);
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+                .await
+                == 0
+        })
+        .await
+    );
 
-    assert!(signal_all("nats-server", libc::SIGTERM) > 0, "no nats-server to stop");
+    assert!(
+        signal_all("nats-server", libc::SIGTERM) > 0,
+        "no nats-server to stop"
+    );
     let down = Instant::now();
     let second = produce(&db.pool, "b", 20, 5, 0).await?;
     // While NATS is down: nothing of the new work is marked (Kafka may have
     // acked its half of the fan-out), and the relay says it is not ready.
     let not_ready = eventually(Duration::from_secs(8), || async {
-        http_get(&http, "/readyz").await.is_ok_and(|(s, b)| s == 503 && b.contains("sink `nats` not connected"))
+        http_get(&http, "/readyz")
+            .await
+            .is_ok_and(|(s, b)| s == 503 && b.contains("sink `nats` not connected"))
     })
     .await;
     assert!(not_ready, "{:?}", http_get(&http, "/readyz").await);
-    assert_eq!(db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL").await, 100);
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            .await,
+        100
+    );
     let rss_down = rss_mib(relay.child.id());
     tokio::time::sleep(Duration::from_secs(10).saturating_sub(down.elapsed())).await;
-    assert_eq!(db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL").await, 100, "marked while NATS was down");
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            .await,
+        100,
+        "marked while NATS was down"
+    );
     services(); // NATS back
     let mut all = first;
     all.committed.extend(second.committed);
@@ -121,7 +164,10 @@ async fn nats_down_for_10s_loses_nothing_and_fanout_waits_for_both_acks() -> any
     println!("nats outage: nats {rn}; kafka {rk}; relay RSS while down {rss_down:.0} MiB");
     rn.assert_clean();
     rk.assert_clean();
-    assert!(rss_down < 200.0, "relay RSS {rss_down} MiB while NATS was down");
+    assert!(
+        rss_down < 200.0,
+        "relay RSS {rss_down} MiB while NATS was down"
+    );
     assert!(relay.child.try_wait()?.is_none(), "relay exited");
     relay.terminate(Duration::from_secs(15));
     db.drop_db().await;
@@ -154,14 +200,29 @@ async fn kafka_broker_frozen_for_10s_then_everything_arrives_in_order() -> anyho
     db.migrate(&config)?;
     let mut relay = Relay::start(&config, &[])?;
     let first = produce(&db.pool, "a", 50, 4, 0).await?;
-    assert!(eventually(Duration::from_secs(30), || async { db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL").await == 0 }).await);
-    assert!(signal_all("tansu broker", libc::SIGSTOP) > 0, "no tansu to freeze");
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+                .await
+                == 0
+        })
+        .await
+    );
+    assert!(
+        signal_all("tansu broker", libc::SIGSTOP) > 0,
+        "no tansu to freeze"
+    );
     let second = produce(&db.pool, "b", 50, 4, 0).await?;
     tokio::time::sleep(Duration::from_secs(10)).await;
-    let pending_while_frozen = db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL").await;
+    let pending_while_frozen = db
+        .count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+        .await;
     let rss = rss_mib(relay.child.id());
     signal_all("tansu broker", libc::SIGCONT);
-    assert_eq!(pending_while_frozen, 200, "rows marked while the broker was frozen");
+    assert_eq!(
+        pending_while_frozen, 200,
+        "rows marked while the broker was frozen"
+    );
     let mut all = first;
     all.committed.extend(second.committed);
     all.committed.sort_by_key(|e| e.seq);
@@ -169,13 +230,26 @@ async fn kafka_broker_frozen_for_10s_then_everything_arrives_in_order() -> anyho
     let r = check(&all, &kafka);
     println!("kafka frozen 10s: {r}; relay RSS while frozen {rss:.0} MiB");
     if r.lost > 0 {
-        let pending = db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL").await;
+        let pending = db
+            .count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            .await;
         let log = relay.log_text();
         let tail: Vec<&str> = log.lines().rev().take(30).collect();
-        panic!("lost {} (pending rows {pending}); relay log tail:\n{}", r.lost, tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+        panic!(
+            "lost {} (pending rows {pending}); relay log tail:\n{}",
+            r.lost,
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        );
     }
     assert!(rss < 200.0);
-    assert!(eventually(Duration::from_secs(30), || async { db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL").await == 0 }).await);
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+                .await
+                == 0
+        })
+        .await
+    );
     relay.terminate(Duration::from_secs(15));
     db.drop_db().await;
     Ok(())
@@ -210,19 +284,45 @@ async fn postgres_restart_and_sigterm_mid_batch_lose_nothing() -> anyhow::Result
 
     // SIGTERM while batches are in flight: a clean, bounded exit that gives
     // the lanes back.
-    assert!(eventually(Duration::from_secs(30), || async { db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await > 0 }).await);
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+                .await
+                > 0
+        })
+        .await
+    );
     let stopped = Instant::now();
-    let status = relay.terminate(Duration::from_secs(15)).expect("no exit within 15s of SIGTERM");
+    let status = relay
+        .terminate(Duration::from_secs(15))
+        .expect("no exit within 15s of SIGTERM");
     assert!(status.success(), "{status:?}\n{}", relay.log_text());
-    assert!(stopped.elapsed() < Duration::from_secs(8), "shutdown took {:?}", stopped.elapsed());
-    assert_eq!(db.count("SELECT count(*) FROM outroute_lanes WHERE owner IS NOT NULL AND lease_until > now()").await, 0);
+    assert!(
+        stopped.elapsed() < Duration::from_secs(8),
+        "shutdown took {:?}",
+        stopped.elapsed()
+    );
+    assert_eq!(
+        db.count(
+            "SELECT count(*) FROM outroute_lanes WHERE owner IS NOT NULL AND lease_until > now()"
+        )
+        .await,
+        0
+    );
 
     // PostgreSQL restarts under a running relay.
     let mut relay = Relay::start(&config, &[])?;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let cluster = std::fs::read_dir("/etc/postgresql")?.next().and_then(|e| e.ok()).map(|e| e.file_name());
-    let cluster = cluster.and_then(|c| c.into_string().ok()).unwrap_or_else(|| "15".into());
-    let ok = Command::new("pg_ctlcluster").args(["--skip-systemctl-redirect", &cluster, "main", "restart"]).status()?;
+    let cluster = std::fs::read_dir("/etc/postgresql")?
+        .next()
+        .and_then(|e| e.ok())
+        .map(|e| e.file_name());
+    let cluster = cluster
+        .and_then(|c| c.into_string().ok())
+        .unwrap_or_else(|| "15".into());
+    let ok = Command::new("pg_ctlcluster")
+        .args(["--skip-systemctl-redirect", &cluster, "main", "restart"])
+        .status()?;
     assert!(ok.success(), "pg_ctlcluster restart failed");
     services();
     let more = produce(&db.pool, "b", 50, 4, 0).await?;
@@ -232,7 +332,11 @@ async fn postgres_restart_and_sigterm_mid_batch_lose_nothing() -> anyhow::Result
     let r = check(&work, &kafka);
     println!("sigterm + postgres restart: {r}");
     r.assert_clean();
-    assert!(relay.child.try_wait()?.is_none(), "relay died with the database:\n{}", relay.log_text());
+    assert!(
+        relay.child.try_wait()?.is_none(),
+        "relay died with the database:\n{}",
+        relay.log_text()
+    );
     relay.terminate(Duration::from_secs(15));
     db.drop_db().await;
     Ok(())

@@ -11,7 +11,11 @@ use outroute::event::Event;
 use outroute::plugin::{Limits, PluginHandle, Runtime};
 use outroute_e2e::*;
 
-async fn insert(db: &TestDb, aggregate: &str, payload: serde_json::Value) -> anyhow::Result<String> {
+async fn insert(
+    db: &TestDb,
+    aggregate: &str,
+    payload: serde_json::Value,
+) -> anyhow::Result<String> {
     let id = uuid::Uuid::new_v4().to_string();
     sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1::uuid, 'order', $2, 'order-updated', $3)")
         .bind(&id)
@@ -23,7 +27,8 @@ async fn insert(db: &TestDb, aggregate: &str, payload: serde_json::Value) -> any
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn hostile_plugins_fail_only_their_event_and_poison_holds_only_its_aggregate() -> anyhow::Result<()> {
+async fn hostile_plugins_fail_only_their_event_and_poison_holds_only_its_aggregate()
+-> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let t = tag();
     let topic = format!("h{t}.order-updated");
@@ -60,10 +65,21 @@ on_failure = "block"
     )?;
     db.migrate(&config)?;
 
-    let modes = ["loop", "oom", "trap", "forbidden-topic", "unknown-sink", "oversize", "reject"];
+    let modes = [
+        "loop",
+        "oom",
+        "trap",
+        "forbidden-topic",
+        "unknown-sink",
+        "oversize",
+        "reject",
+    ];
     let mut hostile_ids = Vec::new();
     for m in modes {
-        hostile_ids.push((m, insert(&db, &format!("bad-{m}"), serde_json::json!({"hostile": m})).await?));
+        hostile_ids.push((
+            m,
+            insert(&db, &format!("bad-{m}"), serde_json::json!({"hostile": m})).await?,
+        ));
     }
     let poison = insert(&db, "poison", serde_json::json!({"hostile": "retry"})).await?;
     let mut held = Vec::new();
@@ -72,14 +88,25 @@ on_failure = "block"
     }
     let mut good = Vec::new();
     for i in 0..100 {
-        good.push(insert(&db, &format!("good-{}", i % 25), serde_json::json!({"n": i})).await?);
+        good.push(
+            insert(
+                &db,
+                &format!("good-{}", i % 25),
+                serde_json::json!({"n": i}),
+            )
+            .await?,
+        );
     }
 
     let mut relay = Relay::start(&config, &[])?;
     let delivered = consume_kafka(&topic, 2, good.len(), Duration::from_secs(60))?;
     let ids: std::collections::HashSet<&str> = delivered.iter().map(|d| d.id()).collect();
     for g in &good {
-        assert!(ids.contains(g.as_str()), "good event {g} not delivered\n{}", relay.log_text());
+        assert!(
+            ids.contains(g.as_str()),
+            "good event {g} not delivered\n{}",
+            relay.log_text()
+        );
     }
     for h in held.iter().chain([&poison]) {
         assert!(!ids.contains(h.as_str()), "held event {h} was published");
@@ -88,7 +115,8 @@ on_failure = "block"
     // Every hostile event failed with its own reason.
     let cfg = config.to_str().unwrap_or_default().to_string();
     let all_failed = eventually(Duration::from_secs(30), || async {
-        cli(&["failed", "list", "--json", "-c", &cfg]).is_ok_and(|(_, out, _)| out.matches("\"id\"").count() == modes.len() + 1)
+        cli(&["failed", "list", "--json", "-c", &cfg])
+            .is_ok_and(|(_, out, _)| out.matches("\"id\"").count() == modes.len() + 1)
     })
     .await;
     let (_, out, _) = cli(&["failed", "list", "--json", "-c", &cfg])?;
@@ -98,7 +126,14 @@ on_failure = "block"
         failed
             .as_array()
             .and_then(|a| a.iter().find(|f| f["id"] == id))
-            .map(|f| format!("{} [plugin {} {}]", f["reason"].as_str().unwrap_or(""), f["plugin"], f["plugin_version"]))
+            .map(|f| {
+                format!(
+                    "{} [plugin {} {}]",
+                    f["reason"].as_str().unwrap_or(""),
+                    f["plugin"],
+                    f["plugin_version"]
+                )
+            })
             .unwrap_or_default()
     };
     let expect = [
@@ -116,21 +151,42 @@ on_failure = "block"
         assert!(r.contains(needle), "{mode}: reason `{r}` lacks `{needle}`");
         assert!(r.contains("[plugin \"hostile\" \"0.1.0\"]"), "{r}");
     }
-    assert!(reason_of(&poison).contains("gave up after 2 attempts"), "{}", reason_of(&poison));
+    assert!(
+        reason_of(&poison).contains("gave up after 2 attempts"),
+        "{}",
+        reason_of(&poison)
+    );
 
     // The relay survived all of it.
-    assert!(relay.child.try_wait()?.is_none(), "relay died:\n{}", relay.log_text());
+    assert!(
+        relay.child.try_wait()?.is_none(),
+        "relay died:\n{}",
+        relay.log_text()
+    );
     let (_, metrics) = http_get(&http, "/metrics").await?;
-    assert!(metric(&metrics, "outroute_events_failed_total{route=\"hostile\"}").unwrap_or(0.0) >= 8.0, "{metrics}");
-    assert!(metrics.contains("outroute_rejections_total{route=\"hostile\",kind=\"invalid\"}"), "{metrics}");
+    assert!(
+        metric(&metrics, "outroute_events_failed_total{route=\"hostile\"}").unwrap_or(0.0) >= 8.0,
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("outroute_rejections_total{route=\"hostile\",kind=\"invalid\"}"),
+        "{metrics}"
+    );
 
     // The operator discards the poisoned event: the held ones follow, in order.
     let (code, out, err) = cli(&["failed", "discard", "--id", &poison, "-c", &cfg])?;
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("1 event(s) discarded"));
     let after = consume_kafka(&topic, 2, good.len() + held.len(), Duration::from_secs(30))?;
-    let poison_order: Vec<&str> = after.iter().filter(|d| d.aggregate() == "poison").map(|d| d.id()).collect();
-    assert_eq!(poison_order, held.iter().map(String::as_str).collect::<Vec<_>>());
+    let poison_order: Vec<&str> = after
+        .iter()
+        .filter(|d| d.aggregate() == "poison")
+        .map(|d| d.id())
+        .collect();
+    assert_eq!(
+        poison_order,
+        held.iter().map(String::as_str).collect::<Vec<_>>()
+    );
     relay.terminate(Duration::from_secs(15));
     db.drop_db().await;
     Ok(())
@@ -170,13 +226,22 @@ backoff_max = "200ms"
     insert(&db, "a", serde_json::json!({})).await?;
     let mut relay = Relay::start(&config, &[])?;
     let not_ready = eventually(Duration::from_secs(15), || async {
-        http_get(&http, "/readyz").await.is_ok_and(|(s, b)| s == 503 && b.contains("nothing published"))
+        http_get(&http, "/readyz")
+            .await
+            .is_ok_and(|(s, b)| s == 503 && b.contains("nothing published"))
     })
     .await;
     assert!(not_ready, "{:?}", http_get(&http, "/readyz").await);
-    assert_eq!(http_get(&http, "/healthz").await?.0, 200, "alive even when not ready");
+    assert_eq!(
+        http_get(&http, "/healthz").await?.0,
+        200,
+        "alive even when not ready"
+    );
     let (_, m) = http_get(&http, "/metrics").await?;
-    assert!(metric(&m, "outroute_retries_total{route=\"stuck\"}").unwrap_or(0.0) >= 2.0, "{m}");
+    assert!(
+        metric(&m, "outroute_retries_total{route=\"stuck\"}").unwrap_or(0.0) >= 2.0,
+        "{m}"
+    );
     assert_eq!(metric(&m, "outroute_backlog_events"), Some(1.0));
     relay.terminate(Duration::from_secs(15));
     db.drop_db().await;
@@ -204,7 +269,10 @@ fn hot_reload_switches_versions_and_survives_a_bad_file() -> anyhow::Result<()> 
     let file = dir.join("plugin.wasm");
     std::fs::copy(plugin("order-router"), &file)?;
     let rt = Runtime::new(dir.join("cache"))?;
-    let limits = Limits { cpu_budget: Duration::from_millis(100), memory_bytes: 64 << 20 };
+    let limits = Limits {
+        cpu_budget: Duration::from_millis(100),
+        memory_bytes: 64 << 20,
+    };
     let config = serde_json::json!({"sink": "kafka", "topic": "orders.{event_type}"});
     let handle = PluginHandle::load(&rt, &file, config, limits)?;
     let v1 = handle.current().expect("plugin");
@@ -218,13 +286,19 @@ fn hot_reload_switches_versions_and_survives_a_bad_file() -> anyhow::Result<()> 
     let switched = handle.reload_if_changed()?;
     assert_eq!(switched.map(|i| i.name), Some("hostile".to_string()));
     assert_eq!(handle.current().expect("plugin").info.name, "hostile");
-    assert!(v1.route_batch(&[event()])[0].is_ok(), "old version still routes in-flight work");
+    assert!(
+        v1.route_batch(&[event()])[0].is_ok(),
+        "old version still routes in-flight work"
+    );
 
     // A broken file is reported and the running version stays.
     std::thread::sleep(Duration::from_millis(20));
     std::fs::write(&file, b"\0asm not really")?;
     let err = handle.reload_if_changed().expect_err("bad file accepted");
-    assert!(format!("{err:#}").contains("not a valid component"), "{err:#}");
+    assert!(
+        format!("{err:#}").contains("not a valid component"),
+        "{err:#}"
+    );
     assert_eq!(handle.current().expect("plugin").info.name, "hostile");
     Ok(())
 }
@@ -233,11 +307,22 @@ fn hot_reload_switches_versions_and_survives_a_bad_file() -> anyhow::Result<()> 
 fn a_plugin_whose_init_refuses_its_config_is_refused_at_start() -> anyhow::Result<()> {
     let dir = test_dir("init");
     let rt = Runtime::new(dir.join("cache"))?;
-    let limits = Limits { cpu_budget: Duration::from_millis(100), memory_bytes: 64 << 20 };
-    let err = PluginHandle::load(&rt, &plugin("schema-gate"), serde_json::json!({"topik": 1}), limits)
-        .err()
-        .expect("bad config accepted");
+    let limits = Limits {
+        cpu_budget: Duration::from_millis(100),
+        memory_bytes: 64 << 20,
+    };
+    let err = PluginHandle::load(
+        &rt,
+        &plugin("schema-gate"),
+        serde_json::json!({"topik": 1}),
+        limits,
+    )
+    .err()
+    .expect("bad config accepted");
     let text = format!("{err:#}");
-    assert!(text.contains("refused its route config") && text.contains("topik"), "{text}");
+    assert!(
+        text.contains("refused its route config") && text.contains("topik"),
+        "{text}"
+    );
     Ok(())
 }

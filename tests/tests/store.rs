@@ -44,7 +44,12 @@ allow = {{ file = ["orders.*"] }}
 async fn expired_lease_is_taken_over_and_the_old_owner_cannot_mark() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let dir = test_dir("fence");
-    let config = write_config(&dir, &db.url, "lanes = 4\nlease_ttl = \"5s\"", &file_sink_body(&dir, ""))?;
+    let config = write_config(
+        &dir,
+        &db.url,
+        "lanes = 4\nlease_ttl = \"5s\"",
+        &file_sink_body(&dir, ""),
+    )?;
     db.migrate(&config)?;
     let work = produce(&db.pool, "agg", 10, 2, 0).await?;
 
@@ -56,7 +61,9 @@ async fn expired_lease_is_taken_over_and_the_old_owner_cannot_mark() -> anyhow::
     let ids: Vec<String> = claimed.iter().map(|c| c.id().to_string()).collect();
 
     // Relay A stalls (GC pause, network cut): its lease lapses, its heartbeat stops.
-    sqlx::query("UPDATE outroute_lanes SET lease_until = now() - interval '1 second'").execute(&db.pool).await?;
+    sqlx::query("UPDATE outroute_lanes SET lease_until = now() - interval '1 second'")
+        .execute(&db.pool)
+        .await?;
     sqlx::query("UPDATE outroute_relays SET heartbeat_at = now() - interval '1 hour' WHERE relay_id = 'relay-a'")
         .execute(&db.pool)
         .await?;
@@ -66,18 +73,40 @@ async fn expired_lease_is_taken_over_and_the_old_owner_cannot_mark() -> anyhow::
     assert_eq!(lb.acquired, 4);
 
     // A wakes up and tries to mark what it published: fenced out.
-    assert_eq!(a.mark_published(&ids).await?, 0, "a fenced-out relay marked rows");
-    assert_eq!(db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await, 0);
+    assert_eq!(
+        a.mark_published(&ids).await?,
+        0,
+        "a fenced-out relay marked rows"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+            .await,
+        0
+    );
     // A's renewal finds nothing left to renew.
-    assert!(a.lease_round().await?.lanes.is_empty() || db.count("SELECT count(*) FROM outroute_lanes WHERE owner = 'relay-a'").await == 0);
+    assert!(
+        a.lease_round().await?.lanes.is_empty()
+            || db
+                .count("SELECT count(*) FROM outroute_lanes WHERE owner = 'relay-a'")
+                .await
+                == 0
+    );
 
     // B claims the same events and marks them exactly once.
     let again = b.claim(&lb.lanes, 100).await?;
     assert_eq!(again.len(), ids.len());
     assert_eq!(b.mark_published(&ids).await?, ids.len() as u64);
-    assert_eq!(b.mark_published(&ids).await?, 0, "a second mark changed rows");
+    assert_eq!(
+        b.mark_published(&ids).await?,
+        0,
+        "a second mark changed rows"
+    );
     assert_eq!(a.mark_published(&ids).await?, 0);
-    assert_eq!(db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await, ids.len() as i64);
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+            .await,
+        ids.len() as i64
+    );
     db.drop_db().await;
     Ok(())
 }
@@ -89,8 +118,14 @@ async fn retention_deletes_only_published_rows_past_the_window() -> anyhow::Resu
     let config = write_config(&dir, &db.url, "", &file_sink_body(&dir, ""))?;
     db.migrate(&config)?;
     produce(&db.pool, "agg", 10, 3, 0).await?; // 30 rows
-    sqlx::query("UPDATE outbox SET published_at = now() - interval '3 days' WHERE seq <= 10").execute(&db.pool).await?;
-    sqlx::query("UPDATE outbox SET published_at = now() - interval '1 hour' WHERE seq > 10 AND seq <= 20").execute(&db.pool).await?;
+    sqlx::query("UPDATE outbox SET published_at = now() - interval '3 days' WHERE seq <= 10")
+        .execute(&db.pool)
+        .await?;
+    sqlx::query(
+        "UPDATE outbox SET published_at = now() - interval '1 hour' WHERE seq > 10 AND seq <= 20",
+    )
+    .execute(&db.pool)
+    .await?;
     let s = open(&config, "purger").await?;
     let mut deleted = 0;
     loop {
@@ -101,9 +136,21 @@ async fn retention_deletes_only_published_rows_past_the_window() -> anyhow::Resu
         }
     }
     assert_eq!(deleted, 10);
-    assert_eq!(db.count("SELECT count(*) FROM outbox WHERE seq <= 10").await, 0);
-    assert_eq!(db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await, 10);
-    assert_eq!(db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL").await, 10);
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE seq <= 10")
+            .await,
+        0
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+            .await,
+        10
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            .await,
+        10
+    );
     db.drop_db().await;
     Ok(())
 }
@@ -209,13 +256,24 @@ async fn existing_tables_relay_without_migration() -> anyhow::Result<()> {
         .await?;
 
     let dir1 = test_dir("legacy1");
-    let c1 = write_config(&dir1, &db.url, "lease_ttl = \"2s\"", &nats_body(&t, OUTBOX_EVENTS))?;
+    let c1 = write_config(
+        &dir1,
+        &db.url,
+        "lease_ttl = \"2s\"",
+        &nats_body(&t, OUTBOX_EVENTS),
+    )?;
     let dir2 = test_dir("legacy2");
-    let c2 = write_config(&dir2, &db.url, "lease_ttl = \"2s\"", &nats_body(&t, T_OUTBOX))?;
+    let c2 = write_config(
+        &dir2,
+        &db.url,
+        "lease_ttl = \"2s\"",
+        &nats_body(&t, T_OUTBOX),
+    )?;
     let mut r1 = Relay::start(&c1, &[])?;
     let mut r2 = Relay::start(&c2, &[])?;
     let delivered = consume_nats(&js, &format!("L{t}"), 40, Duration::from_secs(60)).await?;
-    let got: std::collections::HashSet<String> = delivered.iter().map(|d| d.id().to_string()).collect();
+    let got: std::collections::HashSet<String> =
+        delivered.iter().map(|d| d.id().to_string()).collect();
     for id in ids1.iter().chain(&ids2) {
         assert!(got.contains(id), "event {id} not delivered");
     }
@@ -223,15 +281,28 @@ async fn existing_tables_relay_without_migration() -> anyhow::Result<()> {
     // outbox_events: the 20 events of one aggregate arrive in created_at order.
     let order: Vec<i64> = delivered
         .iter()
-        .filter(|d| d.headers.get("ce_aggregatetype").map(String::as_str) == Some("order") && ids1.contains(&d.id().to_string()))
-        .map(|d| serde_json::from_slice::<serde_json::Value>(&d.payload).ok().and_then(|v| v["n"].as_i64()).unwrap_or(-1))
+        .filter(|d| {
+            d.headers.get("ce_aggregatetype").map(String::as_str) == Some("order")
+                && ids1.contains(&d.id().to_string())
+        })
+        .map(|d| {
+            serde_json::from_slice::<serde_json::Value>(&d.payload)
+                .ok()
+                .and_then(|v| v["n"].as_i64())
+                .unwrap_or(-1)
+        })
         .collect();
     assert_eq!(order, (0..20).collect::<Vec<_>>());
     // Marked in the table's own style.
     assert!(
         eventually(Duration::from_secs(10), || async {
-            db.count("SELECT count(*) FROM outbox_events WHERE published_at IS NULL").await == 0
-                && db.count("SELECT count(*) FROM t_outbox WHERE status = 'SENT'").await == 20
+            db.count("SELECT count(*) FROM outbox_events WHERE published_at IS NULL")
+                .await
+                == 0
+                && db
+                    .count("SELECT count(*) FROM t_outbox WHERE status = 'SENT'")
+                    .await
+                    == 20
         })
         .await
     );
@@ -239,7 +310,8 @@ async fn existing_tables_relay_without_migration() -> anyhow::Result<()> {
     // relay did not loop on them (attempts mirrored into retry_count).
     let c2s = c2.to_str().unwrap_or_default().to_string();
     let listed = eventually(Duration::from_secs(10), || async {
-        cli(&["failed", "list", "--json", "-c", &c2s]).is_ok_and(|(_, out, _)| out.matches("\"id\"").count() == 2)
+        cli(&["failed", "list", "--json", "-c", &c2s])
+            .is_ok_and(|(_, out, _)| out.matches("\"id\"").count() == 2)
     })
     .await;
     let (code, out, err) = cli(&["failed", "list", "--json", "-c", &c2s])?;
@@ -249,38 +321,95 @@ async fn existing_tables_relay_without_migration() -> anyhow::Result<()> {
         .as_array()
         .map(|a| {
             a.iter()
-                .map(|f| (f["id"].as_str().unwrap_or("").to_string(), f["reason"].as_str().unwrap_or("").to_string()))
+                .map(|f| {
+                    (
+                        f["id"].as_str().unwrap_or("").to_string(),
+                        f["reason"].as_str().unwrap_or("").to_string(),
+                    )
+                })
                 .collect()
         })
         .unwrap_or_default();
     assert_eq!(reasons.len(), 2, "{out}");
-    assert!(reasons.iter().any(|(id, r)| id == "bad-json" && r.contains("payload is not valid JSON")), "{out}");
-    assert!(reasons.iter().any(|(id, r)| id == "null-agg" && r.contains("aggregate_id is NULL")), "{out}");
-    assert_eq!(db.count("SELECT retry_count::bigint FROM t_outbox WHERE event_id = 'bad-json'").await, 1);
+    assert!(
+        reasons
+            .iter()
+            .any(|(id, r)| id == "bad-json" && r.contains("payload is not valid JSON")),
+        "{out}"
+    );
+    assert!(
+        reasons
+            .iter()
+            .any(|(id, r)| id == "null-agg" && r.contains("aggregate_id is NULL")),
+        "{out}"
+    );
+    assert_eq!(
+        db.count("SELECT retry_count::bigint FROM t_outbox WHERE event_id = 'bad-json'")
+            .await,
+        1
+    );
     let (_, status, _) = cli(&["status", "--json", "-c", c2.to_str().unwrap_or_default()])?;
     let status: serde_json::Value = serde_json::from_str(&status)?;
     assert_eq!(status["backlog"], 0, "{status}");
     assert_eq!(status["failed"], 2, "{status}");
 
     // The operator fixes the payload and retries: it is published.
-    sqlx::query("UPDATE t_outbox SET payload = '{\"fixed\": true}' WHERE event_id = 'bad-json'").execute(&db.pool).await?;
-    let (code, out, err) = cli(&["failed", "retry", "--id", "bad-json", "-c", c2.to_str().unwrap_or_default()])?;
+    sqlx::query("UPDATE t_outbox SET payload = '{\"fixed\": true}' WHERE event_id = 'bad-json'")
+        .execute(&db.pool)
+        .await?;
+    let (code, out, err) = cli(&[
+        "failed",
+        "retry",
+        "--id",
+        "bad-json",
+        "-c",
+        c2.to_str().unwrap_or_default(),
+    ])?;
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("1 event(s) put back"), "{out}");
     assert!(
         eventually(Duration::from_secs(20), || async {
-            db.count("SELECT count(*) FROM t_outbox WHERE event_id = 'bad-json' AND status = 'SENT'").await == 1
+            db.count(
+                "SELECT count(*) FROM t_outbox WHERE event_id = 'bad-json' AND status = 'SENT'",
+            )
+            .await
+                == 1
         })
         .await,
         "retried event not published"
     );
     // And the NULL-aggregate row is discarded for good.
-    let (code, out, _) = cli(&["failed", "discard", "--id", "null-agg", "-c", c2.to_str().unwrap_or_default()])?;
+    let (code, out, _) = cli(&[
+        "failed",
+        "discard",
+        "--id",
+        "null-agg",
+        "-c",
+        c2.to_str().unwrap_or_default(),
+    ])?;
     assert_eq!(code, 0);
     assert!(out.contains("1 event(s) discarded"), "{out}");
-    let (_, out, _) = cli(&["failed", "list", "--json", "-c", c2.to_str().unwrap_or_default()])?;
-    assert_eq!(serde_json::from_str::<serde_json::Value>(&out)?.as_array().map(Vec::len), Some(0), "{out}");
-    let (_, out, _) = cli(&["failed", "show", "null-agg", "-c", c2.to_str().unwrap_or_default()])?;
+    let (_, out, _) = cli(&[
+        "failed",
+        "list",
+        "--json",
+        "-c",
+        c2.to_str().unwrap_or_default(),
+    ])?;
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&out)?
+            .as_array()
+            .map(Vec::len),
+        Some(0),
+        "{out}"
+    );
+    let (_, out, _) = cli(&[
+        "failed",
+        "show",
+        "null-agg",
+        "-c",
+        c2.to_str().unwrap_or_default(),
+    ])?;
     assert!(out.contains("\"discarded_at\""), "{out}");
 
     r1.terminate(Duration::from_secs(15));

@@ -24,17 +24,23 @@ impl FileSink {
         } else {
             let path = base_dir.join(&c.path);
             if let Some(dir) = path.parent() {
-                std::fs::create_dir_all(dir).with_context(|| format!("sinks.{name}.path: creating {}", dir.display()))?;
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("sinks.{name}.path: creating {}", dir.display()))?;
             }
             Box::new(
                 std::fs::OpenOptions::new()
                     .create(true)
                     .append(true)
                     .open(&path)
-                    .with_context(|| format!("sinks.{name}.path: cannot open {}", path.display()))?,
+                    .with_context(|| {
+                        format!("sinks.{name}.path: cannot open {}", path.display())
+                    })?,
             )
         };
-        Ok(FileSink { name: name.to_string(), out: Mutex::new(out) })
+        Ok(FileSink {
+            name: name.to_string(),
+            out: Mutex::new(out),
+        })
     }
 
     /// Write one line; written and flushed is acknowledged.
@@ -43,8 +49,11 @@ impl FileSink {
             Ok(v) => v,
             Err(_) => json!(String::from_utf8_lossy(m.payload)),
         };
-        let headers: serde_json::Map<String, serde_json::Value> =
-            m.headers.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
+        let headers: serde_json::Map<String, serde_json::Value> = m
+            .headers
+            .iter()
+            .map(|(k, v)| (k.clone(), json!(v)))
+            .collect();
         let line = json!({
             "sink": self.name,
             "topic": m.topic,
@@ -53,10 +62,9 @@ impl FileSink {
             "headers": headers,
             "payload": payload,
         });
-        let mut out = self
-            .out
-            .lock()
-            .map_err(|_| PublishError::Retryable(format!("file sink `{}` is poisoned", self.name)))?;
+        let mut out = self.out.lock().map_err(|_| {
+            PublishError::Retryable(format!("file sink `{}` is poisoned", self.name))
+        })?;
         writeln!(out, "{line}")
             .and_then(|_| out.flush())
             .map_err(|e| PublishError::Retryable(format!("file sink `{}`: {e}", self.name)))

@@ -50,7 +50,10 @@ impl PendingAck {
                 }
                 Err(classify(&self.sink, &self.topic, e))
             }
-            Err(_) => Err(PublishError::Retryable(format!("kafka sink `{}`: producer went away", self.sink))),
+            Err(_) => Err(PublishError::Retryable(format!(
+                "kafka sink `{}`: producer went away",
+                self.sink
+            ))),
         }
     }
 }
@@ -62,7 +65,12 @@ fn fences_producer(e: &KafkaError) -> bool {
     use RDKafkaErrorCode as C;
     matches!(
         e.rdkafka_error_code(),
-        Some(C::ProducerFenced | C::InvalidProducerEpoch | C::UnknownProducerId | C::OutOfOrderSequenceNumber)
+        Some(
+            C::ProducerFenced
+                | C::InvalidProducerEpoch
+                | C::UnknownProducerId
+                | C::OutOfOrderSequenceNumber
+        )
     )
 }
 
@@ -76,16 +84,31 @@ impl KafkaSink {
             .set("max.in.flight.requests.per.connection", "5")
             .set("linger.ms", c.linger_ms.max(1).to_string())
             .set("compression.type", &c.compression)
-            .set("message.timeout.ms", publish_timeout.as_millis().to_string())
-            .set("message.max.bytes", (c.max_message_bytes + 64 * 1024).to_string())
-            .set("queue.buffering.max.messages", (c.max_in_flight * 2).max(1000).to_string());
+            .set(
+                "message.timeout.ms",
+                publish_timeout.as_millis().to_string(),
+            )
+            .set(
+                "message.max.bytes",
+                (c.max_message_bytes + 64 * 1024).to_string(),
+            )
+            .set(
+                "queue.buffering.max.messages",
+                (c.max_in_flight * 2).max(1000).to_string(),
+            );
         for (k, v) in &c.options {
             cc.set(k, v);
         }
         let producer: FutureProducer = cc
             .create()
             .with_context(|| format!("sinks.{name}: cannot create the Kafka producer"))?;
-        Ok(KafkaSink { name: name.to_string(), producer: RwLock::new(producer), client_config: cc, reset: Arc::new(AtomicBool::new(false)), in_flight: Arc::new(Semaphore::new(c.max_in_flight.max(1))) })
+        Ok(KafkaSink {
+            name: name.to_string(),
+            producer: RwLock::new(producer),
+            client_config: cc,
+            reset: Arc::new(AtomicBool::new(false)),
+            in_flight: Arc::new(Semaphore::new(c.max_in_flight.max(1))),
+        })
     }
 
     /// Queue one message (waiting while too many are in flight or
@@ -99,10 +122,14 @@ impl KafkaSink {
             .map_err(|_| PublishError::Retryable("sink is shutting down".into()))?;
         let mut headers = OwnedHeaders::new_with_capacity(m.headers.len());
         for (k, v) in m.headers {
-            headers = headers.insert(Header { key: k, value: Some(v.as_bytes()) });
+            headers = headers.insert(Header {
+                key: k,
+                value: Some(v.as_bytes()),
+            });
         }
-        let mut record: FutureRecord<'_, [u8], [u8]> =
-            FutureRecord::to(m.topic).payload(m.payload).headers(headers);
+        let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(m.topic)
+            .payload(m.payload)
+            .headers(headers);
         if let Some(k) = m.key {
             record = record.key(k);
         }
@@ -120,7 +147,13 @@ impl KafkaSink {
                 Err((e, _)) => return Err(classify(&self.name, m.topic, e)),
             }
         };
-        Ok(PendingAck { delivery, reset: self.reset.clone(), sink: self.name.clone(), topic: m.topic.to_string(), _permit: permit })
+        Ok(PendingAck {
+            delivery,
+            reset: self.reset.clone(),
+            sink: self.name.clone(),
+            topic: m.topic.to_string(),
+            _permit: permit,
+        })
     }
 
     /// The current producer, replaced first if librdkafka declared it dead.
@@ -150,9 +183,13 @@ impl KafkaSink {
 
     pub async fn connected(&self) -> bool {
         let p = self.healthy_producer();
-        tokio::task::spawn_blocking(move || p.client().fetch_metadata(None, Duration::from_secs(2)).is_ok())
-            .await
-            .unwrap_or(false)
+        tokio::task::spawn_blocking(move || {
+            p.client()
+                .fetch_metadata(None, Duration::from_secs(2))
+                .is_ok()
+        })
+        .await
+        .unwrap_or(false)
     }
 
     pub async fn flush(&self) {
@@ -190,7 +227,9 @@ mod tests {
     #[test]
     fn size_and_auth_errors_are_permanent() {
         let e = KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge);
-        assert!(matches!(classify("k", "t", e), PublishError::Permanent(r) if r.contains("topic `t`")));
+        assert!(
+            matches!(classify("k", "t", e), PublishError::Permanent(r) if r.contains("topic `t`"))
+        );
         let e = KafkaError::MessageProduction(RDKafkaErrorCode::TopicAuthorizationFailed);
         assert!(matches!(classify("k", "t", e), PublishError::Permanent(_)));
         let e = KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut);

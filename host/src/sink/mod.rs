@@ -48,7 +48,7 @@ pub enum PublishError {
 /// A configured destination.
 pub enum Sink {
     Kafka(kafka::KafkaSink),
-    Nats(nats::NatsSink),
+    Nats(Box<nats::NatsSink>),
     File(file::FileSink),
 }
 
@@ -124,7 +124,10 @@ pub async fn build_all(
         let sink = match cfg {
             SinkConfig::Kafka(k) => Sink::Kafka(kafka::KafkaSink::build(name, k, publish_timeout)?),
             SinkConfig::Nats(n) => {
-                Sink::Nats(nats::NatsSink::build(name, n, &routes.patterns_for_sink(name), publish_timeout).await?)
+                let patterns = routes.patterns_for_sink(name);
+                Sink::Nats(Box::new(
+                    nats::NatsSink::build(name, n, &patterns, publish_timeout).await?,
+                ))
             }
             SinkConfig::File(f) => Sink::File(file::FileSink::build(name, f, base_dir)?),
         };

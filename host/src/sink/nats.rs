@@ -33,11 +33,18 @@ pub struct PendingAck {
 
 impl PendingAck {
     pub async fn wait(self) -> Result<(), PublishError> {
-        self.ack.await.map(|_| ()).map_err(|e| classify(&self.sink, &self.subject, &e))
+        self.ack
+            .await
+            .map(|_| ())
+            .map_err(|e| classify(&self.sink, &self.subject, &e))
     }
 }
 
-fn classify(sink: &str, subject: &str, e: &async_nats::jetstream::context::PublishError) -> PublishError {
+fn classify(
+    sink: &str,
+    subject: &str,
+    e: &async_nats::jetstream::context::PublishError,
+) -> PublishError {
     let reason = format!("nats sink `{sink}`, subject `{subject}`: {e}");
     match e.kind() {
         PublishErrorKind::MaxPayloadExceeded => PublishError::Permanent(reason),
@@ -46,7 +53,12 @@ fn classify(sink: &str, subject: &str, e: &async_nats::jetstream::context::Publi
 }
 
 impl NatsSink {
-    pub async fn build(name: &str, c: &NatsSinkConfig, patterns: &[String], publish_timeout: Duration) -> Result<Self> {
+    pub async fn build(
+        name: &str,
+        c: &NatsSinkConfig,
+        patterns: &[String],
+        publish_timeout: Duration,
+    ) -> Result<Self> {
         let client = async_nats::ConnectOptions::new()
             .name(format!("outroute/{name}"))
             .retry_on_initial_connect()
@@ -68,16 +80,24 @@ impl NatsSink {
                         ..Default::default()
                     })
                     .await
-                    .with_context(|| format!("sinks.{name}.create_stream: cannot create stream `{}`", s.name))?;
+                    .with_context(|| {
+                        format!(
+                            "sinks.{name}.create_stream: cannot create stream `{}`",
+                            s.name
+                        )
+                    })?;
                 }
                 // Every subject a route may publish to must be captured by a
                 // stream, or every publish would fail with "no responders".
                 for p in patterns {
                     let sample = sample_subject(p);
-                    if let Err(e) = tokio::time::timeout(Duration::from_secs(5), ctx.stream_by_subject(sample.clone()))
-                        .await
-                        .map_err(|_| anyhow::anyhow!("timed out"))
-                        .and_then(|r| r.map_err(anyhow::Error::from))
+                    if let Err(e) = tokio::time::timeout(
+                        Duration::from_secs(5),
+                        ctx.stream_by_subject(sample.clone()),
+                    )
+                    .await
+                    .map_err(|_| anyhow::anyhow!("timed out"))
+                    .and_then(|r| r.map_err(anyhow::Error::from))
                     {
                         bail!(
                             "sinks.{name}: no JetStream stream captures subject `{sample}` (allowed pattern `{p}`): {e}; \
@@ -88,7 +108,12 @@ impl NatsSink {
                 Some(ctx)
             }
         };
-        Ok(NatsSink { name: name.to_string(), client, js, in_flight: Arc::new(Semaphore::new(c.max_in_flight.max(1))) })
+        Ok(NatsSink {
+            name: name.to_string(),
+            client,
+            js,
+            in_flight: Arc::new(Semaphore::new(c.max_in_flight.max(1))),
+        })
     }
 
     /// Send one message; JetStream's PubAck comes later (core NATS has none).
@@ -107,7 +132,10 @@ impl NatsSink {
         let subject = m.topic.to_string();
         match &self.js {
             Some(js) => {
-                let publish = PublishMessage::build().payload(payload).headers(headers).message_id(m.dedup_id);
+                let publish = PublishMessage::build()
+                    .payload(payload)
+                    .headers(headers)
+                    .message_id(m.dedup_id);
                 let ack = js
                     .send_publish(subject, publish)
                     .await
@@ -124,7 +152,12 @@ impl NatsSink {
                 .publish_with_headers(subject, headers, payload)
                 .await
                 .map(|()| super::Ack::Done)
-                .map_err(|e| PublishError::Retryable(format!("nats sink `{}`, subject `{}`: {e}", self.name, m.topic))),
+                .map_err(|e| {
+                    PublishError::Retryable(format!(
+                        "nats sink `{}`, subject `{}`: {e}",
+                        self.name, m.topic
+                    ))
+                }),
         }
     }
 
@@ -150,7 +183,10 @@ fn sample_subject(pattern: &str) -> String {
 mod tests {
     #[test]
     fn sample_subjects() {
-        assert_eq!(super::sample_subject("orders.*.created"), "orders.x.created");
+        assert_eq!(
+            super::sample_subject("orders.*.created"),
+            "orders.x.created"
+        );
         assert_eq!(super::sample_subject("orders.**"), "orders.x");
     }
 }

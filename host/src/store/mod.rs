@@ -133,7 +133,7 @@ pub struct Leases {
 
 /// The store, PostgreSQL or SQLite.
 pub enum Store {
-    Postgres(postgres::PgStore),
+    Postgres(Box<postgres::PgStore>),
     Sqlite(sqlite::SqliteStore),
 }
 
@@ -153,7 +153,8 @@ impl Store {
         if sc.url.starts_with("sqlite:") {
             Ok(Store::Sqlite(sqlite::SqliteStore::connect(sc).await?))
         } else {
-            Ok(Store::Postgres(postgres::PgStore::connect(config, relay_id).await?))
+            let pg = postgres::PgStore::connect(config, relay_id).await?;
+            Ok(Store::Postgres(Box::new(pg)))
         }
     }
 
@@ -217,7 +218,12 @@ impl Store {
     }
 
     /// Published events matching `f`, in outbox order, after `after_seq`.
-    pub async fn published(&self, f: &Filter, after_seq: i64, limit: i64) -> anyhow::Result<Vec<Claim>> {
+    pub async fn published(
+        &self,
+        f: &Filter,
+        after_seq: i64,
+        limit: i64,
+    ) -> anyhow::Result<Vec<Claim>> {
         dispatch!(self, s => s.published(f, after_seq, limit).await)
     }
 
@@ -227,7 +233,11 @@ impl Store {
     }
 
     /// Delete up to `batch` published rows older than `older_than`.
-    pub async fn purge_published(&self, older_than: std::time::Duration, batch: i64) -> anyhow::Result<u64> {
+    pub async fn purge_published(
+        &self,
+        older_than: std::time::Duration,
+        batch: i64,
+    ) -> anyhow::Result<u64> {
         dispatch!(self, s => s.purge_published(older_than, batch).await)
     }
 

@@ -38,10 +38,13 @@ use super::{Claim, FailedEvent, Failure, FailureKind, Filter, Leases, RelayStatu
 use crate::config::{Config, Marking, Ordering, TableConfig};
 use crate::event::RawRow;
 
-
 /// Quote a validated identifier (`schema.table` → `"schema"."table"`).
 fn quote(ident: &str) -> String {
-    ident.split('.').map(|p| format!("\"{}\"", p.replace('"', "\"\""))).collect::<Vec<_>>().join(".")
+    ident
+        .split('.')
+        .map(|p| format!("\"{}\"", p.replace('"', "\"\"")))
+        .collect::<Vec<_>>()
+        .join(".")
 }
 
 /// Quote a string literal (standard_conforming_strings is on since 9.1).
@@ -70,7 +73,10 @@ impl TableSql {
         let col = |c: &str| format!("o.{}", quote(c));
         let seq = match &t.sequence {
             Some(s) => format!("{}::bigint", col(s)),
-            None => format!("(extract(epoch from {}::timestamptz) * 1000000)::bigint", col(&t.created_at)),
+            None => format!(
+                "(extract(epoch from {}::timestamptz) * 1000000)::bigint",
+                col(&t.created_at)
+            ),
         };
         let aggregate_type = match (&t.aggregate_type, &t.aggregate_type_value) {
             (Some(c), _) => format!("{}::text", col(c)),
@@ -78,12 +84,22 @@ impl TableSql {
             (None, None) => "''::text".into(),
         };
         let aggregate_id = format!("{}::text", col(&t.aggregate_id));
-        let failed = t.failed_at.as_ref().map(|f| format!(" AND {} IS NULL", col(f))).unwrap_or_default();
+        let failed = t
+            .failed_at
+            .as_ref()
+            .map(|f| format!(" AND {} IS NULL", col(f)))
+            .unwrap_or_default();
         let (pending, published) = match &t.marking {
-            Marking::PublishedAt { column } => {
-                (format!("{} IS NULL{failed}", col(column)), format!("{} IS NOT NULL", col(column)))
-            }
-            Marking::Status { column, pending, sent, .. } => (
+            Marking::PublishedAt { column } => (
+                format!("{} IS NULL{failed}", col(column)),
+                format!("{} IS NOT NULL", col(column)),
+            ),
+            Marking::Status {
+                column,
+                pending,
+                sent,
+                ..
+            } => (
                 format!("{} = {}{failed}", col(column), literal(pending)),
                 format!("{} = {}", col(column), literal(sent)),
             ),
@@ -172,18 +188,24 @@ impl PgStore {
     }
 
     fn sql(&self) -> Result<&TableSql> {
-        self.sql.as_ref().ok_or_else(|| anyhow!("store used before check_table"))
+        self.sql
+            .as_ref()
+            .ok_or_else(|| anyhow!("store used before check_table"))
     }
 
     pub async fn migrate(&self, outbox: bool) -> Result<()> {
         // Two migration sets share `_sqlx_migrations`; each ignores the other's versions.
         let mut c = sqlx::migrate!("../migrations/postgres/coordination");
         c.set_ignore_missing(true);
-        c.run(&self.pool).await.context("applying coordination migrations")?;
+        c.run(&self.pool)
+            .await
+            .context("applying coordination migrations")?;
         if outbox {
             let mut o = sqlx::migrate!("../migrations/postgres/outbox");
             o.set_ignore_missing(true);
-            o.run(&self.pool).await.context("applying outbox migrations")?;
+            o.run(&self.pool)
+                .await
+                .context("applying outbox migrations")?;
         }
         Ok(())
     }
@@ -236,22 +258,34 @@ impl PgStore {
             .fetch_optional(&self.pool)
             .await?;
             match ty {
-                None => bail!("store.table.{key}: column `{col}` not found in table `{}`", t.name),
+                None => bail!(
+                    "store.table.{key}: column `{col}` not found in table `{}`",
+                    t.name
+                ),
                 Some(ty) if key == "id" => id_type = ty,
                 Some(_) => {}
             }
         }
         // Only the base type name is safe to splice (e.g. `character varying(64)`).
-        let base = id_type.split('(').next().unwrap_or("text").trim().to_string();
-        if !base.chars().all(|c| c.is_ascii_alphanumeric() || c == ' ' || c == '_') {
+        let base = id_type
+            .split('(')
+            .next()
+            .unwrap_or("text")
+            .trim()
+            .to_string();
+        if !base
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == ' ' || c == '_')
+        {
             bail!("store.table.id: unsupported id column type `{id_type}`");
         }
         self.sql = Some(TableSql::new(t, self.lanes, &base));
         // Lane rows for this table; a changed lane count would break ordering.
-        let existing: i64 = sqlx::query_scalar("SELECT count(*) FROM outroute_lanes WHERE source = $1")
-            .bind(&self.source)
-            .fetch_one(&self.pool)
-            .await?;
+        let existing: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM outroute_lanes WHERE source = $1")
+                .bind(&self.source)
+                .fetch_one(&self.pool)
+                .await?;
         if existing == 0 {
             sqlx::query(
                 "INSERT INTO outroute_lanes (source, lane) SELECT $1, g FROM generate_series(0, $2 - 1) g \
@@ -281,7 +315,11 @@ impl PgStore {
         )
         .bind(&self.source)
         .bind(&self.relay_id)
-        .bind(hostname::get().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default())
+        .bind(
+            hostname::get()
+                .map(|h| h.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        )
         .bind(std::process::id() as i32)
         .execute(&mut *tx)
         .await?;
@@ -345,7 +383,11 @@ impl PgStore {
                 .execute(&self.pool)
                 .await?;
         }
-        Ok(Leases { lanes: held, acquired, relays })
+        Ok(Leases {
+            lanes: held,
+            acquired,
+            relays,
+        })
     }
 
     pub async fn release_all(&self) -> Result<()> {
@@ -411,7 +453,12 @@ impl PgStore {
                 format!("UPDATE {} o SET {} = now()", s.table, quote(column))
             }
             Marking::Status { column, sent, .. } => {
-                format!("UPDATE {} o SET {} = {}", s.table, quote(column), literal(sent))
+                format!(
+                    "UPDATE {} o SET {} = {}",
+                    s.table,
+                    quote(column),
+                    literal(sent)
+                )
             }
             Marking::Delete => format!("DELETE FROM {} o", s.table),
         };
@@ -446,8 +493,7 @@ impl PgStore {
                 FailureKind::Failed { hold: true } => (Utc::now(), "hold", true),
                 FailureKind::Failed { hold: false } => (Utc::now(), "none", true),
             };
-            let blocks_sql =
-                "CASE $8 WHEN 'hold' THEN 'infinity'::timestamptz WHEN 'none' THEN '-infinity'::timestamptz ELSE $10 END";
+            let blocks_sql = "CASE $8 WHEN 'hold' THEN 'infinity'::timestamptz WHEN 'none' THEN '-infinity'::timestamptz ELSE $10 END";
             let q = format!(
                 "INSERT INTO outroute_event_state AS st (source, event_id, aggregate_type, aggregate_id, seq, event_type, \
                    attempts, next_attempt_at, blocks_until, last_error, route, plugin, plugin_version, failed_at) \
@@ -502,14 +548,25 @@ impl PgStore {
             if let Some(c) = &s.cfg.failed_at {
                 sets.push(format!("{} = now()", quote(c)));
             }
-            if let Marking::Status { column, failed: Some(v), .. } = &s.cfg.marking {
+            if let Marking::Status {
+                column,
+                failed: Some(v),
+                ..
+            } = &s.cfg.marking
+            {
                 sets.push(format!("{} = {}", quote(column), literal(v)));
             }
         }
         if sets.is_empty() {
             return Ok(());
         }
-        let q = format!("UPDATE {} o SET {} WHERE {} = ($1::text)::{}", s.table, sets.join(", "), s.id, s.id_type);
+        let q = format!(
+            "UPDATE {} o SET {} WHERE {} = ($1::text)::{}",
+            s.table,
+            sets.join(", "),
+            s.id,
+            s.id_type
+        );
         sqlx::query(&q)
             .bind(&f.id)
             .bind(f.attempts as i32)
@@ -531,7 +588,10 @@ impl PgStore {
             pending = s.pending,
             id = s.id,
         );
-        let row = sqlx::query(&q).bind(&self.source).fetch_one(&self.pool).await?;
+        let row = sqlx::query(&q)
+            .bind(&self.source)
+            .fetch_one(&self.pool)
+            .await?;
         Ok((row.try_get(0)?, row.try_get(1)?))
     }
 
@@ -555,7 +615,12 @@ impl PgStore {
             .fetch_all(&self.pool)
             .await?
             .iter()
-            .map(|r| Ok((r.try_get::<Option<String>, _>(0)?.unwrap_or_default(), r.try_get::<i64, _>(1)?)))
+            .map(|r| {
+                Ok((
+                    r.try_get::<Option<String>, _>(0)?.unwrap_or_default(),
+                    r.try_get::<i64, _>(1)?,
+                ))
+            })
             .collect::<Result<Vec<_>>>()?;
         let relays = sqlx::query(
             "SELECT r.relay_id, r.hostname, r.pid, extract(epoch from now() - r.heartbeat_at)::float8, \
@@ -592,7 +657,11 @@ impl PgStore {
     /// WHERE clause over `outroute_event_state st` for a failed-event
     /// filter; parameters $1..$6 are bound by [`Self::bind_failed`].
     fn failed_where(f: &Filter) -> String {
-        let discarded = if f.include_discarded { "" } else { " AND st.discarded_at IS NULL" };
+        let discarded = if f.include_discarded {
+            ""
+        } else {
+            " AND st.discarded_at IS NULL"
+        };
         format!(
             "st.source = $1 AND st.failed_at IS NOT NULL{discarded} \
              AND ($2::text[] IS NULL OR st.event_id = ANY($2)) AND ($3::text IS NULL OR st.route = $3) \
@@ -622,7 +691,10 @@ impl PgStore {
             Self::failed_where(f),
             f.limit.unwrap_or(1000)
         );
-        let rows = self.bind_failed(sqlx::query(&q), f).fetch_all(&self.pool).await?;
+        let rows = self
+            .bind_failed(sqlx::query(&q), f)
+            .fetch_all(&self.pool)
+            .await?;
         rows.iter()
             .map(|r| {
                 Ok(FailedEvent {
@@ -666,11 +738,23 @@ impl PgStore {
         if let Some(c) = &s.cfg.failed_at {
             sets.push(format!("{} = NULL", quote(c)));
         }
-        if let Marking::Status { column, pending, failed: Some(_), .. } = &s.cfg.marking {
+        if let Marking::Status {
+            column,
+            pending,
+            failed: Some(_),
+            ..
+        } = &s.cfg.marking
+        {
             sets.push(format!("{} = {}", quote(column), literal(pending)));
         }
         if !sets.is_empty() && !ids.is_empty() {
-            let q = format!("UPDATE {} o SET {} WHERE {} = ANY({})", s.table, sets.join(", "), s.id, s.ids_param(1));
+            let q = format!(
+                "UPDATE {} o SET {} WHERE {} = ANY({})",
+                s.table,
+                sets.join(", "),
+                s.id,
+                s.ids_param(1)
+            );
             sqlx::query(&q).bind(&ids).execute(&mut *tx).await?;
         }
         tx.commit().await?;
@@ -683,7 +767,11 @@ impl PgStore {
              WHERE {}",
             Self::failed_where(f)
         );
-        Ok(self.bind_failed(sqlx::query(&q), f).execute(&self.pool).await?.rows_affected())
+        Ok(self
+            .bind_failed(sqlx::query(&q), f)
+            .execute(&self.pool)
+            .await?
+            .rows_affected())
     }
 
     fn published_where(&self, s: &TableSql) -> String {
@@ -731,7 +819,11 @@ impl PgStore {
         if matches!(s.cfg.marking, Marking::Delete) {
             return Ok(0);
         }
-        let q = format!("SELECT count(*) FROM {} o WHERE {}", s.table, self.published_where(s));
+        let q = format!(
+            "SELECT count(*) FROM {} o WHERE {}",
+            s.table,
+            self.published_where(s)
+        );
         Ok(sqlx::query_scalar(&q)
             .bind(f.since)
             .bind(f.until)
@@ -782,7 +874,10 @@ fn to_claim(r: &PgRow) -> Result<Claim> {
         created_at: r.try_get("created_at")?,
         attempts: r.try_get("attempts")?,
     };
-    Ok(Claim { lane: r.try_get("lane")?, row: raw.validate() })
+    Ok(Claim {
+        lane: r.try_get("lane")?,
+        row: raw.validate(),
+    })
 }
 
 #[cfg(test)]
@@ -812,7 +907,12 @@ mod tests {
             attempts: Some("retry_count".into()),
             last_error: None,
             failed_at: None,
-            marking: Marking::Status { column: "status".into(), pending: "PENDING".into(), sent: "SENT".into(), failed: None },
+            marking: Marking::Status {
+                column: "status".into(),
+                pending: "PENDING".into(),
+                sent: "SENT".into(),
+                failed: None,
+            },
         };
         let s = TableSql::new(&t, 16, "character varying");
         assert_eq!(s.pending, "o.\"status\" = 'PENDING'");

@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use chrono::{DateTime, Utc};
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
+};
 use sqlx::{QueryBuilder, Row, Sqlite};
 
 use super::{Claim, FailedEvent, Failure, FailureKind, Filter, Leases, Status};
@@ -34,7 +36,9 @@ const COLS: &str = "o.id AS id, o.seq AS seq, o.aggregate_type AS aggregate_type
 impl SqliteStore {
     pub async fn connect(c: &StoreConfig) -> Result<Self> {
         if c.table() != TableConfig::canonical() {
-            bail!("store.table: the SQLite store supports only the canonical table; map existing tables on PostgreSQL");
+            bail!(
+                "store.table: the SQLite store supports only the canonical table; map existing tables on PostgreSQL"
+            );
         }
         let opts = SqliteConnectOptions::from_str(&c.url)
             .with_context(|| format!("store.url: `{}`", c.url))?
@@ -54,14 +58,19 @@ impl SqliteStore {
     }
 
     pub async fn migrate(&self, _outbox: bool) -> Result<()> {
-        MIGRATIONS.run(&self.pool).await.context("applying SQLite migrations")?;
+        MIGRATIONS
+            .run(&self.pool)
+            .await
+            .context("applying SQLite migrations")?;
         Ok(())
     }
 
     pub async fn check_table(&mut self) -> Result<()> {
-        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'outbox'")
-            .fetch_one(&self.pool)
-            .await?;
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'outbox'",
+        )
+        .fetch_one(&self.pool)
+        .await?;
         if n == 0 {
             bail!("store.table.name: table `outbox` does not exist (run `outroute migrate`)");
         }
@@ -69,7 +78,11 @@ impl SqliteStore {
     }
 
     pub async fn lease_round(&self) -> Result<Leases> {
-        Ok(Leases { lanes: vec![0], acquired: 0, relays: 1 })
+        Ok(Leases {
+            lanes: vec![0],
+            acquired: 0,
+            relays: 1,
+        })
     }
 
     pub async fn release_all(&self) -> Result<()> {
@@ -111,8 +124,9 @@ impl SqliteStore {
         }
         qb.push(")");
         let n = qb.build().execute(&mut *tx).await?.rows_affected();
-        let mut qb: QueryBuilder<Sqlite> =
-            QueryBuilder::new("DELETE FROM outroute_event_state WHERE source = 'outbox' AND event_id IN (");
+        let mut qb: QueryBuilder<Sqlite> = QueryBuilder::new(
+            "DELETE FROM outroute_event_state WHERE source = 'outbox' AND event_id IN (",
+        );
         let mut sep = qb.separated(", ");
         for id in ids {
             sep.push_bind(id);
@@ -128,10 +142,14 @@ impl SqliteStore {
         for f in failures {
             let now = now_ms();
             let (next, blocks, failed_at) = match f.kind {
-                FailureKind::Retry { next_attempt_at } => {
-                    (next_attempt_at.timestamp_millis(), next_attempt_at.timestamp_millis(), None)
+                FailureKind::Retry { next_attempt_at } => (
+                    next_attempt_at.timestamp_millis(),
+                    next_attempt_at.timestamp_millis(),
+                    None,
+                ),
+                FailureKind::Failed { hold } => {
+                    (now, if hold { i64::MAX } else { i64::MIN }, Some(now))
                 }
-                FailureKind::Failed { hold } => (now, if hold { i64::MAX } else { i64::MIN }, Some(now)),
             };
             sqlx::query(
                 "INSERT INTO outroute_event_state (source, event_id, aggregate_type, aggregate_id, seq, event_type, attempts, \
@@ -246,7 +264,8 @@ impl SqliteStore {
                plugin_version, first_error_at, failed_at, discarded_at, blocks_until = 9223372036854775807 FROM outroute_event_state",
             f,
         );
-        qb.push(" ORDER BY seq LIMIT ").push_bind(f.limit.unwrap_or(1000));
+        qb.push(" ORDER BY seq LIMIT ")
+            .push_bind(f.limit.unwrap_or(1000));
         let rows = qb.build().fetch_all(&self.pool).await?;
         let ts = |ms: Option<i64>| ms.and_then(DateTime::<Utc>::from_timestamp_millis);
         rows.iter()
@@ -279,10 +298,18 @@ impl SqliteStore {
             f,
         );
         qb.push(" RETURNING event_id");
-        let ids: Vec<String> =
-            qb.build().fetch_all(&mut *tx).await?.iter().map(|r| r.try_get(0)).collect::<Result<_, _>>()?;
+        let ids: Vec<String> = qb
+            .build()
+            .fetch_all(&mut *tx)
+            .await?
+            .iter()
+            .map(|r| r.try_get(0))
+            .collect::<Result<_, _>>()?;
         for id in &ids {
-            sqlx::query("UPDATE outbox SET failed_at = NULL, attempts = 0 WHERE id = ?1").bind(id).execute(&mut *tx).await?;
+            sqlx::query("UPDATE outbox SET failed_at = NULL, attempts = 0 WHERE id = ?1")
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
         }
         tx.commit().await?;
         Ok(ids.len() as u64)
@@ -301,10 +328,14 @@ impl SqliteStore {
         let mut qb = QueryBuilder::new(head);
         qb.push(" WHERE o.published_at IS NOT NULL");
         if let Some(s) = f.since {
-            qb.push(" AND julianday(o.created_at) >= julianday(").push_bind(s.to_rfc3339()).push(")");
+            qb.push(" AND julianday(o.created_at) >= julianday(")
+                .push_bind(s.to_rfc3339())
+                .push(")");
         }
         if let Some(u) = f.until {
-            qb.push(" AND julianday(o.created_at) < julianday(").push_bind(u.to_rfc3339()).push(")");
+            qb.push(" AND julianday(o.created_at) < julianday(")
+                .push_bind(u.to_rfc3339())
+                .push(")");
         }
         for (col, v) in [
             ("aggregate_type", &f.aggregate_type),
@@ -319,8 +350,12 @@ impl SqliteStore {
     }
 
     pub async fn published(&self, f: &Filter, after_seq: i64, limit: i64) -> Result<Vec<Claim>> {
-        let mut qb = Self::published_query(&format!("SELECT {COLS}, 0 AS attempts FROM outbox o"), f);
-        qb.push(" AND o.seq > ").push_bind(after_seq).push(" ORDER BY o.seq LIMIT ").push_bind(limit);
+        let mut qb =
+            Self::published_query(&format!("SELECT {COLS}, 0 AS attempts FROM outbox o"), f);
+        qb.push(" AND o.seq > ")
+            .push_bind(after_seq)
+            .push(" ORDER BY o.seq LIMIT ")
+            .push_bind(limit);
         let rows = qb.build().fetch_all(&self.pool).await?;
         rows.iter().map(to_claim).collect()
     }
@@ -362,7 +397,10 @@ fn to_claim(r: &SqliteRow) -> Result<Claim> {
         created_at: created.and_then(|c| parse_time(&c)),
         attempts: r.try_get::<i64, _>("attempts")? as i32,
     };
-    Ok(Claim { lane: 0, row: raw.validate() })
+    Ok(Claim {
+        lane: 0,
+        row: raw.validate(),
+    })
 }
 
 /// SQLite timestamps: RFC 3339 or `YYYY-MM-DD HH:MM:SS[.fff]` (UTC).

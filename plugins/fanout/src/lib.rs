@@ -65,10 +65,24 @@ mod tests {
             {"sink": "kafka", "topic": "orders.{event_type}"},
             {"sink": "nats", "topic": "orders.{aggregate_id}.{event_type}"}]}))
         .unwrap();
-        let msgs = f.route(&Event::new("order", "o7", "order-paid", json!({"x": 1}))).unwrap();
-        let dests: Vec<_> = msgs.iter().map(|m| (m.sink.as_str(), m.topic.as_str())).collect();
-        assert_eq!(dests, [("kafka", "orders.order-paid"), ("nats", "orders.o7.order-paid")]);
-        assert!(msgs.iter().all(|m| m.payload_json() == Some(json!({"x": 1}))));
+        let msgs = f
+            .route(&Event::new("order", "o7", "order-paid", json!({"x": 1})))
+            .unwrap();
+        let dests: Vec<_> = msgs
+            .iter()
+            .map(|m| (m.sink.as_str(), m.topic.as_str()))
+            .collect();
+        assert_eq!(
+            dests,
+            [
+                ("kafka", "orders.order-paid"),
+                ("nats", "orders.o7.order-paid")
+            ]
+        );
+        assert!(
+            msgs.iter()
+                .all(|m| m.payload_json() == Some(json!({"x": 1})))
+        );
     }
 
     #[test]

@@ -36,7 +36,11 @@ impl Router for Hostile {
 
     fn init(config: serde_json::Value) -> Result<Self, String> {
         let config = if config.is_null() {
-            Config { mode: None, sink: kafka(), topic: topic() }
+            Config {
+                mode: None,
+                sink: kafka(),
+                topic: topic(),
+            }
         } else {
             parse_config(Self::NAME, config)?
         };
@@ -48,7 +52,9 @@ impl Router for Hostile {
             .json()
             .ok()
             .and_then(|v| v.get("hostile").and_then(|m| m.as_str()).map(String::from));
-        let mode = per_event.or_else(|| self.config.mode.clone()).unwrap_or_default();
+        let mode = per_event
+            .or_else(|| self.config.mode.clone())
+            .unwrap_or_default();
         let good = Message::to(&self.config.sink, event.expand(&self.config.topic))
             .key(&event.aggregate_id)
             .payload(event.payload.clone());
@@ -65,8 +71,13 @@ impl Router for Hostile {
                 Ok(vec![good.payload(vec![v[v.len() - 1]])])
             }
             "trap" => panic!("hostile plugin panics on purpose"),
-            "forbidden-topic" => Ok(vec![Message::to(&self.config.sink, "payroll.salaries").payload(event.payload.clone())]),
-            "unknown-sink" => Ok(vec![Message::to("nowhere", event.expand(&self.config.topic)).payload(event.payload.clone())]),
+            "forbidden-topic" => Ok(vec![
+                Message::to(&self.config.sink, "payroll.salaries").payload(event.payload.clone()),
+            ]),
+            "unknown-sink" => Ok(vec![
+                Message::to("nowhere", event.expand(&self.config.topic))
+                    .payload(event.payload.clone()),
+            ]),
             "oversize" => Ok(vec![good.payload(vec![b'x'; 2 << 20])]),
             "retry" => Err(Rejection::retryable("hostile plugin asks for a retry")),
             "reject" => Err(Rejection::invalid("hostile plugin rejects this event")),
@@ -85,14 +96,21 @@ mod tests {
     #[test]
     fn benign_events_route_normally() {
         let h = Hostile::init(serde_json::Value::Null).unwrap();
-        let m = h.route(&Event::new("order", "1", "created", json!({}))).unwrap();
+        let m = h
+            .route(&Event::new("order", "1", "created", json!({})))
+            .unwrap();
         assert_eq!(m[0].topic, "orders.created");
     }
 
     #[test]
     fn per_event_mode_overrides() {
         let h = Hostile::init(serde_json::Value::Null).unwrap();
-        let e = Event::new("order", "1", "created", json!({"hostile": "forbidden-topic"}));
+        let e = Event::new(
+            "order",
+            "1",
+            "created",
+            json!({"hostile": "forbidden-topic"}),
+        );
         assert_eq!(h.route(&e).unwrap()[0].topic, "payroll.salaries");
         let e = Event::new("order", "1", "created", json!({"hostile": "reject"}));
         assert!(matches!(h.route(&e), Err(Rejection::Invalid(_))));

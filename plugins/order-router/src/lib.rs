@@ -34,7 +34,10 @@ impl Router for OrderRouter {
 
     fn init(config: serde_json::Value) -> Result<Self, String> {
         let config = if config.is_null() {
-            Config { sink: default_sink(), topic: default_topic() }
+            Config {
+                sink: default_sink(),
+                topic: default_topic(),
+            }
         } else {
             parse_config(Self::NAME, config)?
         };
@@ -72,10 +75,16 @@ mod tests {
 
     #[test]
     fn config_picks_sink_and_template() {
-        let r = OrderRouter::init(json!({"sink": "nats", "topic": "shop.{aggregate_type}.{event_type}"})).unwrap();
+        let r = OrderRouter::init(
+            json!({"sink": "nats", "topic": "shop.{aggregate_type}.{event_type}"}),
+        )
+        .unwrap();
         let e = Event::new("order", "1", "order-paid", json!({}));
         let m = &r.route(&e).unwrap()[0];
-        assert_eq!((m.sink.as_str(), m.topic.as_str()), ("nats", "shop.order.order-paid"));
+        assert_eq!(
+            (m.sink.as_str(), m.topic.as_str()),
+            ("nats", "shop.order.order-paid")
+        );
     }
 
     #[test]

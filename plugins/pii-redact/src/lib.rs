@@ -41,7 +41,14 @@ pub struct PiiRedact {
 fn masked(v: &Value) -> Value {
     match v {
         Value::String(s) if s.chars().count() > 8 => {
-            let tail: String = s.chars().rev().take(4).collect::<Vec<_>>().into_iter().rev().collect();
+            let tail: String = s
+                .chars()
+                .rev()
+                .take(4)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
             Value::String(format!("****{tail}"))
         }
         _ => Value::String("****".into()),
@@ -49,7 +56,9 @@ fn masked(v: &Value) -> Value {
 }
 
 fn redact(value: &mut Value, path: &[String], mode: Mode) {
-    let Some((head, rest)) = path.split_first() else { return };
+    let Some((head, rest)) = path.split_first() else {
+        return;
+    };
     match value {
         Value::Object(map) => {
             if head == "*" {
@@ -99,13 +108,22 @@ impl Router for PiiRedact {
 
     fn init(config: serde_json::Value) -> Result<Self, String> {
         let c: Config = parse_config(Self::NAME, config)?;
-        if c.paths.iter().any(|p| p.is_empty() || p.split('.').any(str::is_empty)) {
-            return Err("pii-redact: paths must be non-empty dotted paths like \"address.street\"".into());
+        if c.paths
+            .iter()
+            .any(|p| p.is_empty() || p.split('.').any(str::is_empty))
+        {
+            return Err(
+                "pii-redact: paths must be non-empty dotted paths like \"address.street\"".into(),
+            );
         }
         Ok(PiiRedact {
             sink: c.sink,
             topic: c.topic,
-            paths: c.paths.iter().map(|p| p.split('.').map(String::from).collect()).collect(),
+            paths: c
+                .paths
+                .iter()
+                .map(|p| p.split('.').map(String::from).collect())
+                .collect(),
             mode: c.mode,
         })
     }
@@ -157,7 +175,10 @@ mod tests {
 
     #[test]
     fn remove_drops_fields() {
-        let r = PiiRedact::init(json!({"sink": "k", "topic": "t", "paths": ["email", "address"], "mode": "remove"})).unwrap();
+        let r = PiiRedact::init(
+            json!({"sink": "k", "topic": "t", "paths": ["email", "address"], "mode": "remove"}),
+        )
+        .unwrap();
         let out = r.route(&event()).unwrap()[0].payload_json().unwrap();
         assert!(out.get("email").is_none());
         assert!(out.get("address").is_none());

@@ -67,7 +67,10 @@ impl SchemaGate {
                 })
             }
             2 => event.parse(),
-            v => Err(Rejection::invalid(format!("no upcaster for {} version {v}", event.event_type))),
+            v => Err(Rejection::invalid(format!(
+                "no upcaster for {} version {v}",
+                event.event_type
+            ))),
         }
     }
 }
@@ -120,7 +123,12 @@ mod tests {
 
     #[test]
     fn v1_is_upcast_to_v2() {
-        let e = Event::new("order", "o1", "order-created", json!({"order_id": "o1", "customer": "c9", "total": 12.5}));
+        let e = Event::new(
+            "order",
+            "o1",
+            "order-created",
+            json!({"order_id": "o1", "customer": "c9", "total": 12.5}),
+        );
         let m = &gate().route(&e).unwrap()[0];
         assert_eq!(
             m.payload_json().unwrap(),
@@ -153,7 +161,12 @@ mod tests {
     #[test]
     fn narrowed_range_rejects_v1() {
         let g = SchemaGate::init(json!({"sink": "k", "topic": "t", "min_version": 2})).unwrap();
-        let e = Event::new("order", "o1", "x", json!({"order_id": "o1", "customer": "c", "total": 1.0}));
+        let e = Event::new(
+            "order",
+            "o1",
+            "x",
+            json!({"order_id": "o1", "customer": "c", "total": 1.0}),
+        );
         assert!(matches!(g.route(&e), Err(Rejection::Invalid(_))));
     }
 }
