@@ -5,7 +5,7 @@
 //! subject, the key, headers and payload. It can also refuse an event, either
 //! for now ([`Rejection::Retryable`]) or for good ([`Rejection::Invalid`]).
 //!
-//! ```ignore
+//! ```
 //! use outroute_guest::{Event, Message, Outcome, Router};
 //!
 //! struct Orders;

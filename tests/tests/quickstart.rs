@@ -1,0 +1,144 @@
+//! The README's first command, as a newcomer runs it: the embedded default
+//! (SQLite outbox, example plugin, file sink) end to end.
+
+use outroute_e2e::*;
+
+#[test]
+fn quickstart_routes_every_committed_event_and_fails_the_malformed_one() -> anyhow::Result<()> {
+    let dir = test_dir("quickstart");
+    let plugin = plugin("order-router");
+    let (code, out, err) = cli(&[
+        "quickstart",
+        "--dir",
+        dir.to_str().unwrap_or_default(),
+        "--plugin",
+        plugin.to_str().unwrap_or_default(),
+    ])?;
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.contains("wrote 40 events in business transactions (+1 rolled back, +1 malformed)"),
+        "{out}"
+    );
+    assert!(out.contains("routed 40 messages"), "{out}");
+    assert!(
+        out.contains("topic orders.order-created   20 messages"),
+        "{out}"
+    );
+    assert!(
+        out.contains("failed events: 1") && out.contains("payload is not valid JSON"),
+        "{out}"
+    );
+    let lines = std::fs::read_to_string(dir.join("messages.jsonl"))?;
+    assert_eq!(lines.lines().count(), 40);
+    assert!(
+        !lines.contains("order-rolled-back"),
+        "a rolled-back event was published"
+    );
+    // Per-aggregate order in the output file.
+    let mut last: std::collections::HashMap<String, i64> = std::collections::HashMap::new();
+    for l in lines.lines() {
+        let v: serde_json::Value = serde_json::from_str(l)?;
+        let agg = v["headers"]["ce_aggregateid"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
+        let seq: i64 = v["headers"]["ce_sequence"]
+            .as_str()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(-1);
+        let prev = last.insert(agg.clone(), seq).unwrap_or(i64::MIN);
+        assert!(seq > prev, "{agg} out of order");
+    }
+    // Running it again starts from scratch.
+    let (code, out, _) = cli(&[
+        "quickstart",
+        "--dir",
+        dir.to_str().unwrap_or_default(),
+        "--plugin",
+        plugin.to_str().unwrap_or_default(),
+    ])?;
+    assert_eq!(code, 0);
+    assert!(out.contains("routed 40 messages"), "{out}");
+    Ok(())
+}
+
+#[test]
+fn config_check_names_file_key_and_reason_and_schema_prints() -> anyhow::Result<()> {
+    let dir = test_dir("configcheck");
+    let file = dir.join("bad.toml");
+    std::fs::write(
+        &file,
+        "[store]\nurl = \"mysql://x\"\n[relay]\nbatch_size = 0\n[[routes]]\nname = \"r\"\nplugin = \"nope\"\nallow = { kafka = [\"a.*\"] }\n",
+    )?;
+    let (code, _, err) = cli(&["config", "check", "-c", file.to_str().unwrap_or_default()])?;
+    assert_ne!(code, 0);
+    let f = file.display();
+    for needle in [
+        format!("{f}:store.url: `mysql://x` is neither a postgres:// nor a sqlite: URL"),
+        format!("{f}:relay.batch_size: must be between 1 and 10000"),
+        format!("{f}:routes[0].plugin: no plugin named `nope` in [plugins]"),
+        format!("{f}:routes[0].allow.kafka: no sink named `kafka` in [sinks]"),
+    ] {
+        assert!(err.contains(&needle), "missing `{needle}` in:\n{err}");
+    }
+    // `run` refuses the same file before touching anything.
+    let (code, _, err) = cli(&["run", "-c", file.to_str().unwrap_or_default()])?;
+    assert_ne!(code, 0);
+    assert!(err.contains("invalid configuration"), "{err}");
+    // An environment override that breaks a value names the environment.
+    let out = std::process::Command::new(bin())
+        .args(["config", "check", "-c", file.to_str().unwrap_or_default()])
+        .env("OUTROUTE_RELAY__LANES", "many")
+        .output()?;
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("relay.lanes"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let (code, schema, _) = cli(&["config", "schema"])?;
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&schema)?;
+    assert!(v["properties"]["routes"].is_object() && v["properties"]["store"].is_object());
+    Ok(())
+}
+
+#[test]
+fn python_plugin_runs_in_the_same_host() -> anyhow::Result<()> {
+    let wasm = plugin("python-router");
+    let events = r#"[
+      {"aggregate_type":"order","aggregate_id":"o1","event_type":"order-created","payload":{"order_id":"o1","total_cents":250000}},
+      {"aggregate_type":"order","aggregate_id":"o2","event_type":"order-created","payload":{"order_id":"o2","total_cents":5}},
+      {"aggregate_type":"order","aggregate_id":"o3","event_type":"order-created","payload":{"nothing":true}}
+    ]"#;
+    let dir = test_dir("python");
+    let file = dir.join("events.json");
+    std::fs::write(&file, events)?;
+    let (code, out, err) = cli(&[
+        "plugin",
+        "test",
+        wasm.to_str().unwrap_or_default(),
+        "--config",
+        r#"{"sink": "kafka", "prefix": "shop"}"#,
+        "--event",
+        file.to_str().unwrap_or_default(),
+    ])?;
+    assert_eq!(
+        code, 3,
+        "one event is rejected, so the exit code says so: {err}"
+    );
+    let v: serde_json::Value = serde_json::from_str(&out)?;
+    assert_eq!(v[0]["messages"][0]["topic"], "shop.order-created");
+    assert_eq!(v[0]["messages"][0]["key"], "o1");
+    assert_eq!(v[0]["messages"][0]["headers"]["priority"], "high");
+    assert!(v[1]["messages"][0]["headers"].get("priority").is_none());
+    assert_eq!(v[2]["rejection"]["kind"], "invalid");
+    assert_eq!(v[2]["rejection"]["reason"], "payload has no order_id");
+
+    let (code, out, _) = cli(&["plugin", "inspect", wasm.to_str().unwrap_or_default()])?;
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out)?;
+    assert_eq!(v["name"], "python-router");
+    assert_eq!(v["world"], "outroute:router/router@0.1.0");
+    Ok(())
+}
