@@ -42,11 +42,12 @@ pub fn bin() -> PathBuf {
         return PathBuf::from(p);
     }
     let exe = std::env::current_exe().unwrap_or_default();
-    // target/debug/deps/<test> → target/debug/outroute
-    exe.parent()
-        .and_then(Path::parent)
-        .map(|d| d.join("outroute"))
-        .unwrap_or_else(|| "outroute".into())
+    // target/debug/deps/<test> or target/debug/<bench> → target/debug/outroute
+    let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    dir.join("outroute")
 }
 
 /// A built example plugin (`scripts/build-plugins` puts them there).

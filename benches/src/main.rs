@@ -1,0 +1,797 @@
+//! `outroute-bench`: throughput, latency and memory of outroute, measured side
+//! by side in one run against the real PostgreSQL, tansu (Kafka protocol)
+//! and NATS JetStream, as ratios (this machine is shared and noisy):
+//!
+//! 1. plugin cost per event (order-router, schema-gate; single and batch);
+//! 2. the database ceiling: the relay's own claim + mark SQL in a tight
+//!    loop, no routing or publishing (marking by UPDATE and by DELETE);
+//! 3. the broker ceiling: raw produce of the same messages with acks;
+//! 4. outroute draining 100,000 × 1 KB events to Kafka and to JetStream
+//!    (events/s, CPU cores used, peak RSS);
+//! 5. the naive baseline from seed article 004 (select 100 pending, send
+//!    each, update each, interval 0);
+//! 6. steady-state latency at 1,000 events/s from 4 writers.
+//!
+//! It prints one table and writes every figure to a JSON file.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use outroute::config::{KafkaSinkConfig, NatsMode, NatsSinkConfig};
+use outroute::event::Event;
+use outroute::plugin::{Limits, PluginHandle, Runtime};
+use outroute::sink::{Outgoing, kafka::KafkaSink, nats::NatsSink};
+use outroute_e2e::{
+    KAFKA, NATS, Relay, TestDb, create_topic, nats_stream, plugin, tag, test_dir, write_config,
+};
+use serde_json::{Value, json};
+use sqlx::postgres::PgPool;
+
+#[derive(Parser)]
+#[command(
+    about = "Benchmark outroute against the database ceiling, the broker ceiling and a naive baseline"
+)]
+struct Args {
+    /// Events per drain run.
+    #[arg(long, default_value_t = 100_000)]
+    events: usize,
+    /// Seconds of steady-state load for the latency run (0 skips it).
+    #[arg(long, default_value_t = 60)]
+    latency_secs: u64,
+    /// Events per second in the latency run.
+    #[arg(long, default_value_t = 1000)]
+    rate: u64,
+    /// Where to write the figures.
+    #[arg(long, default_value = "bench-results.json")]
+    json: PathBuf,
+    /// Only these sections (plugin, ceiling, produce, drain, baseline, latency).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+}
+
+const PAYLOAD_BYTES: usize = 1024;
+
+fn payload(i: usize) -> Value {
+    // ~1 KB of JSON, v1 order shape (schema-gate upcasts it).
+    let pad = "x".repeat(PAYLOAD_BYTES - 120);
+    json!({"order_id": format!("o-{i}"), "customer": format!("c-{}", i % 977), "total": (i % 1000) as f64 + 0.5, "note": pad})
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args = Args::parse();
+    let want = |s: &str| args.only.is_empty() || args.only.iter().any(|o| o == s);
+    let mut results = serde_json::Map::new();
+    results.insert(
+        "cores".into(),
+        json!(
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(0)
+        ),
+    );
+    results.insert("events".into(), json!(args.events));
+    results.insert("payload_bytes".into(), json!(PAYLOAD_BYTES));
+    let mut table: Vec<(String, String)> = Vec::new();
+
+    if want("plugin") {
+        eprintln!("== plugin cost");
+        let p = bench_plugins()?;
+        for (k, v) in p.as_object().into_iter().flatten() {
+            table.push((
+                format!("plugin {k}"),
+                format!("{:.2} µs/event", v.as_f64().unwrap_or(0.0)),
+            ));
+        }
+        results.insert("plugin_us_per_event".into(), p);
+    }
+    if want("ceiling") {
+        eprintln!("== database ceiling");
+        for (style, label) in [("published_at", "update"), ("delete", "delete")] {
+            for batch in [100u32, 500, 1000] {
+                let r = db_ceiling(args.events, style, batch).await?;
+                table.push((
+                    format!("db ceiling, mark by {label}, batch {batch}"),
+                    format!("{r:.0} rows/s"),
+                ));
+                results.insert(
+                    format!("db_ceiling_{label}_batch{batch}_rows_per_s"),
+                    json!(r),
+                );
+            }
+        }
+    }
+    if want("produce") {
+        eprintln!("== broker ceiling");
+        let k = kafka_ceiling(args.events).await?;
+        let n = nats_ceiling(args.events).await?;
+        table.push((
+            "broker ceiling, Kafka (tansu) produce+ack".into(),
+            format!("{k:.0} msgs/s"),
+        ));
+        table.push((
+            "broker ceiling, JetStream publish+ack".into(),
+            format!("{n:.0} msgs/s"),
+        ));
+        results.insert("kafka_produce_ceiling_msgs_per_s".into(), json!(k));
+        results.insert("nats_publish_ceiling_msgs_per_s".into(), json!(n));
+    }
+    if want("drain") {
+        for sink in ["kafka", "nats"] {
+            eprintln!("== outroute drain → {sink}");
+            let d = drain(args.events, sink).await?;
+            table.push((
+                format!("outroute drain → {sink}"),
+                format!(
+                    "{:.0} events/s, {:.2} cores, peak RSS {:.0} MiB",
+                    d["events_per_s"].as_f64().unwrap_or(0.0),
+                    d["cores"].as_f64().unwrap_or(0.0),
+                    d["peak_rss_mib"].as_f64().unwrap_or(0.0)
+                ),
+            ));
+            results.insert(format!("drain_{sink}"), d);
+        }
+    }
+    if want("baseline") {
+        eprintln!("== naive baseline (seed article 004)");
+        let b = baseline(args.events.min(20_000)).await?;
+        table.push((
+            "naive poller → Kafka (select 100, send+update each)".into(),
+            format!("{b:.0} events/s"),
+        ));
+        results.insert("baseline_kafka_events_per_s".into(), json!(b));
+    }
+    if want("latency") && args.latency_secs > 0 {
+        eprintln!("== steady-state latency");
+        let l = latency(args.latency_secs, args.rate).await?;
+        table.push((
+            format!("latency @{}/s commit→consumer", args.rate),
+            format!(
+                "p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+                l["commit_to_consumer_ms"]["p50"].as_f64().unwrap_or(0.0),
+                l["commit_to_consumer_ms"]["p99"].as_f64().unwrap_or(0.0),
+                l["commit_to_consumer_ms"]["max"].as_f64().unwrap_or(0.0)
+            ),
+        ));
+        table.push((
+            format!(
+                "latency @{}/s commit→broker ack (relay histogram)",
+                args.rate
+            ),
+            format!(
+                "p50 ≤ {} ms, p99 ≤ {} ms",
+                l["commit_to_ack_ms_bucket"]["p50"], l["commit_to_ack_ms_bucket"]["p99"]
+            ),
+        ));
+        results.insert("latency".into(), l);
+    }
+
+    // Ratios.
+    let snapshot = results.clone();
+    let get = |k: &str| snapshot.get(k).and_then(Value::as_f64);
+    let ceiling = get("db_ceiling_update_batch1000_rows_per_s"); // the relay's batch size below
+    for sink in ["kafka", "nats"] {
+        let d = snapshot
+            .get(&format!("drain_{sink}"))
+            .and_then(|d| d["events_per_s"].as_f64());
+        let broker = get(if sink == "kafka" {
+            "kafka_produce_ceiling_msgs_per_s"
+        } else {
+            "nats_publish_ceiling_msgs_per_s"
+        });
+        if let (Some(d), Some(c), Some(b)) = (d, ceiling, broker) {
+            let bound = c.min(b);
+            table.push((
+                format!("ratio drain→{sink} / min(db, broker ceiling)"),
+                format!("{:.2}", d / bound),
+            ));
+            results.insert(format!("ratio_{sink}_to_ceiling"), json!(d / bound));
+        }
+    }
+    if let (Some(d), Some(b)) = (
+        snapshot
+            .get("drain_kafka")
+            .and_then(|d| d["events_per_s"].as_f64()),
+        get("baseline_kafka_events_per_s"),
+    ) {
+        table.push((
+            "ratio outroute / naive baseline (Kafka)".into(),
+            format!("{:.1}×", d / b),
+        ));
+        results.insert("ratio_kafka_to_baseline".into(), json!(d / b));
+    }
+
+    println!(
+        "\noutroute benchmark ({} cores, {} × {} B events)",
+        results["cores"], args.events, PAYLOAD_BYTES
+    );
+    let w = table
+        .iter()
+        .map(|(k, _)| k.chars().count())
+        .max()
+        .unwrap_or(10);
+    for (k, v) in &table {
+        println!("  {k:<w$}  {v}");
+    }
+    std::fs::write(
+        &args.json,
+        serde_json::to_string_pretty(&Value::Object(results))?,
+    )?;
+    println!("figures written to {}", args.json.display());
+    Ok(())
+}
+
+fn event(i: usize, version: u32) -> Event {
+    Event {
+        id: uuid::Uuid::new_v4().to_string(),
+        sequence: i as i64,
+        aggregate_type: "order".into(),
+        aggregate_id: format!("o-{}", i % 500),
+        event_type: "order-created".into(),
+        event_version: version,
+        payload: payload(i).to_string().into_bytes(),
+        headers: vec![(
+            "traceparent".into(),
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+        )],
+        created_at: chrono::Utc::now(),
+        attempts: 0,
+    }
+}
+
+/// Per-event cost on a warm instance, single calls and batches of 100.
+fn bench_plugins() -> Result<Value> {
+    let rt = Runtime::new(std::env::temp_dir().join("outroute-bench-cache"))?;
+    let limits = Limits {
+        cpu_budget: Duration::from_millis(100),
+        memory_bytes: 64 << 20,
+    };
+    let mut out = serde_json::Map::new();
+    let cases = [
+        (
+            "order-router",
+            json!({"sink": "kafka", "topic": "orders.{event_type}"}),
+            1u32,
+            20_000usize,
+        ),
+        (
+            "schema-gate",
+            json!({"sink": "kafka", "topic": "orders.v2"}),
+            1,
+            20_000,
+        ),
+        (
+            "python-router",
+            json!({"sink": "kafka", "prefix": "orders"}),
+            1,
+            2_000,
+        ),
+    ];
+    for (name, config, version, n) in cases {
+        let path = plugin(name);
+        let handle = PluginHandle::load(&rt, &path, config, limits)?;
+        let p = handle.current().context("plugin")?;
+        let events: Vec<Event> = (0..100).map(|i| event(i, version)).collect();
+        for e in &events {
+            let r = p.route_batch(std::slice::from_ref(e));
+            anyhow::ensure!(r[0].is_ok(), "{name} rejected the bench event: {:?}", r[0]);
+        }
+        let t = Instant::now();
+        for i in 0..n {
+            let _ = p.route_batch(std::slice::from_ref(&events[i % 100]));
+        }
+        out.insert(
+            format!("{name} single"),
+            json!(t.elapsed().as_secs_f64() * 1e6 / n as f64),
+        );
+        let t = Instant::now();
+        for _ in 0..n / 100 {
+            let _ = p.route_batch(&events);
+        }
+        out.insert(
+            format!("{name} batch100"),
+            json!(t.elapsed().as_secs_f64() * 1e6 / n as f64),
+        );
+    }
+    Ok(Value::Object(out))
+}
+
+/// Insert `n` 1 KB events quickly (multi-row INSERTs from 4 connections).
+async fn fill(pool: &PgPool, n: usize) -> Result<()> {
+    let per = n.div_ceil(4);
+    let mut tasks = Vec::new();
+    for w in 0..4 {
+        let pool = pool.clone();
+        tasks.push(tokio::spawn(async move {
+            let lo = w * per;
+            let hi = ((w + 1) * per).min(n);
+            let mut i = lo;
+            while i < hi {
+                let end = (i + 500).min(hi);
+                let mut qb = sqlx::QueryBuilder::new(
+                    "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) ",
+                );
+                qb.push_values(i..end, |mut b, k| {
+                    b.push_bind(uuid::Uuid::new_v4())
+                        .push_bind("order")
+                        .push_bind(format!("o-{}", k % 5000))
+                        .push_bind("order-created")
+                        .push_bind(payload(k));
+                });
+                qb.build().execute(&pool).await?;
+                i = end;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    sqlx::query("VACUUM ANALYZE outbox").execute(pool).await?;
+    Ok(())
+}
+
+fn file_sink_body(dir: &Path) -> String {
+    format!(
+        "[http]\nlisten = \"\"\n[sinks.file]\nkind = \"file\"\npath = \"{}\"\n[plugins.p]\npath = \"{}\"\n[[routes]]\nname = \"r\"\nplugin = \"p\"\nallow = {{ file = [\"**\"] }}\n",
+        dir.join("out.jsonl").display(),
+        plugin("order-router").display()
+    )
+}
+
+/// The relay's own claim + mark SQL in a tight loop: the most the database
+/// allows for this table, with no routing or publishing.
+async fn db_ceiling(n: usize, marking: &str, batch: u32) -> Result<f64> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("ceiling");
+    let table = if marking == "delete" {
+        "[store.table]\nname = \"outbox\"\nid = \"id\"\nsequence = \"seq\"\naggregate_type = \"aggregate_type\"\naggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\nevent_version = \"event_version\"\npayload = \"payload\"\nheaders = \"headers\"\ncreated_at = \"created_at\"\nmarking = { style = \"delete\" }\n"
+    } else {
+        ""
+    };
+    let config = write_config(
+        &dir,
+        &db.url,
+        &format!("batch_size = {batch}"),
+        &format!("{table}{}", file_sink_body(&dir)),
+    )?;
+    db.migrate(&config)?;
+    fill(&db.pool, n).await?;
+    let loaded = outroute::config::load(&config).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut store = outroute::store::Store::connect(&loaded.config, "ceiling").await?;
+    store.check_table().await?;
+    let lanes = store.lease_round().await?.lanes;
+    let store = Arc::new(store);
+    // Two loops over disjoint lanes, like the relay's two workers.
+    let workers = 2;
+    let t = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..workers {
+        let store = store.clone();
+        let mine: Vec<i32> = lanes.iter().copied().filter(|l| l % workers == w).collect();
+        tasks.push(tokio::spawn(async move {
+            let mut done = 0usize;
+            loop {
+                let claims = store.claim(&mine, batch).await?;
+                if claims.is_empty() {
+                    break;
+                }
+                let ids: Vec<String> = claims.iter().map(|c| c.id().to_string()).collect();
+                done += store.mark_published(&ids).await? as usize;
+            }
+            anyhow::Ok(done)
+        }));
+    }
+    let mut done = 0;
+    for task in tasks {
+        done += task.await??;
+    }
+    let rate = done as f64 / t.elapsed().as_secs_f64();
+    anyhow::ensure!(done == n, "ceiling drained {done} of {n}");
+    db.drop_db().await;
+    Ok(rate)
+}
+
+fn headers(i: usize) -> Vec<(String, String)> {
+    vec![
+        ("ce_id".into(), format!("bench-{i}")),
+        ("ce_type".into(), "order-created".into()),
+        ("ce_source".into(), "/outroute/outbox".into()),
+        ("ce_specversion".into(), "1.0".into()),
+    ]
+}
+
+/// Raw produce with acks through the relay's own Kafka sink, no database.
+async fn kafka_ceiling(n: usize) -> Result<f64> {
+    let topic = format!("bench{}.raw", tag());
+    create_topic(&topic, 3).await?;
+    let cfg = KafkaSinkConfig {
+        brokers: KAFKA.into(),
+        max_message_bytes: 1 << 20,
+        compression: "none".into(),
+        linger_ms: 5,
+        max_in_flight: 10_000,
+        options: Default::default(),
+    };
+    let sink = Arc::new(KafkaSink::build("kafka", &cfg, Duration::from_secs(30))?);
+    let body = payload(0).to_string().into_bytes();
+    // Warm up: metadata and producer id before the clock starts.
+    let h = headers(0);
+    let warm = Outgoing {
+        topic: &topic,
+        key: None,
+        partition: None,
+        headers: &h,
+        payload: &body,
+        dedup_id: "warm",
+    };
+    sink.send(warm).await?.wait().await?;
+    let t = Instant::now();
+    let mut acks = Vec::with_capacity(n);
+    for i in 0..n {
+        let h = headers(i);
+        let key = format!("o-{}", i % 500);
+        let id = format!("bench-{i}");
+        let out = Outgoing {
+            topic: &topic,
+            key: Some(key.as_bytes()),
+            partition: None,
+            headers: &h,
+            payload: &body,
+            dedup_id: &id,
+        };
+        acks.push(sink.send(out).await?);
+        if acks.len() >= 5_000 {
+            for a in acks.drain(..) {
+                a.wait().await?;
+            }
+        }
+    }
+    for a in acks {
+        a.wait().await?;
+    }
+    Ok(n as f64 / t.elapsed().as_secs_f64())
+}
+
+async fn nats_ceiling(n: usize) -> Result<f64> {
+    let t0 = tag();
+    nats_stream(&format!("BENCH{t0}"), vec![format!("bench{t0}.>")]).await?;
+    let cfg = NatsSinkConfig {
+        url: NATS.into(),
+        mode: NatsMode::Jetstream,
+        max_message_bytes: 1 << 20,
+        max_in_flight: 10_000,
+        create_stream: None,
+    };
+    let sink = NatsSink::build("nats", &cfg, &[], Duration::from_secs(30)).await?;
+    let subject = format!("bench{t0}.raw");
+    let body = payload(0).to_string().into_bytes();
+    let h = headers(0);
+    let warm = Outgoing {
+        topic: &subject,
+        key: None,
+        partition: None,
+        headers: &h,
+        payload: &body,
+        dedup_id: "warm",
+    };
+    sink.send(warm).await?.wait().await?;
+    let t = Instant::now();
+    let mut acks = Vec::new();
+    for i in 0..n {
+        let h = headers(i);
+        let id = format!("bench-{i}");
+        let out = Outgoing {
+            topic: &subject,
+            key: None,
+            partition: None,
+            headers: &h,
+            payload: &body,
+            dedup_id: &id,
+        };
+        acks.push(sink.send(out).await?);
+        if acks.len() >= 5_000 {
+            futures::future::try_join_all(acks.drain(..).map(|a| a.wait())).await?;
+        }
+    }
+    futures::future::try_join_all(acks.into_iter().map(|a| a.wait())).await?;
+    Ok(n as f64 / t.elapsed().as_secs_f64())
+}
+
+/// CPU seconds (user + system) and peak RSS of a process.
+fn proc_stats(pid: u32) -> (f64, f64) {
+    let ticks = 100.0; // CLK_TCK on Linux
+    let cpu = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            let after = s.rsplit_once(')')?.1.split_whitespace().collect::<Vec<_>>();
+            let ut: f64 = after.get(11)?.parse().ok()?;
+            let st: f64 = after.get(12)?.parse().ok()?;
+            Some((ut + st) / ticks)
+        })
+        .unwrap_or(0.0);
+    let hwm = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
+        .unwrap_or(0.0)
+        / 1024.0;
+    (cpu, hwm)
+}
+
+fn relay_body(sink: &str, t: &str, http: &str) -> String {
+    let sink_cfg = match sink {
+        "kafka" => format!("[sinks.kafka]\nkind = \"kafka\"\nbrokers = \"{KAFKA}\"\n"),
+        _ => format!("[sinks.nats]\nkind = \"nats\"\nurl = \"{NATS}\"\n"),
+    };
+    format!(
+        "[http]\nlisten = \"{http}\"\n{sink_cfg}[plugins.order-router]\npath = \"{}\"\n[[routes]]\nname = \"orders\"\nplugin = \"order-router\"\nconfig = {{ sink = \"{sink}\", topic = \"b{t}.{{event_type}}\" }}\nallow = {{ {sink} = [\"b{t}.*\"] }}\n",
+        plugin("order-router").display()
+    )
+}
+
+/// outroute draining `n` pre-inserted events through order-router.
+async fn drain(n: usize, sink: &str) -> Result<Value> {
+    let db = TestDb::new().await?;
+    let t = tag();
+    if sink == "kafka" {
+        create_topic(&format!("b{t}.order-created"), 3).await?;
+    } else {
+        nats_stream(&format!("B{t}"), vec![format!("b{t}.>")]).await?;
+    }
+    let dir = test_dir("drain");
+    let http = outroute_e2e::free_addr();
+    let config = write_config(
+        &dir,
+        &db.url,
+        "batch_size = 1000\nconcurrency = 2\nlanes = 64",
+        &relay_body(sink, &t, &http),
+    )?;
+    db.migrate(&config)?;
+    fill(&db.pool, n).await?;
+    let mut relay = Relay::start(&config, &[("RUST_LOG", "warn")])?;
+    let pid = relay.child.id();
+    // Time from the first publish to the last mark.
+    let mut start: Option<(Instant, f64)> = None;
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let done = loop {
+        let published = db
+            .count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+            .await;
+        if start.is_none() && published > 0 {
+            start = Some((Instant::now(), proc_stats(pid).0));
+        }
+        if published as usize >= n || Instant::now() > deadline {
+            break published;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let (t0, cpu0) = start.unwrap_or((Instant::now(), 0.0));
+    let secs = t0.elapsed().as_secs_f64().max(1e-3);
+    let (cpu1, rss) = proc_stats(pid);
+    let (_, metrics) = outroute_e2e::http_get(&http, "/metrics")
+        .await
+        .unwrap_or_default();
+    relay.terminate(Duration::from_secs(15));
+    db.drop_db().await;
+    Ok(json!({
+        "events": done,
+        "seconds": secs,
+        "events_per_s": done as f64 / secs,
+        "cores": (cpu1 - cpu0) / secs,
+        "peak_rss_mib": rss,
+        "plugin_call_seconds_sum": outroute_e2e::metric(&metrics, "outroute_plugin_call_seconds_sum{route=\"orders\"}"),
+    }))
+}
+
+/// Seed article 004's poller: every N ms (N = 0 here) select 100 pending
+/// rows, send each and wait for its ack, update each.
+async fn baseline(n: usize) -> Result<f64> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("baseline");
+    let config = write_config(&dir, &db.url, "", &file_sink_body(&dir))?;
+    db.migrate(&config)?;
+    fill(&db.pool, n).await?;
+    let topic = format!("naive{}.events", tag());
+    create_topic(&topic, 3).await?;
+    let cfg = KafkaSinkConfig {
+        brokers: KAFKA.into(),
+        max_message_bytes: 1 << 20,
+        compression: "none".into(),
+        linger_ms: 1,
+        max_in_flight: 1,
+        options: Default::default(),
+    };
+    let sink = KafkaSink::build("kafka", &cfg, Duration::from_secs(30))?;
+    let t = Instant::now();
+    let mut done = 0;
+    loop {
+        let rows: Vec<(uuid::Uuid, String, String)> = sqlx::query_as(
+            "SELECT id, aggregate_id, payload::text FROM outbox WHERE published_at IS NULL ORDER BY seq LIMIT 100",
+        )
+        .fetch_all(&db.pool)
+        .await?;
+        if rows.is_empty() {
+            break;
+        }
+        for (id, agg, body) in rows {
+            let ids = id.to_string();
+            let h = vec![("ce_id".to_string(), ids.clone())];
+            let out = Outgoing {
+                topic: &topic,
+                key: Some(agg.as_bytes()),
+                partition: None,
+                headers: &h,
+                payload: body.as_bytes(),
+                dedup_id: &ids,
+            };
+            sink.send(out).await?.wait().await?;
+            sqlx::query("UPDATE outbox SET published_at = now() WHERE id = $1")
+                .bind(id)
+                .execute(&db.pool)
+                .await?;
+            done += 1;
+        }
+    }
+    let rate = done as f64 / t.elapsed().as_secs_f64();
+    db.drop_db().await;
+    Ok(rate)
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+/// Upper bound (ms) of the histogram bucket holding quantile `q`.
+fn bucket_quantile(metrics: &str, name: &str, q: f64) -> Value {
+    let mut buckets: Vec<(f64, f64)> = metrics
+        .lines()
+        .filter(|l| l.starts_with(&format!("{name}_bucket")))
+        .filter_map(|l| {
+            let le = l.split("le=\"").nth(1)?.split('"').next()?;
+            let le: f64 = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            let v: f64 = l.rsplit(' ').next()?.parse().ok()?;
+            Some((le, v))
+        })
+        .collect();
+    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let total = buckets.last().map(|b| b.1).unwrap_or(0.0);
+    buckets
+        .iter()
+        .find(|(_, c)| *c >= q * total)
+        .map(|(le, _)| {
+            if le.is_finite() {
+                json!(le * 1000.0)
+            } else {
+                json!("inf")
+            }
+        })
+        .unwrap_or(Value::Null)
+}
+
+/// `rate` events/s committed by 4 writers for `secs` seconds; commit →
+/// consumer-received measured per event.
+async fn latency(secs: u64, rate: u64) -> Result<Value> {
+    let db = TestDb::new().await?;
+    let t = tag();
+    let topic = format!("b{t}.order-created");
+    create_topic(&topic, 3).await?;
+    let dir = test_dir("latency");
+    let http = outroute_e2e::free_addr();
+    let config = write_config(&dir, &db.url, "", &relay_body("kafka", &t, &http))?;
+    db.migrate(&config)?;
+    let mut relay = Relay::start(&config, &[("RUST_LOG", "warn")])?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    // Consumer thread: id → receive instant.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (tx, rx) = std::sync::mpsc::channel::<(String, Instant)>();
+    let consumer = {
+        let stop = stop.clone();
+        let topic = topic.clone();
+        std::thread::spawn(move || -> Result<()> {
+            use rdkafka::consumer::{BaseConsumer, Consumer};
+            use rdkafka::message::{Headers, Message};
+            let c: BaseConsumer = rdkafka::ClientConfig::new()
+                .set("bootstrap.servers", KAFKA)
+                .set("group.id", format!("bench-{}", tag()))
+                .set("fetch.min.bytes", "1")
+                .set("fetch.wait.max.ms", "5")
+                .create()?;
+            let mut tpl = rdkafka::TopicPartitionList::new();
+            for p in 0..3 {
+                tpl.add_partition_offset(&topic, p, rdkafka::Offset::Beginning)?;
+            }
+            c.assign(&tpl)?;
+            while !stop.load(Ordering::Relaxed) {
+                if let Some(Ok(m)) = c.poll(Duration::from_millis(20)) {
+                    let now = Instant::now();
+                    let id = m.headers().and_then(|h| {
+                        h.iter()
+                            .find(|x| x.key == "ce_id")
+                            .and_then(|x| x.value.map(|v| String::from_utf8_lossy(v).into_owned()))
+                    });
+                    if let Some(id) = id {
+                        let _ = tx.send((id, now));
+                    }
+                }
+            }
+            Ok(())
+        })
+    };
+
+    // 4 writers, each at rate/4 events/s, each event its own transaction.
+    let per_writer = Duration::from_secs_f64(4.0 / rate as f64);
+    let end = Instant::now() + Duration::from_secs(secs);
+    let mut writers = Vec::new();
+    for w in 0..4 {
+        let pool = db.pool.clone();
+        writers.push(tokio::spawn(async move {
+            let mut committed: Vec<(String, Instant)> = Vec::new();
+            let mut next = Instant::now();
+            let mut i = 0usize;
+            while Instant::now() < end {
+                let id = uuid::Uuid::new_v4();
+                let mut tx = pool.begin().await?;
+                sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'order', $2, 'order-created', $3)")
+                    .bind(id)
+                    .bind(format!("w{w}-{}", i % 100))
+                    .bind(payload(i))
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                committed.push((id.to_string(), Instant::now()));
+                i += 1;
+                next += per_writer;
+                tokio::time::sleep_until(next.into()).await;
+            }
+            anyhow::Ok(committed)
+        }));
+    }
+    let mut committed: HashMap<String, Instant> = HashMap::new();
+    for w in writers {
+        committed.extend(w.await??);
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::Relaxed);
+    let _ = consumer.join();
+    let mut lat: Vec<f64> = Vec::new();
+    for (id, at) in rx.try_iter() {
+        if let Some(c) = committed.get(&id) {
+            lat.push(at.saturating_duration_since(*c).as_secs_f64() * 1000.0);
+        }
+    }
+    lat.sort_by(f64::total_cmp);
+    let (_, metrics) = outroute_e2e::http_get(&http, "/metrics")
+        .await
+        .unwrap_or_default();
+    let rss = proc_stats(relay.child.id()).1;
+    relay.terminate(Duration::from_secs(15));
+    db.drop_db().await;
+    Ok(json!({
+        "committed": committed.len(),
+        "received": lat.len(),
+        "achieved_rate": committed.len() as f64 / secs as f64,
+        "commit_to_consumer_ms": {"p50": percentile(&lat, 0.5), "p99": percentile(&lat, 0.99), "max": lat.last().copied().unwrap_or(0.0)},
+        "commit_to_ack_ms_bucket": {
+            "p50": bucket_quantile(&metrics, "outroute_commit_to_ack_seconds", 0.5),
+            "p99": bucket_quantile(&metrics, "outroute_commit_to_ack_seconds", 0.99),
+        },
+        "peak_rss_mib": rss,
+    }))
+}
