@@ -46,10 +46,13 @@ struct Args {
     /// Events per second in the latency run.
     #[arg(long, default_value_t = 1000)]
     rate: u64,
+    /// Relay workers (`relay.concurrency`); the ceiling runs as many loops.
+    #[arg(long, default_value_t = 2)]
+    concurrency: u32,
     /// Where to write the figures.
     #[arg(long, default_value = "bench-results.json")]
     json: PathBuf,
-    /// Only these sections (plugin, ceiling, produce, drain, baseline, latency).
+    /// Only these sections (plugin, ceiling, produce, drain, baseline, wakeup, latency).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
 }
@@ -94,7 +97,7 @@ async fn main() -> Result<()> {
         eprintln!("== database ceiling");
         for (style, label) in [("published_at", "update"), ("delete", "delete")] {
             for batch in [100u32, 500, 1000] {
-                let r = db_ceiling(args.events, style, batch).await?;
+                let r = db_ceiling(args.events, style, batch, args.concurrency).await?;
                 table.push((
                     format!("db ceiling, mark by {label}, batch {batch}"),
                     format!("{r:.0} rows/s"),
@@ -124,7 +127,7 @@ async fn main() -> Result<()> {
     if want("drain") {
         for sink in ["kafka", "nats"] {
             eprintln!("== outroute drain → {sink}");
-            let d = drain(args.events, sink).await?;
+            let d = drain(args.events, sink, args.concurrency).await?;
             table.push((
                 format!("outroute drain → {sink}"),
                 format!(
@@ -145,6 +148,17 @@ async fn main() -> Result<()> {
             format!("{b:.0} events/s"),
         ));
         results.insert("baseline_kafka_events_per_s".into(), json!(b));
+    }
+    if want("wakeup") {
+        eprintln!("== wake-up cost to producers");
+        let w = wakeup_cost().await?;
+        for (k, v) in w.as_object().into_iter().flatten() {
+            table.push((
+                format!("producer commits/s, 8 writers, {k}"),
+                format!("{:.0}", v.as_f64().unwrap_or(0.0)),
+            ));
+        }
+        results.insert("producer_commits_per_s".into(), w);
     }
     if want("latency") && args.latency_secs > 0 {
         eprintln!("== steady-state latency");
@@ -346,7 +360,7 @@ fn file_sink_body(dir: &Path) -> String {
 
 /// The relay's own claim + mark SQL in a tight loop: the most the database
 /// allows for this table, with no routing or publishing.
-async fn db_ceiling(n: usize, marking: &str, batch: u32) -> Result<f64> {
+async fn db_ceiling(n: usize, marking: &str, batch: u32, workers: u32) -> Result<f64> {
     let db = TestDb::new().await?;
     let dir = test_dir("ceiling");
     let table = if marking == "delete" {
@@ -367,8 +381,8 @@ async fn db_ceiling(n: usize, marking: &str, batch: u32) -> Result<f64> {
     store.check_table().await?;
     let lanes = store.lease_round().await?.lanes;
     let store = Arc::new(store);
-    // Two loops over disjoint lanes, like the relay's two workers.
-    let workers = 2;
+    // As many loops over disjoint lanes as the relay has workers.
+    let workers = workers as i32;
     let t = Instant::now();
     let mut tasks = Vec::new();
     for w in 0..workers {
@@ -538,8 +552,29 @@ fn relay_body(sink: &str, t: &str, http: &str) -> String {
     )
 }
 
+/// CPU seconds used so far by every process whose command line matches.
+fn group_cpu(pattern: &str) -> f64 {
+    std::process::Command::new("pgrep")
+        .args(["-f", pattern])
+        .output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter_map(|l| l.trim().parse::<u32>().ok())
+                .map(|pid| proc_stats(pid).0)
+                .sum()
+        })
+        .unwrap_or(0.0)
+}
+
+const GROUPS: [(&str, &str); 3] = [
+    ("postgres", "postgres"),
+    ("tansu", "tansu broker"),
+    ("nats-server", "nats-server"),
+];
+
 /// outroute draining `n` pre-inserted events through order-router.
-async fn drain(n: usize, sink: &str) -> Result<Value> {
+async fn drain(n: usize, sink: &str, concurrency: u32) -> Result<Value> {
     let db = TestDb::new().await?;
     let t = tag();
     if sink == "kafka" {
@@ -552,7 +587,7 @@ async fn drain(n: usize, sink: &str) -> Result<Value> {
     let config = write_config(
         &dir,
         &db.url,
-        "batch_size = 1000\nconcurrency = 2\nlanes = 64",
+        &format!("batch_size = 1000\nconcurrency = {concurrency}\nlanes = 64"),
         &relay_body(sink, &t, &http),
     )?;
     db.migrate(&config)?;
@@ -561,13 +596,26 @@ async fn drain(n: usize, sink: &str) -> Result<Value> {
     let pid = relay.child.id();
     // Time from the first publish to the last mark.
     let mut start: Option<(Instant, f64)> = None;
+    let mut group0: Vec<f64> = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(600);
     let done = loop {
-        let published = db
-            .count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
-            .await;
+        // Watch the relay's own counter (no load on the database); the
+        // pending count via the partial index confirms the end.
+        let (_, m) = outroute_e2e::http_get(&http, "/metrics")
+            .await
+            .unwrap_or_default();
+        let mut published =
+            outroute_e2e::metric(&m, "outroute_events_published_total{route=\"orders\"}")
+                .unwrap_or(0.0) as i64;
+        if published as usize >= n {
+            let pending = db
+                .count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+                .await;
+            published = n as i64 - pending;
+        }
         if start.is_none() && published > 0 {
             start = Some((Instant::now(), proc_stats(pid).0));
+            group0 = GROUPS.iter().map(|(_, p)| group_cpu(p)).collect();
         }
         if published as usize >= n || Instant::now() > deadline {
             break published;
@@ -577,12 +625,20 @@ async fn drain(n: usize, sink: &str) -> Result<Value> {
     let (t0, cpu0) = start.unwrap_or((Instant::now(), 0.0));
     let secs = t0.elapsed().as_secs_f64().max(1e-3);
     let (cpu1, rss) = proc_stats(pid);
+    let others: serde_json::Map<String, Value> = GROUPS
+        .iter()
+        .zip(group0.iter().chain(std::iter::repeat(&0.0)))
+        .map(|((name, p), c0)| (name.to_string(), json!((group_cpu(p) - c0) / secs)))
+        .collect();
     let (_, metrics) = outroute_e2e::http_get(&http, "/metrics")
         .await
         .unwrap_or_default();
     relay.terminate(Duration::from_secs(15));
     db.drop_db().await;
     Ok(json!({
+        "other_cores": others,
+        "batch_seconds_sum": outroute_e2e::metric(&metrics, "outroute_batch_seconds_sum"),
+        "batch_count": outroute_e2e::metric(&metrics, "outroute_batch_seconds_count"),
         "events": done,
         "seconds": secs,
         "events_per_s": done as f64 / secs,
@@ -794,4 +850,67 @@ async fn latency(secs: u64, rate: u64) -> Result<Value> {
         },
         "peak_rss_mib": rss,
     }))
+}
+
+/// What waking the relay costs producers: commits/s of 8 writer connections
+/// (one outbox insert per transaction) with no relay, with the relay polling
+/// adaptively, and with a NOTIFY in every transaction (relay listening).
+async fn wakeup_cost() -> Result<Value> {
+    async fn writers(pool: &PgPool, notify: bool, secs: u64) -> Result<f64> {
+        let end = Instant::now() + Duration::from_secs(secs);
+        let mut tasks = Vec::new();
+        for w in 0..8 {
+            let pool = pool.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut n = 0u64;
+                while Instant::now() < end {
+                    let mut tx = pool.begin().await?;
+                    sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'order', $2, 'order-created', '{}')")
+                        .bind(uuid::Uuid::new_v4())
+                        .bind(format!("w{w}-{}", n % 50))
+                        .execute(&mut *tx)
+                        .await?;
+                    if notify {
+                        sqlx::query("NOTIFY outbox_new").execute(&mut *tx).await?;
+                    }
+                    tx.commit().await?;
+                    n += 1;
+                }
+                anyhow::Ok(n)
+            }));
+        }
+        let mut total = 0;
+        for t in tasks {
+            total += t.await??;
+        }
+        Ok(total as f64 / secs as f64)
+    }
+    let mut out = serde_json::Map::new();
+    for (label, relay_mode) in [
+        ("no relay", None),
+        ("relay polling", Some(false)),
+        ("NOTIFY per commit + LISTEN", Some(true)),
+    ] {
+        let db = TestDb::new().await?;
+        let dir = test_dir("wakeup");
+        let relay_cfg = if relay_mode == Some(true) {
+            "notify_channel = \"outbox_new\""
+        } else {
+            ""
+        };
+        let config = write_config(&dir, &db.url, relay_cfg, &file_sink_body(&dir))?;
+        db.migrate(&config)?;
+        let relay = match relay_mode {
+            Some(_) => Some(Relay::start(&config, &[("RUST_LOG", "warn")])?),
+            None => None,
+        };
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let rate = writers(&db.pool, relay_mode == Some(true), 8).await?;
+        out.insert(label.into(), json!(rate));
+        if let Some(mut r) = relay {
+            r.terminate(Duration::from_secs(15));
+        }
+        db.drop_db().await;
+    }
+    Ok(Value::Object(out))
 }

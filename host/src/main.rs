@@ -63,7 +63,11 @@ enum ConfigAction {
     /// Validate a file; prints `file:key: reason` for every problem.
     Check(ConfigArg),
     /// Print the JSON Schema of the configuration file.
-    Schema,
+    Schema {
+        /// The reference as Markdown (docs/config-reference.md) instead.
+        #[arg(long)]
+        markdown: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -102,9 +106,13 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             action: ConfigAction::Check(c),
         } => Ok(ops::config_check(&c.config)),
         Command::Config {
-            action: ConfigAction::Schema,
+            action: ConfigAction::Schema { markdown },
         } => {
-            println!("{}", serde_json::to_string_pretty(&config::schema())?);
+            if markdown {
+                print!("{}", config::reference_markdown());
+            } else {
+                println!("{}", serde_json::to_string_pretty(&config::schema())?);
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Quickstart(args) => quickstart::run(args).await,

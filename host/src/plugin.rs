@@ -17,7 +17,8 @@
 //! * **No ambient authority.** Plugins get the `host.log` import and an
 //!   empty WASI context (no preopened dirs, no env, no args, no sockets, no
 //!   inherited stdio; stderr goes to a small in-memory buffer that is quoted
-//!   in trap reasons). std-built Rust guests import WASI even when they do no
+//!   in trap reasons; the clocks are frozen at the Unix epoch, so routing
+//!   cannot depend on the time — use the event's `created-at-ms`). std-built Rust guests import WASI even when they do no
 //!   I/O, so WASI is linked but grants nothing.
 //! * **Hot reload.** A [`PluginHandle`] checks its file now and then; a new
 //!   version compiles in the background and takes over new batches, batches
@@ -72,6 +73,27 @@ struct Ticker {
 impl Drop for Ticker {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// The only clock a plugin sees: stopped at the Unix epoch.
+struct FrozenClock;
+
+impl wasmtime_wasi::HostWallClock for FrozenClock {
+    fn resolution(&self) -> Duration {
+        Duration::from_secs(1)
+    }
+    fn now(&self) -> Duration {
+        Duration::ZERO
+    }
+}
+
+impl wasmtime_wasi::HostMonotonicClock for FrozenClock {
+    fn resolution(&self) -> u64 {
+        1_000_000_000
+    }
+    fn now(&self) -> u64 {
+        0
     }
 }
 
@@ -223,6 +245,8 @@ impl Runtime {
             .allow_tcp(false)
             .allow_udp(false)
             .allow_ip_name_lookup(false)
+            .wall_clock(FrozenClock)
+            .monotonic_clock(FrozenClock)
             .build();
         let limits = StoreLimitsBuilder::new()
             .memory_size(memory_bytes)

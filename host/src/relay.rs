@@ -516,10 +516,19 @@ impl Relay {
         let mut acks: HashMap<usize, Result<(), PublishError>> = HashMap::new();
         let mut pending = Vec::new();
         for (i, (claim, plan)) in events.iter().enumerate() {
-            let (Plan::Publish { messages, .. }, Ok(ev)) = (plan, &claim.row) else {
+            let (Plan::Publish { messages, route }, Ok(ev)) = (plan, &claim.row) else {
                 continue;
             };
             acks.insert(i, Ok(()));
+            // One span per event: event id, aggregate, route and the trace id
+            // from its `traceparent`, on everything logged while publishing it.
+            let span = tracing::debug_span!(
+                "event",
+                event_id = %ev.id,
+                aggregate = %format_args!("{}/{}", ev.aggregate_type, ev.aggregate_id),
+                route = self.routes.0[*route].name(),
+                trace_id = ev.traceparent().and_then(|t| t.split('-').nth(1)).unwrap_or(""),
+            );
             for (j, msg) in messages.iter().enumerate() {
                 let Some(sink) = self.sinks.get(&msg.sink) else {
                     record(
@@ -547,7 +556,7 @@ impl Relay {
                     payload: &msg.payload,
                     dedup_id: &dedup,
                 };
-                match sink.send(out).await {
+                match sink.send(out).instrument(span.clone()).await {
                     Ok(ack) => pending.push((i, msg.sink.as_str(), ack)),
                     Err(e) => record(&mut acks, i, &msg.sink, e),
                 }

@@ -142,3 +142,15 @@ fn python_plugin_runs_in_the_same_host() -> anyhow::Result<()> {
     assert_eq!(v["world"], "outroute:router/router@0.1.0");
     Ok(())
 }
+
+#[test]
+fn shipped_example_configs_pass_config_check() -> anyhow::Result<()> {
+    let _ = plugin("order-router"); // built by scripts/build-plugins
+    for name in ["outroute.toml", "outbox_events.toml", "t_outbox.toml"] {
+        let path = workspace().join("examples").join(name);
+        let (code, out, err) = cli(&["config", "check", "-c", path.to_str().unwrap_or_default()])?;
+        assert_eq!(code, 0, "{name}: {out}{err}");
+        assert!(out.contains(": ok ("), "{out}");
+    }
+    Ok(())
+}
