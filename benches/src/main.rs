@@ -444,7 +444,7 @@ async fn kafka_ceiling(n: usize) -> Result<f64> {
         payload: &body,
         dedup_id: "warm",
     };
-    sink.send(warm).await?.wait().await?;
+    sink.send(warm, None).await?.wait().await?;
     let t = Instant::now();
     let mut acks = Vec::with_capacity(n);
     for i in 0..n {
@@ -459,7 +459,7 @@ async fn kafka_ceiling(n: usize) -> Result<f64> {
             payload: &body,
             dedup_id: &id,
         };
-        acks.push(sink.send(out).await?);
+        acks.push(sink.send(out, None).await?);
         if acks.len() >= 5_000 {
             for a in acks.drain(..) {
                 a.wait().await?;
@@ -494,7 +494,7 @@ async fn nats_ceiling(n: usize) -> Result<f64> {
         payload: &body,
         dedup_id: "warm",
     };
-    sink.send(warm).await?.wait().await?;
+    sink.send(warm, None).await?.wait().await?;
     let t = Instant::now();
     let mut acks = Vec::new();
     for i in 0..n {
@@ -508,7 +508,7 @@ async fn nats_ceiling(n: usize) -> Result<f64> {
             payload: &body,
             dedup_id: &id,
         };
-        acks.push(sink.send(out).await?);
+        acks.push(sink.send(out, None).await?);
         if acks.len() >= 5_000 {
             futures::future::try_join_all(acks.drain(..).map(|a| a.wait())).await?;
         }
@@ -689,7 +689,7 @@ async fn baseline(n: usize) -> Result<f64> {
                 payload: body.as_bytes(),
                 dedup_id: &ids,
             };
-            sink.send(out).await?.wait().await?;
+            sink.send(out, None).await?.wait().await?;
             sqlx::query("UPDATE outbox SET published_at = now() WHERE id = $1")
                 .bind(id)
                 .execute(&db.pool)

@@ -1030,15 +1030,15 @@ fn type_of(v: &serde_json::Value) -> String {
             .join(" or "),
         _ => "any".into(),
     };
-    if ty == "array" {
-        if let Some(items) = v.get("items") {
-            return format!("list of {}", type_of(items));
-        }
+    if ty == "array"
+        && let Some(items) = v.get("items")
+    {
+        return format!("list of {}", type_of(items));
     }
-    if ty == "object" {
-        if let Some(ap) = v.get("additionalProperties").filter(|a| a.is_object()) {
-            return format!("map of {}", type_of(ap));
-        }
+    if ty == "object"
+        && let Some(ap) = v.get("additionalProperties").filter(|a| a.is_object())
+    {
+        return format!("map of {}", type_of(ap));
     }
     ty
 }

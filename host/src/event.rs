@@ -42,11 +42,13 @@ impl Event {
 #[derive(Debug, Clone, Default)]
 pub struct RawRow {
     pub id: String,
-    pub sequence: i64,
+    /// NULL when the order column (or created_at standing in) is NULL.
+    pub sequence: Option<i64>,
     pub aggregate_type: Option<String>,
     pub aggregate_id: Option<String>,
     pub event_type: Option<String>,
-    pub event_version: Option<i64>,
+    /// As text, so a non-numeric value is a reason, not a read error.
+    pub event_version: Option<String>,
     pub payload: Option<String>,
     pub headers: Option<String>,
     pub created_at: Option<DateTime<Utc>>,
@@ -67,7 +69,9 @@ impl RawRow {
     pub fn validate(self) -> Result<Event, Malformed> {
         let malformed = |row: &RawRow, reason: String| Malformed {
             id: row.id.clone(),
-            sequence: row.sequence,
+            // Unknown order: 0 holds back every event of its aggregate
+            // under the `block` policy (the conservative choice).
+            sequence: row.sequence.unwrap_or(0),
             aggregate_type: row.aggregate_type.clone().unwrap_or_default(),
             aggregate_id: row.aggregate_id.clone().unwrap_or_default(),
             reason,
@@ -79,57 +83,34 @@ impl RawRow {
                 None => Err(format!("{col} is NULL")),
             }
         };
-        let fields = (|| -> Result<_, String> {
-            let aggregate_type = required(&self.aggregate_type, "aggregate_type")?;
-            let aggregate_id = required(&self.aggregate_id, "aggregate_id")?;
-            let event_type = required(&self.event_type, "event_type")?;
+        let event = (|| -> Result<Event, String> {
             let payload = self.payload.clone().ok_or("payload is NULL")?;
             serde_json::from_str::<serde::de::IgnoredAny>(&payload)
                 .map_err(|e| format!("payload is not valid JSON: {e}"))?;
-            let event_version = match self.event_version {
-                None => 1,
-                Some(v) => {
-                    u32::try_from(v).map_err(|_| format!("event_version {v} is out of range"))?
-                }
-            };
-            let headers = match self.headers.as_deref() {
-                None | Some("") | Some("null") => Vec::new(),
-                Some(h) => parse_headers(h)?,
-            };
-            let created_at = self.created_at.ok_or("created_at is NULL")?;
-            Ok((
-                aggregate_type,
-                aggregate_id,
-                event_type,
-                payload,
-                event_version,
-                headers,
-                created_at,
-            ))
-        })();
-        match fields {
-            Ok((
-                aggregate_type,
-                aggregate_id,
-                event_type,
-                payload,
-                event_version,
-                headers,
-                created_at,
-            )) => Ok(Event {
-                id: self.id,
-                sequence: self.sequence,
-                aggregate_type,
-                aggregate_id,
-                event_type,
-                event_version,
+            Ok(Event {
+                id: self.id.clone(),
+                aggregate_type: required(&self.aggregate_type, "aggregate_type")?,
+                aggregate_id: required(&self.aggregate_id, "aggregate_id")?,
+                event_type: required(&self.event_type, "event_type")?,
+                event_version: match self.event_version.as_deref().map(str::trim) {
+                    None => 1,
+                    Some(v) => v
+                        .parse::<u32>()
+                        .map_err(|_| format!("event_version `{v}` is not a version number"))?,
+                },
+                sequence: self
+                    .sequence
+                    .ok_or("the ordering column (sequence, or created_at standing in) is NULL")?,
+                headers: match self.headers.as_deref() {
+                    None | Some("") | Some("null") => Vec::new(),
+                    Some(h) => parse_headers(h)?,
+                },
+                created_at: self.created_at.ok_or("created_at is NULL")?,
                 payload: payload.into_bytes(),
-                headers,
-                created_at,
                 attempts: u32::try_from(self.attempts).unwrap_or(0),
-            }),
-            Err(reason) => Err(malformed(&self, reason)),
-        }
+            })
+        })();
+        event.map_err(|reason| malformed(&self, reason))
     }
 }
 
@@ -248,11 +229,11 @@ mod tests {
     fn raw() -> RawRow {
         RawRow {
             id: "e1".into(),
-            sequence: 7,
+            sequence: Some(7),
             aggregate_type: Some("order".into()),
             aggregate_id: Some("o1".into()),
             event_type: Some("created".into()),
-            event_version: Some(2),
+            event_version: Some("2".into()),
             payload: Some(r#"{"a":1}"#.into()),
             headers: Some(
                 r#"{"traceparent":"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}"#
@@ -283,6 +264,15 @@ mod tests {
         let mut r = raw();
         r.aggregate_id = None;
         assert_eq!(r.validate().unwrap_err().reason, "aggregate_id is NULL");
+        let mut r = raw();
+        r.event_version = Some("v2".into());
+        assert_eq!(
+            r.validate().unwrap_err().reason,
+            "event_version `v2` is not a version number"
+        );
+        let mut r = raw();
+        r.sequence = None;
+        assert!(r.validate().unwrap_err().reason.contains("ordering column"));
         let mut r = raw();
         r.headers = Some("[1]".into());
         assert_eq!(

@@ -33,7 +33,7 @@ use crate::failpoint;
 use crate::metrics::{self as m, Health};
 use crate::plugin::{Limits, PluginHandle, Runtime};
 use crate::routing::{Route, Routes};
-use crate::sink::{Outgoing, PublishError, Sinks};
+use crate::sink::{Ack, Outgoing, PublishError, Sinks};
 use crate::store::{Claim, Failure, FailureKind, Store};
 
 /// Everything a batch needs, shared by the workers.
@@ -42,6 +42,9 @@ pub struct Relay {
     pub routes: Arc<Routes>,
     /// One plugin handle per route (same index as `routes`).
     pub plugins: Vec<Arc<PluginHandle>>,
+    /// How often each route's plugin file is checked for a new version
+    /// (`plugins.<name>.reload_interval`; `None`: never).
+    pub reload: Vec<Option<Duration>>,
     pub sinks: Sinks,
     pub config: RelayConfig,
     /// CloudEvents `source` attribute.
@@ -81,6 +84,21 @@ pub struct BatchReport {
     pub outage_reason: Option<String>,
 }
 
+/// The lanes a batch was claimed from, checked again before publishing.
+struct LeaseGuard {
+    view: watch::Receiver<LeaseView>,
+    lanes: Vec<i32>,
+}
+
+impl LeaseGuard {
+    /// Every claimed lane is still in the current, unexpired lease view
+    /// (lanes released over the fair share or lost leave the view at once).
+    fn still_ours(&self) -> bool {
+        let v = self.view.borrow();
+        Instant::now() < v.valid_until && self.lanes.iter().all(|l| v.lanes.contains(l))
+    }
+}
+
 /// The lanes a relay may claim from, and until when that is safe.
 #[derive(Debug, Clone)]
 struct LeaseView {
@@ -95,6 +113,7 @@ impl Relay {
         let routes = Routes::compile(config).map_err(anyhow::Error::msg)?;
         let runtime = Runtime::new(loaded.cache_dir())?;
         let mut plugins = Vec::new();
+        let mut reload = Vec::new();
         for r in &routes.0 {
             let pc = config.plugins.get(&r.config.plugin).ok_or_else(|| {
                 anyhow::anyhow!("routes.{}: no plugin `{}`", r.name(), r.config.plugin)
@@ -110,6 +129,7 @@ impl Relay {
                 limits,
             )
             .map_err(|e| anyhow::anyhow!("routes[{}] ({}): {e:#}", r.index, r.name()))?;
+            reload.push(pc.reload_interval);
             plugins.push(Arc::new(handle));
         }
         let sinks = crate::sink::build_all(
@@ -123,6 +143,7 @@ impl Relay {
             store,
             routes: Arc::new(routes),
             plugins,
+            reload,
             sinks,
             config: config.relay.clone(),
             source: format!("/outroute/{}", config.store.table().name),
@@ -162,10 +183,12 @@ impl Relay {
         }
         let workers: Vec<_> = (0..self.config.concurrency)
             .map(|i| {
-                tokio::spawn(
-                    self.clone()
-                        .work(i, lease_rx.clone(), wake.clone(), shutdown.clone()),
-                )
+                tokio::spawn(self.clone().supervise(
+                    i,
+                    lease_rx.clone(),
+                    wake.clone(),
+                    shutdown.clone(),
+                ))
             })
             .collect();
 
@@ -191,6 +214,38 @@ impl Relay {
             tracing::warn!("could not release lanes (they lapse after lease_ttl): {e:#}");
         }
         Ok(())
+    }
+
+    /// Keep worker `index` running: a bug that panics inside a batch must not
+    /// silently stop its lanes (they would stay leased and never move).
+    async fn supervise(
+        self: Arc<Self>,
+        index: u32,
+        leases: watch::Receiver<LeaseView>,
+        wake: Arc<Notify>,
+        shutdown: CancellationToken,
+    ) {
+        loop {
+            let worker = tokio::spawn(self.clone().work(
+                index,
+                leases.clone(),
+                wake.clone(),
+                shutdown.clone(),
+            ));
+            match worker.await {
+                Ok(()) => return,
+                Err(e) => {
+                    tracing::error!(
+                        worker = index,
+                        "worker crashed, restarting it (its batch stays pending): {e}"
+                    );
+                    sleep_or_cancel(Duration::from_secs(1), &shutdown).await;
+                    if shutdown.is_cancelled() {
+                        return;
+                    }
+                }
+            }
+        }
     }
 
     /// One worker: claim → process → repeat, polling adaptively when idle.
@@ -245,13 +300,12 @@ impl Relay {
             }
             let full = claims.len() as u32 >= self.config.batch_size;
             failpoint::hit("after-claim");
-            let valid_until = leases.borrow().valid_until;
+            let lease = LeaseGuard {
+                view: leases.clone(),
+                lanes,
+            };
             let span = tracing::info_span!("batch", worker = index, events = claims.len());
-            match self
-                .process(claims, Some(valid_until))
-                .instrument(span)
-                .await
-            {
+            match self.process(claims, Some(&lease)).instrument(span).await {
                 Ok(report) if report.outage => {
                     tracing::warn!(backoff = ?outage_backoff, reason = report.outage_reason.as_deref().unwrap_or(""), "every publish failed; backing off");
                     sleep_or_cancel(jitter(outage_backoff), &shutdown).await;
@@ -276,13 +330,10 @@ impl Relay {
         }
     }
 
-    /// One batch, start to finish. `lease_valid_until`: do not publish after
-    /// this instant (another relay may own the lanes by then).
-    pub async fn process(
-        &self,
-        claims: Vec<Claim>,
-        lease_valid_until: Option<Instant>,
-    ) -> Result<BatchReport> {
+    /// One batch, start to finish. `lease`: the lanes the batch was claimed
+    /// from must still be ours when publishing starts (another relay may own
+    /// them by then).
+    async fn process(&self, claims: Vec<Claim>, lease: Option<&LeaseGuard>) -> Result<BatchReport> {
         let started = Instant::now();
         let mut report = BatchReport::default();
 
@@ -306,7 +357,7 @@ impl Relay {
         }
 
         // 6. Messages → sinks, all at once; each resolves on its broker ack.
-        if lease_valid_until.is_some_and(|t| Instant::now() >= t) {
+        if lease.is_some_and(|l| !l.still_ours()) {
             anyhow::bail!(
                 "lane lease expired before publishing; leaving the batch to the next owner"
             );
@@ -514,7 +565,7 @@ impl Relay {
         replay: Option<&str>,
     ) -> HashMap<usize, Result<(), PublishError>> {
         let mut acks: HashMap<usize, Result<(), PublishError>> = HashMap::new();
-        let mut pending = Vec::new();
+        let mut pending: Vec<(usize, &str, Ack)> = Vec::new();
         for (i, (claim, plan)) in events.iter().enumerate() {
             let (Plan::Publish { messages, route }, Ok(ev)) = (plan, &claim.row) else {
                 continue;
@@ -529,7 +580,8 @@ impl Relay {
                 route = self.routes.0[*route].name(),
                 trace_id = ev.traceparent().and_then(|t| t.split('-').nth(1)).unwrap_or(""),
             );
-            for (j, msg) in messages.iter().enumerate() {
+            let mut seen: HashMap<(&str, &str), usize> = HashMap::new();
+            for msg in messages {
                 let Some(sink) = self.sinks.get(&msg.sink) else {
                     record(
                         &mut acks,
@@ -540,11 +592,18 @@ impl Relay {
                     continue;
                 };
                 let headers = envelope(ev, &self.source, &msg.headers);
-                let mut dedup = if j == 0 {
-                    ev.id.clone()
-                } else {
-                    format!("{}:{j}", ev.id)
+                // Broker-side dedup id (JetStream `Nats-Msg-Id`): event id and
+                // subject (plus a count for repeats), so the same message
+                // re-sent after a crash is dropped, while a plugin that changes
+                // its fan-out between attempts can never reuse an id.
+                let n = seen
+                    .entry((msg.sink.as_str(), msg.topic.as_str()))
+                    .or_insert(0);
+                let mut dedup = match *n {
+                    0 => format!("{}:{}", ev.id, msg.topic),
+                    n => format!("{}:{}:{n}", ev.id, msg.topic),
                 };
+                *n += 1;
                 if let Some(tag) = replay {
                     dedup = format!("{dedup}:replay-{tag}");
                 }
@@ -556,13 +615,39 @@ impl Relay {
                     payload: &msg.payload,
                     dedup_id: &dedup,
                 };
-                match sink.send(out).instrument(span.clone()).await {
+                // An in-flight slot; if none is free, our own unacknowledged
+                // messages may be holding them: settle those first.
+                let permit = match sink.try_reserve() {
+                    Some(p) => p,
+                    None => {
+                        self.settle(std::mem::take(&mut pending), &mut acks).await;
+                        match sink.reserve().await {
+                            Ok(p) => p,
+                            Err(e) => {
+                                record(&mut acks, i, &msg.sink, e);
+                                continue;
+                            }
+                        }
+                    }
+                };
+                match sink.send(out, permit).instrument(span.clone()).await {
                     Ok(ack) => pending.push((i, msg.sink.as_str(), ack)),
                     Err(e) => record(&mut acks, i, &msg.sink, e),
                 }
             }
         }
         failpoint::hit("before-ack");
+        self.settle(pending, &mut acks).await;
+        acks
+    }
+
+    /// Wait for these acknowledgements (bounded by `publish_timeout`) and
+    /// note every failure against its event.
+    async fn settle(
+        &self,
+        pending: Vec<(usize, &str, Ack)>,
+        acks: &mut HashMap<usize, Result<(), PublishError>>,
+    ) {
         let timeout = self.config.publish_timeout + Duration::from_secs(5);
         let waits = pending.into_iter().map(|(i, sink, ack)| async move {
             match tokio::time::timeout(timeout, ack.wait()).await {
@@ -578,10 +663,9 @@ impl Relay {
         });
         for (i, sink, r) in join_all(waits).await {
             if let Err(e) = r {
-                record(&mut acks, i, sink, e);
+                record(acks, i, sink, e);
             }
         }
-        acks
     }
 
     async fn mark(&self, ids: &[String]) -> Result<u64> {
@@ -677,6 +761,12 @@ impl Relay {
             }
             _ => rejection.reason().to_string(),
         };
+        // Bounded: reasons come from plugins and brokers.
+        let reason: String = if reason.chars().count() > 2000 {
+            format!("{}…", reason.chars().take(2000).collect::<String>())
+        } else {
+            reason
+        };
         Failure {
             id: claim.id().to_string(),
             lane: claim.lane,
@@ -757,10 +847,24 @@ impl Relay {
     }
 
     async fn reload_plugins(self: Arc<Self>, shutdown: CancellationToken) {
-        let every = Duration::from_secs(1);
+        let Some(every) = self.reload.iter().flatten().min().copied() else {
+            return;
+        };
+        let mut next: Vec<Instant> = self
+            .reload
+            .iter()
+            .map(|r| Instant::now() + r.unwrap_or_default())
+            .collect();
         while !shutdown.is_cancelled() {
-            sleep_or_cancel(every, &shutdown).await;
+            sleep_or_cancel(every.min(Duration::from_secs(1)), &shutdown).await;
             for (i, handle) in self.plugins.iter().enumerate() {
+                let Some(interval) = self.reload[i] else {
+                    continue;
+                };
+                if Instant::now() < next[i] {
+                    continue;
+                }
+                next[i] = Instant::now() + interval;
                 let h = handle.clone();
                 let route = self.routes.0[i].name().to_string();
                 match tokio::task::spawn_blocking(move || h.reload_if_changed()).await {

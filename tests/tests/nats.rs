@@ -66,7 +66,7 @@ async fn fanout_reaches_kafka_and_jetstream_and_replay_republishes_the_selection
     for m in &nats {
         assert_eq!(
             m.headers.get("Nats-Msg-Id").map(String::as_str),
-            Some(format!("{}:1", m.id()).as_str())
+            Some(format!("{}:{}", m.id(), m.topic).as_str())
         );
         assert!(
             m.topic.starts_with(&format!("f{t}.{}.", m.aggregate())),
@@ -154,15 +154,32 @@ async fn jetstream_drops_a_resent_duplicate_and_refuses_oversize() -> anyhow::Re
         payload,
         dedup_id: "event-1",
     };
-    sink.send(msg(b"{}")).await?.wait().await?;
-    sink.send(msg(b"{}")).await?.wait().await?; // after a crash between ack and mark
+    sink.send(msg(b"{}"), None).await?.wait().await?;
+    sink.send(msg(b"{}"), None).await?.wait().await?; // after a crash between ack and mark
     let info = js.get_stream(&stream).await?.info().await?.state.messages;
     assert_eq!(info, 1, "JetStream kept a duplicate");
 
     let big: &'static [u8] = Box::leak(vec![b'x'; 2 << 20].into_boxed_slice());
-    match sink.send(msg(big)).await {
+    match sink.send(msg(big), None).await {
         Err(PublishError::Permanent(reason)) => assert!(reason.contains(&subject), "{reason}"),
         other => panic!("oversize not refused: {:?}", other.map(|_| ())),
+    }
+
+    // Producer data that no NATS header can carry fails that message, clearly.
+    let bad = vec![("ce_subject".to_string(), "line\nbreak".to_string())];
+    let m = Outgoing {
+        topic: &subject,
+        key: None,
+        partition: None,
+        headers: &bad,
+        payload: b"{}",
+        dedup_id: "event-2",
+    };
+    match sink.send(m, None).await {
+        Err(PublishError::Permanent(reason)) => {
+            assert!(reason.contains("value of header `ce_subject`"), "{reason}")
+        }
+        other => panic!("bad header not refused: {:?}", other.map(|_| ())),
     }
 
     // No stream captures a subject the routes allow: refused at start-up.
@@ -179,5 +196,46 @@ async fn jetstream_drops_a_resent_duplicate_and_refuses_oversize() -> anyhow::Re
         format!("{err:#}").contains("no JetStream stream captures subject"),
         "{err:#}"
     );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_larger_than_the_in_flight_limit_does_not_wait_on_itself() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let t = tag();
+    let stream = format!("S{t}");
+    let js = nats_stream(&stream, vec![format!("s{t}.>")]).await?;
+    let dir = test_dir("inflight");
+    let config = write_config(
+        &dir,
+        &db.url,
+        "batch_size = 200\nconcurrency = 2",
+        &format!(
+            r#"
+[http]
+listen = ""
+[sinks.nats]
+kind = "nats"
+url = "{NATS}"
+max_in_flight = 3
+[plugins.order-router]
+path = "{plugin}"
+[[routes]]
+name = "orders"
+plugin = "order-router"
+config = {{ sink = "nats", topic = "s{t}.{{event_type}}" }}
+allow = {{ nats = ["s{t}.*"] }}
+"#,
+            plugin = plugin("order-router").display()
+        ),
+    )?;
+    db.migrate(&config)?;
+    let work = produce(&db.pool, "agg", 40, 10, 0).await?;
+    let mut relay = Relay::start(&config, &[])?;
+    let got = consume_nats(&js, &stream, work.committed.len(), Duration::from_secs(60)).await?;
+    let r = check(&work, &got);
+    r.assert_clean();
+    relay.terminate(Duration::from_secs(15));
+    db.drop_db().await;
     Ok(())
 }

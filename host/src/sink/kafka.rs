@@ -37,7 +37,7 @@ pub struct PendingAck {
     reset: Arc<AtomicBool>,
     sink: String,
     topic: String,
-    _permit: OwnedSemaphorePermit,
+    _permit: Option<OwnedSemaphorePermit>,
 }
 
 impl PendingAck {
@@ -111,15 +111,14 @@ impl KafkaSink {
         })
     }
 
-    /// Queue one message (waiting while too many are in flight or
-    /// librdkafka's queue is full); the delivery report comes later.
-    pub async fn send(&self, m: Outgoing<'_>) -> Result<PendingAck, PublishError> {
-        let permit = self
-            .in_flight
-            .clone()
-            .acquire_owned()
-            .await
-            .map_err(|_| PublishError::Retryable("sink is shutting down".into()))?;
+    /// Queue one message (waiting while librdkafka's queue is full); the
+    /// delivery report comes later. `permit` is this message's in-flight
+    /// slot, held until the report arrives.
+    pub async fn send(
+        &self,
+        m: Outgoing<'_>,
+        permit: Option<OwnedSemaphorePermit>,
+    ) -> Result<PendingAck, PublishError> {
         let mut headers = OwnedHeaders::new_with_capacity(m.headers.len());
         for (k, v) in m.headers {
             headers = headers.insert(Header {
@@ -154,6 +153,10 @@ impl KafkaSink {
             topic: m.topic.to_string(),
             _permit: permit,
         })
+    }
+
+    pub fn in_flight(&self) -> &Arc<Semaphore> {
+        &self.in_flight
     }
 
     /// The current producer, replaced first if librdkafka declared it dead.

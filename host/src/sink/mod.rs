@@ -16,6 +16,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use anyhow::Result;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::SinkConfig;
 use crate::routing::Routes;
@@ -72,20 +73,55 @@ impl Ack {
     }
 }
 
+/// A slot for one message in flight on a sink (none for sinks without a
+/// limit). Held by the message's [`Ack`] until the broker answers.
+pub type Permit = Option<OwnedSemaphorePermit>;
+
 impl Sink {
+    fn in_flight(&self) -> Option<&Arc<Semaphore>> {
+        match self {
+            Sink::Kafka(s) => Some(s.in_flight()),
+            Sink::Nats(s) => Some(s.in_flight()),
+            Sink::File(_) => None,
+        }
+    }
+
+    /// A slot for one more message if one is free right now.
+    pub fn try_reserve(&self) -> Option<Permit> {
+        match self.in_flight() {
+            None => Some(None),
+            Some(s) => s.clone().try_acquire_owned().ok().map(Some),
+        }
+    }
+
+    /// Wait for a slot. Callers holding un-acknowledged messages of their
+    /// own must settle those first, or they may wait on themselves.
+    pub async fn reserve(&self) -> Result<Permit, PublishError> {
+        match self.in_flight() {
+            None => Ok(None),
+            Some(s) => s
+                .clone()
+                .acquire_owned()
+                .await
+                .map(Some)
+                .map_err(|_| PublishError::Retryable("sink is shutting down".into())),
+        }
+    }
+
     /// Hand one message to the broker. Messages sent one after another reach
     /// the broker in that order; await the returned [`Ack`] for durability.
-    pub async fn send(&self, m: Outgoing<'_>) -> Result<Ack, PublishError> {
+    pub async fn send(&self, m: Outgoing<'_>, permit: Permit) -> Result<Ack, PublishError> {
         match self {
-            Sink::Kafka(s) => s.send(m).await.map(Ack::Kafka),
-            Sink::Nats(s) => s.send(m).await,
+            Sink::Kafka(s) => s.send(m, permit).await.map(Ack::Kafka),
+            Sink::Nats(s) => s.send(m, permit).await,
             Sink::File(s) => s.send(m).map(|()| Ack::Done),
         }
     }
 
-    /// Send and wait for the acknowledgement.
+    /// Reserve, send and wait for the acknowledgement.
     pub async fn publish(&self, m: Outgoing<'_>) -> Result<(), PublishError> {
-        self.send(m).await?.wait().await
+        let permit = self.reserve().await?;
+        self.send(m, permit).await?.wait().await
     }
 
     /// Is the broker reachable right now (for `/readyz`)?

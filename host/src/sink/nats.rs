@@ -6,7 +6,10 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use std::str::FromStr;
+
 use async_nats::HeaderMap;
+use async_nats::header::{HeaderName, HeaderValue};
 use async_nats::jetstream::{self, context::PublishErrorKind, message::PublishMessage};
 use std::sync::Arc;
 
@@ -28,7 +31,7 @@ pub struct PendingAck {
     ack: PublishAckFuture,
     sink: String,
     subject: String,
-    _permit: OwnedSemaphorePermit,
+    _permit: Option<OwnedSemaphorePermit>,
 }
 
 impl PendingAck {
@@ -117,17 +120,28 @@ impl NatsSink {
     }
 
     /// Send one message; JetStream's PubAck comes later (core NATS has none).
-    pub async fn send(&self, m: Outgoing<'_>) -> Result<super::Ack, PublishError> {
-        let permit = self
-            .in_flight
-            .clone()
-            .acquire_owned()
-            .await
-            .map_err(|_| PublishError::Retryable("sink is shutting down".into()))?;
+    pub async fn send(
+        &self,
+        m: Outgoing<'_>,
+        permit: Option<OwnedSemaphorePermit>,
+    ) -> Result<super::Ack, PublishError> {
+        // Header names and values come from event rows and plugins: check
+        // them here (async-nats panics on invalid ones).
+        let bad = |what: &str, e: &dyn std::fmt::Display| {
+            PublishError::Permanent(format!(
+                "nats sink `{}`, subject `{}`: {what}: {e}",
+                self.name, m.topic
+            ))
+        };
         let mut headers = HeaderMap::new();
         for (k, v) in m.headers {
-            headers.insert(k.as_str(), v.as_str());
+            let name =
+                HeaderName::from_str(k).map_err(|e| bad(&format!("header name `{k}`"), &e))?;
+            let value =
+                HeaderValue::from_str(v).map_err(|e| bad(&format!("value of header `{k}`"), &e))?;
+            headers.insert(name, value);
         }
+        HeaderValue::from_str(m.dedup_id).map_err(|e| bad("message id", &e))?;
         let payload = bytes::Bytes::copy_from_slice(m.payload);
         let subject = m.topic.to_string();
         match &self.js {
@@ -159,6 +173,10 @@ impl NatsSink {
                     ))
                 }),
         }
+    }
+
+    pub fn in_flight(&self) -> &Arc<Semaphore> {
+        &self.in_flight
     }
 
     pub fn connected(&self) -> bool {

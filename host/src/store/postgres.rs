@@ -36,7 +36,7 @@ use sqlx::{ConnectOptions, Row};
 
 use super::{Claim, FailedEvent, Failure, FailureKind, Filter, Leases, RelayStatus, Status};
 use crate::config::{Config, Marking, Ordering, TableConfig};
-use crate::event::RawRow;
+use crate::event::{Malformed, RawRow};
 
 /// Quote a validated identifier (`schema.table` → `"schema"."table"`).
 fn quote(ident: &str) -> String {
@@ -118,7 +118,7 @@ impl TableSql {
              {headers} AS headers, {created}::timestamptz AS created_at, {lane} AS lane",
             id = col(&t.id),
             event_type = col(&t.event_type),
-            version = opt(&t.event_version, "bigint"),
+            version = opt(&t.event_version, "text"),
             payload = col(&t.payload),
             headers = opt(&t.headers, "text"),
             created = col(&t.created_at),
@@ -266,18 +266,21 @@ impl PgStore {
                 Some(_) => {}
             }
         }
-        // Only the base type name is safe to splice (e.g. `character varying(64)`).
-        let base = id_type
-            .split('(')
-            .next()
-            .unwrap_or("text")
-            .trim()
-            .to_string();
+        // The full type (`character(36)`, `character varying(64)`) is cast
+        // to, so ids compare exactly; it comes from the catalog, but check it.
+        let base = id_type.trim().to_string();
         if !base
             .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == ' ' || c == '_')
+            .all(|c| c.is_ascii_alphanumeric() || " _(),".contains(c))
         {
             bail!("store.table.id: unsupported id column type `{id_type}`");
+        }
+        if t.sequence.is_none() && self.ordering == Ordering::Aggregate {
+            tracing::warn!(
+                table = %t.name,
+                "store.table.sequence is unset: events are ordered by created_at; events of one aggregate \
+                 with the same timestamp (e.g. written in one transaction) have no defined order"
+            );
         }
         self.sql = Some(TableSql::new(t, self.lanes, &base));
         // Lane rows for this table; a changed lane count would break ordering.
@@ -412,10 +415,11 @@ impl PgStore {
         let hold = match self.ordering {
             Ordering::Aggregate => format!(
                 "AND NOT EXISTS (SELECT 1 FROM outroute_event_state b WHERE b.source = $1 \
-                   AND b.aggregate_type = {at} AND b.aggregate_id = {ai} AND b.seq < {seq} AND b.blocks_until > now())",
+                   AND b.aggregate_type = {at} AND b.aggregate_id = {ai} AND b.seq <= {seq} AND b.event_id <> {id}::text AND b.blocks_until > now())",
                 at = s.aggregate_type,
                 ai = s.aggregate_id,
-                seq = s.seq
+                seq = s.seq,
+                id = s.id
             ),
             Ordering::None => String::new(),
         };
@@ -530,7 +534,11 @@ impl PgStore {
                 continue; // fenced: the lane is no longer ours
             }
             recorded += 1;
-            self.mirror_failure(s, f, failed).await?;
+            // The state row is what counts; a legacy column too narrow for
+            // the reason must not stop the rest of the batch's failures.
+            if let Err(e) = self.mirror_failure(s, f, failed).await {
+                tracing::warn!(event_id = %f.id, "could not update the outbox row's own failure columns: {e:#}");
+            }
         }
         Ok(recorded)
     }
@@ -862,22 +870,42 @@ impl PgStore {
 }
 
 fn to_claim(r: &PgRow) -> Result<Claim> {
-    let raw = RawRow {
-        id: r.try_get("id")?,
-        sequence: r.try_get("seq")?,
-        aggregate_type: r.try_get("aggregate_type")?,
-        aggregate_id: r.try_get("aggregate_id")?,
-        event_type: r.try_get("event_type")?,
-        event_version: r.try_get("event_version")?,
-        payload: r.try_get("payload")?,
-        headers: r.try_get("headers")?,
-        created_at: r.try_get("created_at")?,
-        attempts: r.try_get("attempts")?,
+    let id: String = r.try_get("id")?;
+    let lane: i32 = r.try_get("lane")?;
+    let read = || -> Result<RawRow, sqlx::Error> {
+        Ok(RawRow {
+            id: id.clone(),
+            sequence: r.try_get("seq")?,
+            aggregate_type: r.try_get("aggregate_type")?,
+            aggregate_id: r.try_get("aggregate_id")?,
+            event_type: r.try_get("event_type")?,
+            event_version: r.try_get("event_version")?,
+            payload: r.try_get("payload")?,
+            headers: r.try_get("headers")?,
+            created_at: r.try_get("created_at")?,
+            attempts: r.try_get("attempts")?,
+        })
     };
-    Ok(Claim {
-        lane: r.try_get("lane")?,
-        row: raw.validate(),
-    })
+    // A row that cannot even be read fails on its own, with the reason.
+    let row = match read() {
+        Ok(raw) => raw.validate(),
+        Err(e) => Err(Malformed {
+            id: id.clone(),
+            sequence: 0,
+            aggregate_type: r
+                .try_get::<Option<String>, _>("aggregate_type")
+                .ok()
+                .flatten()
+                .unwrap_or_default(),
+            aggregate_id: r
+                .try_get::<Option<String>, _>("aggregate_id")
+                .ok()
+                .flatten()
+                .unwrap_or_default(),
+            reason: format!("unreadable row: {e}"),
+        }),
+    };
+    Ok(Claim { lane, row })
 }
 
 #[cfg(test)]

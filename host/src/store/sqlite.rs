@@ -15,7 +15,7 @@ use sqlx::{QueryBuilder, Row, Sqlite};
 
 use super::{Claim, FailedEvent, Failure, FailureKind, Filter, Leases, Status};
 use crate::config::{StoreConfig, TableConfig};
-use crate::event::RawRow;
+use crate::event::{Malformed, RawRow};
 
 static MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");
 
@@ -29,9 +29,12 @@ fn now_ms() -> i64 {
     Utc::now().timestamp_millis()
 }
 
-const COLS: &str = "o.id AS id, o.seq AS seq, o.aggregate_type AS aggregate_type, o.aggregate_id AS aggregate_id, \
-    o.event_type AS event_type, o.event_version AS event_version, o.payload AS payload, o.headers AS headers, \
-    o.created_at AS created_at";
+// Columns a producer could fill with the wrong type are read as text, so a
+// bad value becomes a reason on that event rather than a failed claim.
+const COLS: &str = "o.id AS id, o.seq AS seq, CAST(o.aggregate_type AS TEXT) AS aggregate_type, \
+    CAST(o.aggregate_id AS TEXT) AS aggregate_id, CAST(o.event_type AS TEXT) AS event_type, \
+    CAST(o.event_version AS TEXT) AS event_version, CAST(o.payload AS TEXT) AS payload, \
+    CAST(o.headers AS TEXT) AS headers, CAST(o.created_at AS TEXT) AS created_at";
 
 impl SqliteStore {
     pub async fn connect(c: &StoreConfig) -> Result<Self> {
@@ -384,23 +387,33 @@ impl SqliteStore {
 }
 
 fn to_claim(r: &SqliteRow) -> Result<Claim> {
-    let created: Option<String> = r.try_get("created_at")?;
-    let raw = RawRow {
-        id: r.try_get("id")?,
-        sequence: r.try_get("seq")?,
-        aggregate_type: r.try_get("aggregate_type")?,
-        aggregate_id: r.try_get("aggregate_id")?,
-        event_type: r.try_get("event_type")?,
-        event_version: r.try_get("event_version")?,
-        payload: r.try_get("payload")?,
-        headers: r.try_get("headers")?,
-        created_at: created.and_then(|c| parse_time(&c)),
-        attempts: r.try_get::<i64, _>("attempts")? as i32,
+    let id: String = r.try_get("id")?;
+    let read = || -> Result<RawRow, sqlx::Error> {
+        let created: Option<String> = r.try_get("created_at")?;
+        Ok(RawRow {
+            id: id.clone(),
+            sequence: r.try_get("seq")?,
+            aggregate_type: r.try_get("aggregate_type")?,
+            aggregate_id: r.try_get("aggregate_id")?,
+            event_type: r.try_get("event_type")?,
+            event_version: r.try_get("event_version")?,
+            payload: r.try_get("payload")?,
+            headers: r.try_get("headers")?,
+            created_at: created.and_then(|c| parse_time(&c)),
+            attempts: r.try_get::<i64, _>("attempts")? as i32,
+        })
     };
-    Ok(Claim {
-        lane: 0,
-        row: raw.validate(),
-    })
+    let row = match read() {
+        Ok(raw) => raw.validate(),
+        Err(e) => Err(Malformed {
+            id: id.clone(),
+            sequence: 0,
+            aggregate_type: String::new(),
+            aggregate_id: String::new(),
+            reason: format!("unreadable row: {e}"),
+        }),
+    };
+    Ok(Claim { lane: 0, row })
 }
 
 /// SQLite timestamps: RFC 3339 or `YYYY-MM-DD HH:MM:SS[.fff]` (UTC).
