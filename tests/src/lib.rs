@@ -606,3 +606,42 @@ pub fn cli(args: &[&str]) -> Result<(i32, String, String)> {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     ))
 }
+
+/// A sink section for test configs.
+pub enum TestSink<'a> {
+    Kafka,
+    Nats,
+    /// NATS with extra keys (e.g. `max_in_flight = 3`).
+    NatsWith(&'a str),
+    File(&'a Path),
+}
+
+/// The rest of a test config after `[relay]`: the HTTP endpoint (`""` for
+/// none), the sinks, one plugin, and one route `name` using it; `route`
+/// adds the route's keys (`config = …`, `allow = …`, budgets, policies).
+pub fn relay_body(
+    http: &str,
+    sinks: &[TestSink],
+    plugin_name: &str,
+    name: &str,
+    route: &str,
+) -> String {
+    let mut s = format!("[http]\nlisten = \"{http}\"\n");
+    for sink in sinks {
+        s.push_str(&match sink {
+            TestSink::Kafka => format!("[sinks.kafka]\nkind = \"kafka\"\nbrokers = \"{KAFKA}\"\n"),
+            TestSink::Nats => format!("[sinks.nats]\nkind = \"nats\"\nurl = \"{NATS}\"\n"),
+            TestSink::NatsWith(extra) => {
+                format!("[sinks.nats]\nkind = \"nats\"\nurl = \"{NATS}\"\n{extra}\n")
+            }
+            TestSink::File(p) => format!(
+                "[sinks.file]\nkind = \"file\"\npath = \"{}\"\n",
+                p.display()
+            ),
+        });
+    }
+    format!(
+        "{s}[plugins.p]\npath = \"{}\"\n[[routes]]\nname = \"{name}\"\nplugin = \"p\"\n{route}\n",
+        plugin(plugin_name).display()
+    )
+}

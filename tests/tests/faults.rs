@@ -19,27 +19,14 @@ fn kafka_config(
     t: &str,
     relay: &str,
 ) -> anyhow::Result<std::path::PathBuf> {
+    let route = format!(
+        "config = {{ sink = \"kafka\", topic = \"t{t}.{{event_type}}\" }}\nallow = {{ kafka = [\"t{t}.*\"] }}"
+    );
     write_config(
         dir,
         &db.url,
         relay,
-        &format!(
-            r#"
-[http]
-listen = ""
-[sinks.kafka]
-kind = "kafka"
-brokers = "{KAFKA}"
-[plugins.order-router]
-path = "{plugin}"
-[[routes]]
-name = "orders"
-plugin = "order-router"
-config = {{ sink = "kafka", topic = "t{t}.{{event_type}}" }}
-allow = {{ kafka = ["t{t}.*"] }}
-"#,
-            plugin = plugin("order-router").display()
-        ),
+        &relay_body("", &[TestSink::Kafka], "order-router", "orders", &route),
     )
 }
 

@@ -19,23 +19,14 @@ async fn kafka_end_to_end_with_headers_keys_metrics_and_shutdown() -> anyhow::Re
         &dir,
         &db.url,
         "lease_ttl = \"3s\"\nlanes = 16",
-        &format!(
-            r#"
-[http]
-listen = "{http}"
-[sinks.kafka]
-kind = "kafka"
-brokers = "{KAFKA}"
-[plugins.order-router]
-path = "{plugin}"
-[[routes]]
-name = "orders"
-aggregate_types = ["order"]
-plugin = "order-router"
-config = {{ sink = "kafka", topic = "t{t}.{{event_type}}" }}
-allow = {{ kafka = ["t{t}.*"] }}
-"#,
-            plugin = plugin("order-router").display()
+        &relay_body(
+            &http,
+            &[TestSink::Kafka],
+            "order-router",
+            "orders",
+            &format!(
+                "aggregate_types = [\"order\"]\nconfig = {{ sink = \"kafka\", topic = \"t{t}.{{event_type}}\" }}\nallow = {{ kafka = [\"t{t}.*\"] }}"
+            ),
         ),
     )?;
     db.migrate(&config)?;

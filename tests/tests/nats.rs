@@ -210,23 +210,14 @@ async fn a_batch_larger_than_the_in_flight_limit_does_not_wait_on_itself() -> an
         &dir,
         &db.url,
         "batch_size = 200\nconcurrency = 2",
-        &format!(
-            r#"
-[http]
-listen = ""
-[sinks.nats]
-kind = "nats"
-url = "{NATS}"
-max_in_flight = 3
-[plugins.order-router]
-path = "{plugin}"
-[[routes]]
-name = "orders"
-plugin = "order-router"
-config = {{ sink = "nats", topic = "s{t}.{{event_type}}" }}
-allow = {{ nats = ["s{t}.*"] }}
-"#,
-            plugin = plugin("order-router").display()
+        &relay_body(
+            "",
+            &[TestSink::NatsWith("max_in_flight = 3")],
+            "order-router",
+            "orders",
+            &format!(
+                "config = {{ sink = \"nats\", topic = \"s{t}.{{event_type}}\" }}\nallow = {{ nats = [\"s{t}.*\"] }}"
+            ),
         ),
     )?;
     db.migrate(&config)?;

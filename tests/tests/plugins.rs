@@ -39,28 +39,16 @@ async fn hostile_plugins_fail_only_their_event_and_poison_holds_only_its_aggrega
         &dir,
         &db.url,
         "lease_ttl = \"3s\"\nbatch_size = 50",
-        &format!(
-            r#"
-[http]
-listen = "{http}"
-[sinks.kafka]
-kind = "kafka"
-brokers = "{KAFKA}"
-[plugins.hostile]
-path = "{plugin}"
-[[routes]]
-name = "hostile"
-plugin = "hostile"
-config = {{ sink = "kafka", topic = "h{t}.{{event_type}}" }}
-allow = {{ kafka = ["h{t}.*"] }}
-cpu_budget = "20ms"
-memory_mib = 32
-max_attempts = 2
-backoff_min = "50ms"
-backoff_max = "100ms"
-on_failure = "block"
-"#,
-            plugin = plugin("hostile").display()
+        &relay_body(
+            &http,
+            &[TestSink::Kafka],
+            "hostile",
+            "hostile",
+            &format!(
+                "config = {{ sink = \"kafka\", topic = \"h{t}.{{event_type}}\" }}\nallow = {{ kafka = [\"h{t}.*\"] }}\n\
+                 cpu_budget = \"20ms\"\nmemory_mib = 32\nmax_attempts = 2\nbackoff_min = \"50ms\"\nbackoff_max = \"100ms\"\n\
+                 on_failure = \"block\""
+            ),
         ),
     )?;
     db.migrate(&config)?;
@@ -201,25 +189,13 @@ async fn a_relay_that_makes_no_progress_is_not_ready() -> anyhow::Result<()> {
         &dir,
         &db.url,
         "stall_after = \"2s\"",
-        &format!(
-            r#"
-[http]
-listen = "{http}"
-[sinks.file]
-kind = "file"
-path = "out.jsonl"
-[plugins.hostile]
-path = "{plugin}"
-[[routes]]
-name = "stuck"
-plugin = "hostile"
-config = {{ mode = "retry", sink = "file", topic = "x.{{event_type}}" }}
-allow = {{ file = ["x.*"] }}
-max_attempts = 1000
-backoff_min = "100ms"
-backoff_max = "200ms"
-"#,
-            plugin = plugin("hostile").display()
+        &relay_body(
+            &http,
+            &[TestSink::File(&dir.join("out.jsonl"))],
+            "hostile",
+            "stuck",
+            "config = { mode = \"retry\", sink = \"file\", topic = \"x.{event_type}\" }\nallow = { file = [\"x.*\"] }\n\
+             max_attempts = 1000\nbackoff_min = \"100ms\"\nbackoff_max = \"200ms\"",
         ),
     )?;
     db.migrate(&config)?;
