@@ -115,7 +115,10 @@ async fn nats_down_for_10s_loses_nothing_and_fanout_waits_for_both_acks() -> any
     );
     // Wait until the server is really gone (it drains for a moment after
     // SIGTERM) before writing the events that must wait for it.
-    let gone = eventually(Duration::from_secs(10), || async { pids("nats-server").is_empty() }).await;
+    let gone = eventually(Duration::from_secs(10), || async {
+        pids("nats-server").is_empty()
+    })
+    .await;
     assert!(gone, "nats-server did not stop");
     let down = Instant::now();
     let second = produce(&db.pool, "b", 20, 5, 0).await?;
@@ -162,30 +165,49 @@ async fn nats_down_for_10s_loses_nothing_and_fanout_waits_for_both_acks() -> any
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn kafka_broker_frozen_for_10s_then_everything_arrives_in_order() -> anyhow::Result<()> {
-    let _serial = SERIAL.lock().await;
-    services();
+/// A fresh database, a Kafka topic with `partitions` and a migrated relay
+/// config routing order events to it through order-router.
+async fn kafka_setup(
+    name: &str,
+    relay: &str,
+    partitions: i32,
+) -> anyhow::Result<(TestDb, String, std::path::PathBuf)> {
     let db = TestDb::new().await?;
     let t = tag();
     let topic = format!("k{t}.order-updated");
-    create_topic(&topic, 3).await?;
+    create_topic(&topic, partitions).await?;
     let http = free_addr();
-    let dir = test_dir("kafkafrozen");
+    let route = (
+        "{ sink = \"kafka\", topic = \"k{t}.{event_type}\" }",
+        "{ kafka = [\"k{t}.*\"] }",
+    );
     let config = write_config(
-        &dir,
+        &test_dir(name),
         &db.url,
-        "lease_ttl = \"3s\"\npublish_timeout = \"5s\"",
+        relay,
         &body(
             &t,
             &http,
             &[TestSink::Kafka],
             "order-router",
-            "{ sink = \"kafka\", topic = \"k{t}.{event_type}\" }",
-            "{ kafka = [\"k{t}.*\"] }",
+            route.0,
+            route.1,
         ),
     )?;
     db.migrate(&config)?;
+    Ok((db, topic, config))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_broker_frozen_for_10s_then_everything_arrives_in_order() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    services();
+    let (db, topic, config) = kafka_setup(
+        "kafkafrozen",
+        "lease_ttl = \"3s\"\npublish_timeout = \"5s\"",
+        3,
+    )
+    .await?;
     let mut relay = Relay::start(&config, &[])?;
     let first = produce(&db.pool, "a", 50, 4, 0).await?;
     assert!(
@@ -247,26 +269,12 @@ async fn kafka_broker_frozen_for_10s_then_everything_arrives_in_order() -> anyho
 async fn postgres_restart_and_sigterm_mid_batch_lose_nothing() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
     services();
-    let db = TestDb::new().await?;
-    let t = tag();
-    let topic = format!("p{t}.order-updated");
-    create_topic(&topic, 2).await?;
-    let http = free_addr();
-    let dir = test_dir("pgrestart");
-    let config = write_config(
-        &dir,
-        &db.url,
+    let (db, topic, config) = kafka_setup(
+        "pgrestart",
         "lease_ttl = \"3s\"\nbatch_size = 100\nshutdown_timeout = \"5s\"",
-        &body(
-            &t,
-            &http,
-            &[TestSink::Kafka],
-            "order-router",
-            "{ sink = \"kafka\", topic = \"p{t}.{event_type}\" }",
-            "{ kafka = [\"p{t}.*\"] }",
-        ),
-    )?;
-    db.migrate(&config)?;
+        2,
+    )
+    .await?;
     let mut work = produce(&db.pool, "a", 100, 20, 0).await?;
     let mut relay = Relay::start(&config, &[])?;
 
