@@ -33,7 +33,8 @@ pub struct QuickstartArgs {
 }
 
 pub async fn run(a: QuickstartArgs) -> Result<ExitCode> {
-    crate::ops::init_logging(crate::config::LogFormat::Human, "warn");
+    // The summary below reports failures; keep the log to real errors.
+    crate::ops::init_logging(crate::config::LogFormat::Human, "error");
     if !a.plugin.is_file() {
         bail!(
             "{} not found: build the example plugins first (scripts/build-plugins)",
