@@ -417,3 +417,47 @@ async fn existing_tables_relay_without_migration() -> anyhow::Result<()> {
     db.drop_db().await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn fixed_width_char_ids_are_marked() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    sqlx::query(
+        "CREATE TABLE legacy_char (id char(36) PRIMARY KEY, seq bigserial, aggregate_id text NOT NULL, \
+         event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(), published_at timestamptz)",
+    )
+    .execute(&db.pool)
+    .await?;
+    for i in 0..25 {
+        sqlx::query("INSERT INTO legacy_char (id, aggregate_id, event_type, payload) VALUES ($1, $2, 'created', '{}')")
+            .bind(uuid::Uuid::new_v4().to_string())
+            .bind(format!("a{}", i % 5))
+            .execute(&db.pool)
+            .await?;
+    }
+    let dir = test_dir("charid");
+    let table = "[store.table]\nname = \"legacy_char\"\nid = \"id\"\nsequence = \"seq\"\naggregate_type_value = \"order\"\n\
+                 aggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\npayload = \"payload\"\ncreated_at = \"created_at\"\n";
+    let config = write_config(
+        &dir,
+        &db.url,
+        "lease_ttl = \"2s\"",
+        &file_sink_body(&dir, table),
+    )?;
+    let mut relay = Relay::start(&config, &[])?;
+    let marked = eventually(Duration::from_secs(20), || async {
+        db.count("SELECT count(*) FROM legacy_char WHERE published_at IS NOT NULL")
+            .await
+            == 25
+    })
+    .await;
+    assert!(
+        marked,
+        "char(36) ids were not marked:\n{}",
+        relay.log_text()
+    );
+    let lines = std::fs::read_to_string(dir.join("out.jsonl"))?;
+    assert_eq!(lines.lines().count(), 25, "published more than once");
+    relay.terminate(Duration::from_secs(15));
+    db.drop_db().await;
+    Ok(())
+}
