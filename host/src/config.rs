@@ -409,7 +409,9 @@ pub struct RouteConfig {
     /// Linear-memory cap per plugin instance, in MiB.
     #[serde(default = "default_memory_mib")]
     pub memory_mib: u32,
-    /// Attempts before an event goes to the failed state.
+    /// Attempts before an event goes to the failed state. Counts plugin
+    /// rejections, traps and permanent broker refusals; a broker that is
+    /// merely unavailable is retried with backoff until it is back.
     #[serde(default = "default_max_attempts")]
     pub max_attempts: u32,
     /// First retry delay; doubles each attempt, with jitter.

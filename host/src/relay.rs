@@ -416,7 +416,14 @@ impl Relay {
                             PublishError::Retryable(r) => Rejection::Retryable(r.clone()),
                             PublishError::Permanent(r) => Rejection::Invalid(r.clone()),
                         };
-                        if ordered && self.holds_aggregate(Some(*route), &rejection, claim) {
+                        // A broker that could not take the message now is an
+                        // infrastructure problem, not the event's: retry with
+                        // backoff for as long as it takes, never dead-letter.
+                        let broker_retry = matches!(e, PublishError::Retryable(_));
+                        if ordered
+                            && (broker_retry
+                                || self.holds_aggregate(Some(*route), &rejection, claim))
+                        {
                             blocked.insert(key);
                         }
                         failures.push(self.failure(
@@ -425,6 +432,7 @@ impl Relay {
                             &rejection,
                             now,
                             &mut report,
+                            broker_retry,
                         ));
                     }
                 },
@@ -432,7 +440,7 @@ impl Relay {
                     if ordered && self.holds_aggregate(*route, rejection, claim) {
                         blocked.insert(key);
                     }
-                    failures.push(self.failure(claim, *route, rejection, now, &mut report));
+                    failures.push(self.failure(claim, *route, rejection, now, &mut report, false));
                 }
             }
         }
@@ -708,6 +716,7 @@ impl Relay {
         rejection: &Rejection,
         now: chrono::DateTime<Utc>,
         report: &mut BatchReport,
+        broker_retry: bool,
     ) -> Failure {
         let r: Option<&Route> = route.map(|i| &self.routes.0[i]);
         let route_name = r
@@ -734,7 +743,7 @@ impl Relay {
             .and_then(|i| self.plugins[i].current())
             .map(|p| p.info.clone());
         let kind = match rejection {
-            Rejection::Retryable(_) if attempts < self.max_attempts(route) => {
+            Rejection::Retryable(_) if broker_retry || attempts < self.max_attempts(route) => {
                 let (min, max) = r
                     .map(|r| (r.config.backoff_min, r.config.backoff_max))
                     .unwrap_or_default();

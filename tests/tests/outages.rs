@@ -66,8 +66,9 @@ fn body(
     route_config: &str,
     allow: &str,
 ) -> String {
+    // max_attempts = 1: an unavailable broker must still never dead-letter an event.
     let route = format!(
-        "config = {route_config}\nallow = {allow}\nbackoff_min = \"100ms\"\nbackoff_max = \"1s\""
+        "config = {route_config}\nallow = {allow}\nbackoff_min = \"100ms\"\nbackoff_max = \"1s\"\nmax_attempts = 1"
     );
     relay_body(http, sinks, plugin_name, "r", &route).replace("{t}", t)
 }
@@ -333,6 +334,103 @@ async fn postgres_restart_and_sigterm_mid_batch_lose_nothing() -> anyhow::Result
         "relay died with the database:\n{}",
         relay.log_text()
     );
+    relay.terminate(Duration::from_secs(15));
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_sink_never_dead_letters_events_while_other_sinks_flow() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    services();
+    let db = TestDb::new().await?;
+    let t = tag();
+    create_topic(&format!("m{t}.order-updated"), 1).await?;
+    let stream = format!("M{t}");
+    nats_stream(&stream, vec![format!("m{t}.>")]).await?;
+    // Route 1 (fan-out to Kafka and NATS) and route 2 (Kafka only) share
+    // batches, so a batch is never "all failed" while NATS is down.
+    let mut cfg = body(
+        &t,
+        "",
+        &[TestSink::Kafka, TestSink::Nats],
+        "fanout",
+        "{ targets = [ { sink = \"kafka\", topic = \"m{t}.{event_type}\" }, { sink = \"nats\", topic = \"m{t}.{event_type}\" } ] }",
+        "{ kafka = [\"m{t}.*\"], nats = [\"m{t}.*\"] }",
+    );
+    cfg = cfg.replace(
+        "name = \"r\"\n",
+        "name = \"r\"\naggregate_types = [\"order\"]\n",
+    );
+    cfg.push_str(&format!(
+        "[plugins.k]\npath = \"{}\"\n[[routes]]\nname = \"kafka-only\"\naggregate_types = [\"audit\"]\nplugin = \"k\"\n\
+         config = {{ sink = \"kafka\", topic = \"m{t}.{{event_type}}\" }}\nallow = {{ kafka = [\"m{t}.*\"] }}\n",
+        plugin("order-router").display()
+    ));
+    let config = write_config(
+        &test_dir("deadsink"),
+        &db.url,
+        "lease_ttl = \"3s\"\npublish_timeout = \"2s\"",
+        &cfg,
+    )?;
+    db.migrate(&config)?;
+    let mut relay = Relay::start(&config, &[])?;
+    let started = eventually(Duration::from_secs(20), || async {
+        relay.log_text().contains("outroute relay started")
+    })
+    .await;
+    assert!(started, "{}", relay.log_text());
+    assert!(signal_all("nats-server", libc::SIGTERM) > 0);
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            pids("nats-server").is_empty()
+        })
+        .await
+    );
+    let work = produce(&db.pool, "a", 10, 3, 0).await?; // 30 fan-out events
+    for i in 0..30 {
+        sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'audit', $2, 'order-updated', '{}')")
+            .bind(uuid::Uuid::new_v4())
+            .bind(format!("x{i}"))
+            .execute(&db.pool)
+            .await?;
+    }
+    // Kafka-only events flow while NATS is down …
+    let flowed = eventually(Duration::from_secs(30), || async {
+        db.count(
+            "SELECT count(*) FROM outbox WHERE aggregate_type = 'audit' AND published_at IS NULL",
+        )
+        .await
+            == 0
+    })
+    .await;
+    assert!(
+        flowed,
+        "events for the healthy sink were held back:\n{}",
+        relay.log_text()
+    );
+    // … and several retry rounds later (max_attempts = 1) nothing was dead-lettered.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        db.count("SELECT count(*) FROM outroute_event_state WHERE failed_at IS NOT NULL")
+            .await,
+        0,
+        "dead-lettered"
+    );
+    assert_eq!(
+        db.count(
+            "SELECT count(*) FROM outbox WHERE aggregate_type = 'order' AND published_at IS NULL"
+        )
+        .await,
+        30,
+        "fan-out events must wait for NATS"
+    );
+    services(); // NATS back
+    let js = async_nats::jetstream::new(async_nats::connect(NATS).await?);
+    let nats = consume_nats(&js, &stream, work.committed.len(), Duration::from_secs(60)).await?;
+    let r = check(&work, &nats);
+    println!("dead sink: {r}");
+    r.assert_clean();
     relay.terminate(Duration::from_secs(15));
     db.drop_db().await;
     Ok(())
