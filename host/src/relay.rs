@@ -430,7 +430,6 @@ impl Relay {
                             claim,
                             Some(*route),
                             &rejection,
-                            now,
                             &mut report,
                             broker_retry,
                         ));
@@ -440,7 +439,7 @@ impl Relay {
                     if ordered && self.holds_aggregate(*route, rejection, claim) {
                         blocked.insert(key);
                     }
-                    failures.push(self.failure(claim, *route, rejection, now, &mut report, false));
+                    failures.push(self.failure(claim, *route, rejection, &mut report, false));
                 }
             }
         }
@@ -714,7 +713,6 @@ impl Relay {
         claim: &Claim,
         route: Option<usize>,
         rejection: &Rejection,
-        now: chrono::DateTime<Utc>,
         report: &mut BatchReport,
         broker_retry: bool,
     ) -> Failure {
@@ -750,9 +748,7 @@ impl Relay {
                 let delay = jitter(min.saturating_mul(1 << (attempts - 1).min(20)).min(max));
                 report.retried += 1;
                 metrics::counter!(m::RETRIES, "route" => route_name.clone()).increment(1);
-                FailureKind::Retry {
-                    next_attempt_at: now + chrono::Duration::from_std(delay).unwrap_or_default(),
-                }
+                FailureKind::Retry { delay }
             }
             _ => {
                 report.failed += 1;

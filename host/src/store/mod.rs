@@ -60,8 +60,10 @@ pub struct Failure {
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum FailureKind {
-    /// Try again at this time; later events of the aggregate wait.
-    Retry { next_attempt_at: DateTime<Utc> },
+    /// Try again after this delay (measured on the database's clock, so
+    /// relays on hosts with skewed clocks agree); later events of the
+    /// aggregate wait.
+    Retry { delay: std::time::Duration },
     /// Failed for good. `hold`: later events of the aggregate wait for an
     /// operator (policy `block`).
     Failed { hold: bool },

@@ -30,7 +30,6 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
-use chrono::Utc;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{ConnectOptions, Row};
 
@@ -492,16 +491,19 @@ impl PgStore {
         for f in failures {
             // blocks_until: the retry time, 'infinity' (failed, policy block)
             // or '-infinity' (failed, policy skip).
-            let (next, blocks, failed) = match f.kind {
-                FailureKind::Retry { next_attempt_at } => (next_attempt_at, "retry", false),
-                FailureKind::Failed { hold: true } => (Utc::now(), "hold", true),
-                FailureKind::Failed { hold: false } => (Utc::now(), "none", true),
+            let (delay, blocks, failed) = match f.kind {
+                FailureKind::Retry { delay } => (delay.as_secs_f64(), "retry", false),
+                FailureKind::Failed { hold: true } => (0.0, "hold", true),
+                FailureKind::Failed { hold: false } => (0.0, "none", true),
             };
-            let blocks_sql = "CASE $8 WHEN 'hold' THEN 'infinity'::timestamptz WHEN 'none' THEN '-infinity'::timestamptz ELSE $10 END";
+            let next = "now() + make_interval(secs => $10)";
+            let blocks_sql = format!(
+                "CASE $8 WHEN 'hold' THEN 'infinity'::timestamptz WHEN 'none' THEN '-infinity'::timestamptz ELSE {next} END"
+            );
             let q = format!(
                 "INSERT INTO outroute_event_state AS st (source, event_id, aggregate_type, aggregate_id, seq, event_type, \
                    attempts, next_attempt_at, blocks_until, last_error, route, plugin, plugin_version, failed_at) \
-                 SELECT $1, $3, $4, $5, $6, $7, $9, $10, {blocks_sql}, $11, $12, $13, $14, CASE WHEN $15 THEN now() END \
+                 SELECT $1, $3, $4, $5, $6, $7, $9, {next}, {blocks_sql}, $11, $12, $13, $14, CASE WHEN $15 THEN now() END \
                  WHERE EXISTS (SELECT 1 FROM outroute_lanes WHERE source = $1 AND owner = $2 AND lane = $16 AND lease_until > now()) \
                  ON CONFLICT (source, event_id) DO UPDATE SET attempts = EXCLUDED.attempts, \
                    next_attempt_at = EXCLUDED.next_attempt_at, blocks_until = EXCLUDED.blocks_until, \
@@ -519,7 +521,7 @@ impl PgStore {
                 .bind(&f.event_type)
                 .bind(blocks)
                 .bind(f.attempts as i32)
-                .bind(next)
+                .bind(delay)
                 .bind(&f.reason)
                 .bind(&f.route)
                 .bind(&f.plugin)

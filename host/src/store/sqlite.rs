@@ -145,11 +145,10 @@ impl SqliteStore {
         for f in failures {
             let now = now_ms();
             let (next, blocks, failed_at) = match f.kind {
-                FailureKind::Retry { next_attempt_at } => (
-                    next_attempt_at.timestamp_millis(),
-                    next_attempt_at.timestamp_millis(),
-                    None,
-                ),
+                FailureKind::Retry { delay } => {
+                    let at = now.saturating_add(delay.as_millis() as i64);
+                    (at, at, None)
+                }
                 FailureKind::Failed { hold } => {
                     (now, if hold { i64::MAX } else { i64::MIN }, Some(now))
                 }
