@@ -772,6 +772,15 @@ impl Loaded {
                     format!("{} does not exist", path.display()),
                 );
             }
+            if plugin
+                .reload_interval
+                .is_some_and(|d| d < Duration::from_millis(100))
+            {
+                err(
+                    format!("plugins.{name}.reload_interval"),
+                    "must be at least 100ms".into(),
+                );
+            }
         }
         if c.routes.is_empty() {
             err(

@@ -362,11 +362,11 @@ impl Relay {
                 "lane lease expired before publishing; leaving the batch to the next owner"
             );
         }
-        let acks = self.publish(&events, None).await;
+        let acks = self.publish(&events, None, lease).await;
         report.outage = !acks.is_empty()
             && acks
                 .values()
-                .all(|r| matches!(r, Err(PublishError::Retryable(_))));
+                .all(|r| r.as_ref().is_err_and(PublishError::is_transient));
         if report.outage {
             report.outage_reason = acks
                 .values()
@@ -397,7 +397,14 @@ impl Relay {
                     }
                 }
                 Plan::Publish { route, messages } => match acks.get(&i) {
-                    Some(Ok(())) | None => {
+                    // Never sent (publishing stopped early): stays pending.
+                    None => {
+                        report.held += 1;
+                        if ordered {
+                            blocked.insert(key);
+                        }
+                    }
+                    Some(Ok(())) => {
                         to_mark.push(claim.id().to_string());
                         if let Ok(ev) = &claim.row {
                             let age =
@@ -413,13 +420,15 @@ impl Relay {
                     }
                     Some(Err(e)) => {
                         let rejection = match e {
-                            PublishError::Retryable(r) => Rejection::Retryable(r.clone()),
+                            PublishError::Unavailable(r) | PublishError::Retryable(r) => {
+                                Rejection::Retryable(r.clone())
+                            }
                             PublishError::Permanent(r) => Rejection::Invalid(r.clone()),
                         };
-                        // A broker that could not take the message now is an
-                        // infrastructure problem, not the event's: retry with
-                        // backoff for as long as it takes, never dead-letter.
-                        let broker_retry = matches!(e, PublishError::Retryable(_));
+                        // A broker that is unreachable is an infrastructure
+                        // problem, not the event's: it waits with backoff for
+                        // as long as it takes and never uses up attempts.
+                        let broker_retry = matches!(e, PublishError::Unavailable(_));
                         if ordered
                             && (broker_retry
                                 || self.holds_aggregate(Some(*route), &rejection, claim))
@@ -570,10 +579,11 @@ impl Relay {
         &self,
         events: &[(Claim, Plan)],
         replay: Option<&str>,
+        lease: Option<&LeaseGuard>,
     ) -> HashMap<usize, Result<(), PublishError>> {
         let mut acks: HashMap<usize, Result<(), PublishError>> = HashMap::new();
         let mut pending: Vec<(usize, &str, Ack)> = Vec::new();
-        for (i, (claim, plan)) in events.iter().enumerate() {
+        'events: for (i, (claim, plan)) in events.iter().enumerate() {
             let (Plan::Publish { messages, route }, Ok(ev)) = (plan, &claim.row) else {
                 continue;
             };
@@ -628,7 +638,17 @@ impl Relay {
                     Some(p) => p,
                     None => {
                         self.settle(std::mem::take(&mut pending), &mut acks).await;
-                        match sink.reserve().await {
+                        let reserved = sink.reserve().await;
+                        // That may have taken a while: stop if the lanes
+                        // moved to another relay meanwhile.
+                        if lease.is_some_and(|l| !l.still_ours()) {
+                            let lost = PublishError::Unavailable(
+                                "lane lease lost while publishing".into(),
+                            );
+                            record(&mut acks, i, &msg.sink, lost);
+                            break 'events;
+                        }
+                        match reserved {
                             Ok(p) => p,
                             Err(e) => {
                                 record(&mut acks, i, &msg.sink, e);
@@ -662,7 +682,7 @@ impl Relay {
                 Err(_) => (
                     i,
                     sink,
-                    Err(PublishError::Retryable(format!(
+                    Err(PublishError::Unavailable(format!(
                         "no acknowledgement within {timeout:?}"
                     ))),
                 ),
@@ -736,7 +756,8 @@ impl Relay {
                 0,
             ),
         };
-        let attempts = prior + 1;
+        // Waiting for an unavailable broker is not an attempt of the event.
+        let attempts = if broker_retry { prior } else { prior + 1 };
         let plugin = route
             .and_then(|i| self.plugins[i].current())
             .map(|p| p.info.clone());
@@ -745,7 +766,12 @@ impl Relay {
                 let (min, max) = r
                     .map(|r| (r.config.backoff_min, r.config.backoff_max))
                     .unwrap_or_default();
-                let delay = jitter(min.saturating_mul(1 << (attempts - 1).min(20)).min(max));
+                let exponent = if broker_retry {
+                    3
+                } else {
+                    attempts.saturating_sub(1).min(20)
+                };
+                let delay = jitter(min.saturating_mul(1 << exponent).min(max));
                 report.retried += 1;
                 metrics::counter!(m::RETRIES, "route" => route_name.clone()).increment(1);
                 FailureKind::Retry { delay }
@@ -953,10 +979,10 @@ fn record(
     sink: &str,
     e: PublishError,
 ) {
-    let kind = if matches!(e, PublishError::Permanent(_)) {
-        "permanent"
-    } else {
-        "retryable"
+    let kind = match e {
+        PublishError::Permanent(_) => "permanent",
+        PublishError::Retryable(_) => "retryable",
+        PublishError::Unavailable(_) => "unavailable",
     };
     metrics::counter!(m::PUBLISH_ERRORS, "sink" => sink.to_string(), "kind" => kind).increment(1);
     tracing::debug!(sink, "publish failed: {e}");
@@ -1003,12 +1029,15 @@ impl Relay {
         run: &str,
     ) -> (Vec<String>, Vec<(String, String)>) {
         let events = self.plan(claims).await;
-        let acks = self.publish(&events, Some(run)).await;
+        let acks = self.publish(&events, Some(run), None).await;
         let mut ok = Vec::new();
         let mut failed = Vec::new();
         for (i, (claim, plan)) in events.iter().enumerate() {
             match (plan, acks.get(&i)) {
-                (Plan::Publish { .. }, Some(Ok(())) | None) => ok.push(claim.id().to_string()),
+                (Plan::Publish { .. }, Some(Ok(()))) => ok.push(claim.id().to_string()),
+                (Plan::Publish { .. }, None) => {
+                    failed.push((claim.id().to_string(), "not sent".into()))
+                }
                 (Plan::Publish { .. }, Some(Err(e))) => {
                     failed.push((claim.id().to_string(), e.to_string()))
                 }

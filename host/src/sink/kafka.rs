@@ -50,7 +50,7 @@ impl PendingAck {
                 }
                 Err(classify(&self.sink, &self.topic, e))
             }
-            Err(_) => Err(PublishError::Retryable(format!(
+            Err(_) => Err(PublishError::Unavailable(format!(
                 "kafka sink `{}`: producer went away",
                 self.sink
             ))),
@@ -201,7 +201,9 @@ impl KafkaSink {
     }
 }
 
-/// Retryable unless the broker said the message itself can never succeed.
+/// Permanent when the broker said the message itself can never succeed;
+/// unavailable when the cluster could not be reached or did not answer;
+/// retryable otherwise.
 fn classify(sink: &str, topic: &str, e: KafkaError) -> PublishError {
     use RDKafkaErrorCode as C;
     let code = e.rdkafka_error_code();
@@ -219,6 +221,22 @@ fn classify(sink: &str, topic: &str, e: KafkaError) -> PublishError {
             | C::InvalidRecord
             | C::UnsupportedCompressionType,
         ) => PublishError::Permanent(reason),
+        Some(
+            C::MessageTimedOut
+            | C::AllBrokersDown
+            | C::BrokerTransportFailure
+            | C::RequestTimedOut
+            | C::NetworkException
+            | C::LeaderNotAvailable
+            | C::NotLeaderForPartition
+            | C::NotEnoughReplicas
+            | C::NotEnoughReplicasAfterAppend
+            | C::QueueFull
+            | C::ProducerFenced
+            | C::InvalidProducerEpoch
+            | C::UnknownProducerId
+            | C::OutOfOrderSequenceNumber,
+        ) => PublishError::Unavailable(reason),
         _ => PublishError::Retryable(reason),
     }
 }
@@ -236,6 +254,9 @@ mod tests {
         let e = KafkaError::MessageProduction(RDKafkaErrorCode::TopicAuthorizationFailed);
         assert!(matches!(classify("k", "t", e), PublishError::Permanent(_)));
         let e = KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut);
-        assert!(matches!(classify("k", "t", e), PublishError::Retryable(_)));
+        assert!(matches!(
+            classify("k", "t", e),
+            PublishError::Unavailable(_)
+        ));
     }
 }

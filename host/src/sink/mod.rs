@@ -40,10 +40,25 @@ pub struct Outgoing<'a> {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PublishError {
+    /// The broker is unreachable or not answering (down, timed out, no
+    /// leader): the event waits, however long it takes; it never uses up
+    /// `max_attempts`.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The broker answered but did not take this message this time: retried,
+    /// counting towards `max_attempts`.
     #[error("{0}")]
     Retryable(String),
+    /// The message can never succeed (too large, not authorised).
     #[error("{0}")]
     Permanent(String),
+}
+
+impl PublishError {
+    /// Unavailable or retryable.
+    pub fn is_transient(&self) -> bool {
+        !matches!(self, PublishError::Permanent(_))
+    }
 }
 
 /// A configured destination.
@@ -104,7 +119,7 @@ impl Sink {
                 .acquire_owned()
                 .await
                 .map(Some)
-                .map_err(|_| PublishError::Retryable("sink is shutting down".into())),
+                .map_err(|_| PublishError::Unavailable("sink is shutting down".into())),
         }
     }
 

@@ -51,6 +51,9 @@ fn classify(
     let reason = format!("nats sink `{sink}`, subject `{subject}`: {e}");
     match e.kind() {
         PublishErrorKind::MaxPayloadExceeded => PublishError::Permanent(reason),
+        PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe => {
+            PublishError::Unavailable(reason)
+        }
         _ => PublishError::Retryable(reason),
     }
 }
@@ -167,7 +170,7 @@ impl NatsSink {
                 .await
                 .map(|()| super::Ack::Done)
                 .map_err(|e| {
-                    PublishError::Retryable(format!(
+                    PublishError::Unavailable(format!(
                         "nats sink `{}`, subject `{}`: {e}",
                         self.name, m.topic
                     ))

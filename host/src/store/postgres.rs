@@ -893,7 +893,11 @@ fn to_claim(r: &PgRow) -> Result<Claim> {
         Ok(raw) => raw.validate(),
         Err(e) => Err(Malformed {
             id: id.clone(),
-            sequence: 0,
+            sequence: r
+                .try_get::<Option<i64>, _>("seq")
+                .ok()
+                .flatten()
+                .unwrap_or(0),
             aggregate_type: r
                 .try_get::<Option<String>, _>("aggregate_type")
                 .ok()

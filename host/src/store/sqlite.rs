@@ -404,11 +404,24 @@ fn to_claim(r: &SqliteRow) -> Result<Claim> {
     };
     let row = match read() {
         Ok(raw) => raw.validate(),
+        // Keep the aggregate (and order) so the failure holds the right one.
         Err(e) => Err(Malformed {
             id: id.clone(),
-            sequence: 0,
-            aggregate_type: String::new(),
-            aggregate_id: String::new(),
+            sequence: r
+                .try_get::<Option<i64>, _>("seq")
+                .ok()
+                .flatten()
+                .unwrap_or(0),
+            aggregate_type: r
+                .try_get::<Option<String>, _>("aggregate_type")
+                .ok()
+                .flatten()
+                .unwrap_or_default(),
+            aggregate_id: r
+                .try_get::<Option<String>, _>("aggregate_id")
+                .ok()
+                .flatten()
+                .unwrap_or_default(),
             reason: format!("unreadable row: {e}"),
         }),
     };
