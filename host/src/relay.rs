@@ -363,10 +363,12 @@ impl Relay {
             );
         }
         let acks = self.publish(&events, None, lease).await;
+        // Every message failed because its broker is unreachable: an outage.
+        // (Refusals of particular messages are recorded per event below.)
         report.outage = !acks.is_empty()
             && acks
                 .values()
-                .all(|r| r.as_ref().is_err_and(PublishError::is_transient));
+                .all(|r| matches!(r, Err(PublishError::Unavailable(_))));
         if report.outage {
             report.outage_reason = acks
                 .values()

@@ -7,10 +7,11 @@
 //! are awaited at once; the number in flight per sink is bounded.
 //!
 //! Each sink is a config struct (in `config.rs`) plus a builder, in its own
-//! file. Every failure is classified: [`PublishError::Retryable`] (broker
-//! down, timeout: try again later) or [`PublishError::Permanent`] (message
-//! too large, topic unknown, not authorised: the event fails with the
-//! broker's reason).
+//! file. Every failure is classified: [`PublishError::Unavailable`] (broker
+//! down or not answering: the event waits as long as it takes),
+//! [`PublishError::Retryable`] (the broker refused this message for now:
+//! retried, counting attempts) or [`PublishError::Permanent`] (too large,
+//! topic unknown, not authorised: the event fails with the broker's reason).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -52,13 +53,6 @@ pub enum PublishError {
     /// The message can never succeed (too large, not authorised).
     #[error("{0}")]
     Permanent(String),
-}
-
-impl PublishError {
-    /// Unavailable or retryable.
-    pub fn is_transient(&self) -> bool {
-        !matches!(self, PublishError::Permanent(_))
-    }
 }
 
 /// A configured destination.
