@@ -40,6 +40,34 @@ impl Claim {
     }
 }
 
+/// A row whose columns could not be read fails alone, keeping what can be
+/// read of its aggregate and order so the failure holds back the right one.
+fn unreadable<R>(r: &R, id: String, e: sqlx::Error) -> Malformed
+where
+    R: sqlx::Row,
+    &'static str: sqlx::ColumnIndex<R>,
+    for<'r> Option<i64>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    let text = |col: &'static str| {
+        r.try_get::<Option<String>, _>(col)
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    };
+    Malformed {
+        id,
+        sequence: r
+            .try_get::<Option<i64>, _>("seq")
+            .ok()
+            .flatten()
+            .unwrap_or(0),
+        aggregate_type: text("aggregate_type"),
+        aggregate_id: text("aggregate_id"),
+        reason: format!("unreadable row: {e}"),
+    }
+}
+
 /// An event that did not go through: what to record.
 #[derive(Debug, Clone)]
 pub struct Failure {

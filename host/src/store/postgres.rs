@@ -35,7 +35,7 @@ use sqlx::{ConnectOptions, Row};
 
 use super::{Claim, FailedEvent, Failure, FailureKind, Filter, Leases, RelayStatus, Status};
 use crate::config::{Config, Marking, Ordering, TableConfig};
-use crate::event::{Malformed, RawRow};
+use crate::event::RawRow;
 
 /// Quote a validated identifier (`schema.table` → `"schema"."table"`).
 fn quote(ident: &str) -> String {
@@ -891,25 +891,7 @@ fn to_claim(r: &PgRow) -> Result<Claim> {
     // A row that cannot even be read fails on its own, with the reason.
     let row = match read() {
         Ok(raw) => raw.validate(),
-        Err(e) => Err(Malformed {
-            id: id.clone(),
-            sequence: r
-                .try_get::<Option<i64>, _>("seq")
-                .ok()
-                .flatten()
-                .unwrap_or(0),
-            aggregate_type: r
-                .try_get::<Option<String>, _>("aggregate_type")
-                .ok()
-                .flatten()
-                .unwrap_or_default(),
-            aggregate_id: r
-                .try_get::<Option<String>, _>("aggregate_id")
-                .ok()
-                .flatten()
-                .unwrap_or_default(),
-            reason: format!("unreadable row: {e}"),
-        }),
+        Err(e) => Err(super::unreadable(r, id.clone(), e)),
     };
     Ok(Claim { lane, row })
 }

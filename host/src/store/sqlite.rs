@@ -15,7 +15,7 @@ use sqlx::{QueryBuilder, Row, Sqlite};
 
 use super::{Claim, FailedEvent, Failure, FailureKind, Filter, Leases, Status};
 use crate::config::{StoreConfig, TableConfig};
-use crate::event::{Malformed, RawRow};
+use crate::event::RawRow;
 
 static MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");
 
@@ -404,26 +404,7 @@ fn to_claim(r: &SqliteRow) -> Result<Claim> {
     };
     let row = match read() {
         Ok(raw) => raw.validate(),
-        // Keep the aggregate (and order) so the failure holds the right one.
-        Err(e) => Err(Malformed {
-            id: id.clone(),
-            sequence: r
-                .try_get::<Option<i64>, _>("seq")
-                .ok()
-                .flatten()
-                .unwrap_or(0),
-            aggregate_type: r
-                .try_get::<Option<String>, _>("aggregate_type")
-                .ok()
-                .flatten()
-                .unwrap_or_default(),
-            aggregate_id: r
-                .try_get::<Option<String>, _>("aggregate_id")
-                .ok()
-                .flatten()
-                .unwrap_or_default(),
-            reason: format!("unreadable row: {e}"),
-        }),
+        Err(e) => Err(super::unreadable(r, id.clone(), e)),
     };
     Ok(Claim { lane: 0, row })
 }
