@@ -395,8 +395,8 @@ async fn db_ceiling(n: usize, marking: &str, batch: u32, workers: u32) -> Result
                 if claims.is_empty() {
                     break;
                 }
-                let ids: Vec<String> = claims.iter().map(|c| c.id().to_string()).collect();
-                done += store.mark_published(&ids).await? as usize;
+                let refs: Vec<&outroute::store::Claim> = claims.iter().collect();
+                done += store.mark_published(&refs).await? as usize;
             }
             anyhow::Ok(done)
         }));

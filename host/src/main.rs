@@ -29,6 +29,10 @@ enum Command {
         /// Only the coordination tables, not the canonical outbox table.
         #[arg(long)]
         coordination_only: bool,
+        /// Also add what the fast claim needs to the configured (existing)
+        /// table: its lane index, built CONCURRENTLY (producers keep writing).
+        #[arg(long)]
+        table: bool,
     },
     /// Backlog, oldest pending age, failed count, relays and their lanes.
     Status {
@@ -61,7 +65,14 @@ enum Command {
 #[derive(Subcommand)]
 enum ConfigAction {
     /// Validate a file; prints `file:key: reason` for every problem.
-    Check(ConfigArg),
+    Check {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Also connect to the store: check the table, its columns and the
+        /// lane index the claim needs (printing the CREATE INDEX if missing).
+        #[arg(long)]
+        store: bool,
+    },
     /// Print the JSON Schema of the configuration file.
     Schema {
         /// The reference as Markdown (docs/config-reference.md) instead.
@@ -97,14 +108,15 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Migrate {
             config,
             coordination_only,
-        } => ops::migrate(&config.config, !coordination_only).await,
+            table,
+        } => ops::migrate(&config.config, !coordination_only, table).await,
         Command::Status { config, json } => ops::status(&config.config, json).await,
         Command::Failed { action } => ops::failed(action).await,
         Command::Replay(args) => ops::replay(args).await,
         Command::Plugin { action } => ops::plugin(action).await,
         Command::Config {
-            action: ConfigAction::Check(c),
-        } => Ok(ops::config_check(&c.config)),
+            action: ConfigAction::Check { config, store },
+        } => ops::config_check(&config.config, store).await,
         Command::Config {
             action: ConfigAction::Schema { markdown },
         } => {

@@ -74,7 +74,15 @@ pub async fn run(path: &Path) -> Result<ExitCode> {
     init_logging(loaded.config.log.format, &loaded.config.log.level);
     let prom = metrics::install()?;
     let id = relay_id(&loaded);
-    let store = Arc::new(open_store(&loaded, &id).await?);
+    let store = open_store(&loaded, &id).await?;
+    if let Some(ddl) = store.missing_index() {
+        tracing::warn!(
+            table = %loaded.config.store.table().name,
+            "no usable lane index: every claim scans and sorts the whole backlog. \
+             Run `outroute migrate --table -c <config>`, or: {ddl}"
+        );
+    }
+    let store = Arc::new(store);
     let health = Health::new(loaded.config.relay.stall_after);
     let relay = Arc::new(Relay::build(&loaded, store.clone(), health.clone()).await?);
     let shutdown = CancellationToken::new();
@@ -127,14 +135,35 @@ async fn signal_shutdown(token: CancellationToken) {
     token.cancel();
 }
 
-pub async fn migrate(path: &Path, outbox: bool) -> Result<ExitCode> {
+/// `outroute migrate [--table]`: coordination tables, the canonical outbox
+/// table (unless `outbox` is false), and the lane index the claim walks —
+/// always for the canonical table, for an existing table with `table`.
+pub async fn migrate(path: &Path, outbox: bool, table: bool) -> Result<ExitCode> {
     let loaded = load(path)?;
-    let store = Store::connect(&loaded.config, "migrate").await?;
+    let mut store = Store::connect(&loaded.config, "migrate").await?;
     store.migrate(outbox).await?;
     println!(
         "migrations applied to {}",
         config::redact_url(&loaded.config.store.url)
     );
+    let canonical = outbox && loaded.config.store.table() == config::TableConfig::canonical();
+    if !(canonical || table) {
+        return Ok(ExitCode::SUCCESS);
+    }
+    store.check_table().await?;
+    let name = loaded.config.store.table().name;
+    if let Some(ddl) = store.missing_index() {
+        println!(
+            "creating the lane index on `{name}`:\n  {ddl}\n\
+             CONCURRENTLY: producers keep inserting and updating; it takes a SHARE UPDATE EXCLUSIVE lock \
+             (only DDL, VACUUM and other index builds on `{name}` wait), waits for transactions already \
+             running on the table, and reads the table twice (time grows with its size)."
+        );
+    }
+    match store.create_lane_index().await? {
+        Some(_) => println!("lane index on `{name}` created; claims now cost per batch"),
+        None => println!("lane index on `{name}`: present"),
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -592,21 +621,35 @@ pub async fn plugin(action: PluginAction) -> Result<ExitCode> {
     }
 }
 
-pub fn config_check(path: &Path) -> ExitCode {
-    match config::load(path) {
-        Ok(l) => {
-            println!(
-                "{}: ok ({} routes, {} sinks, {} plugins)",
-                path.display(),
-                l.config.routes.len(),
-                l.config.sinks.len(),
-                l.config.plugins.len()
-            );
-            ExitCode::SUCCESS
-        }
+pub async fn config_check(path: &Path, store: bool) -> Result<ExitCode> {
+    let l = match config::load(path) {
+        Ok(l) => l,
         Err(e) => {
             eprintln!("{e}");
-            ExitCode::FAILURE
+            return Ok(ExitCode::FAILURE);
+        }
+    };
+    println!(
+        "{}: ok ({} routes, {} sinks, {} plugins)",
+        path.display(),
+        l.config.routes.len(),
+        l.config.sinks.len(),
+        l.config.plugins.len()
+    );
+    if store {
+        let name = l.config.store.table().name;
+        let mut s = Store::connect(&l.config, "config-check")
+            .await
+            .context("store.url")?;
+        s.check_table().await?;
+        match s.missing_index() {
+            None => println!("store: table `{name}` ok, lane index usable"),
+            Some(ddl) => println!(
+                "store: table `{name}` ok\nwarning: store.table: `{name}` has no usable lane index: every claim \
+                 would scan and sort the whole backlog. Run `outroute migrate --table -c {}`, or:\n  {ddl}",
+                path.display()
+            ),
         }
     }
+    Ok(ExitCode::SUCCESS)
 }

@@ -259,9 +259,13 @@ impl Relay {
         let n = self.config.concurrency as i32;
         let mut idle = self.config.poll_min;
         let mut outage_backoff = Duration::from_millis(100);
+        // The claim walks the lanes in the order given and stops at a full
+        // batch: start at the next lane each time so every lane gets its
+        // turn at the front however deep the others' backlogs are.
+        let mut turn = 0usize;
         while !shutdown.is_cancelled() {
             let view = leases.borrow_and_update().clone();
-            let lanes: Vec<i32> = if Instant::now() < view.valid_until {
+            let mut lanes: Vec<i32> = if Instant::now() < view.valid_until {
                 view.lanes
                     .iter()
                     .copied()
@@ -278,6 +282,9 @@ impl Relay {
                 }
                 continue;
             }
+            let first = turn % lanes.len();
+            lanes.rotate_left(first);
+            turn = turn.wrapping_add(1);
             let claims = match self.store.claim(&lanes, self.config.batch_size).await {
                 Ok(c) => {
                     self.health.set_store_ok(true);
@@ -381,7 +388,7 @@ impl Relay {
         // 7. Acks → mark. An event is marked only when every message of it was
         //    acknowledged and no earlier event of its aggregate failed.
         let mut blocked: HashSet<(String, String)> = HashSet::new();
-        let mut to_mark: Vec<String> = Vec::new();
+        let mut to_mark: Vec<&Claim> = Vec::new();
         let mut failures: Vec<Failure> = Vec::new();
         let now = Utc::now();
         for (i, (claim, plan)) in events.iter().enumerate() {
@@ -407,7 +414,7 @@ impl Relay {
                         }
                     }
                     Some(Ok(())) => {
-                        to_mark.push(claim.id().to_string());
+                        to_mark.push(claim);
                         if let Ok(ev) = &claim.row {
                             let age =
                                 (now - ev.created_at).num_microseconds().unwrap_or(0) as f64 / 1e6;
@@ -697,14 +704,14 @@ impl Relay {
         }
     }
 
-    async fn mark(&self, ids: &[String]) -> Result<u64> {
-        if failpoint::armed("mid-mark") && ids.len() > 1 {
-            let (a, b) = ids.split_at(ids.len() / 2);
+    async fn mark(&self, claims: &[&Claim]) -> Result<u64> {
+        if failpoint::armed("mid-mark") && claims.len() > 1 {
+            let (a, b) = claims.split_at(claims.len() / 2);
             let n = self.store.mark_published(a).await?;
             failpoint::hit("mid-mark");
             return Ok(n + self.store.mark_published(b).await?);
         }
-        self.store.mark_published(ids).await
+        self.store.mark_published(claims).await
     }
 
     /// Does this failure hold back later events of its aggregate? A retry

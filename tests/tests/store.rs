@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use outroute::store::Store;
+use outroute::store::{Claim, Store};
 use outroute_e2e::*;
 
 async fn open(config: &Path, relay_id: &str) -> anyhow::Result<Store> {
@@ -59,6 +59,7 @@ async fn expired_lease_is_taken_over_and_the_old_owner_cannot_mark() -> anyhow::
     let claimed = a.claim(&la.lanes, 100).await?;
     assert_eq!(claimed.len(), work.committed.len());
     let ids: Vec<String> = claimed.iter().map(|c| c.id().to_string()).collect();
+    let mine: Vec<&Claim> = claimed.iter().collect();
 
     // Relay A stalls (GC pause, network cut): its lease lapses, its heartbeat stops.
     sqlx::query("UPDATE outroute_lanes SET lease_until = now() - interval '1 second'")
@@ -74,7 +75,7 @@ async fn expired_lease_is_taken_over_and_the_old_owner_cannot_mark() -> anyhow::
 
     // A wakes up and tries to mark what it published: fenced out.
     assert_eq!(
-        a.mark_published(&ids).await?,
+        a.mark_published(&mine).await?,
         0,
         "a fenced-out relay marked rows"
     );
@@ -95,13 +96,14 @@ async fn expired_lease_is_taken_over_and_the_old_owner_cannot_mark() -> anyhow::
     // B claims the same events and marks them exactly once.
     let again = b.claim(&lb.lanes, 100).await?;
     assert_eq!(again.len(), ids.len());
-    assert_eq!(b.mark_published(&ids).await?, ids.len() as u64);
+    let theirs: Vec<&Claim> = again.iter().collect();
+    assert_eq!(b.mark_published(&theirs).await?, ids.len() as u64);
     assert_eq!(
-        b.mark_published(&ids).await?,
+        b.mark_published(&theirs).await?,
         0,
         "a second mark changed rows"
     );
-    assert_eq!(a.mark_published(&ids).await?, 0);
+    assert_eq!(a.mark_published(&mine).await?, 0);
     assert_eq!(
         db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
             .await,

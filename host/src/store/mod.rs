@@ -28,6 +28,11 @@ pub mod sqlite;
 #[derive(Debug, Clone)]
 pub struct Claim {
     pub lane: i32,
+    /// Where the claim found the row (PostgreSQL `ctid`), so the mark can
+    /// go straight to it; re-checked by id when marking.
+    pub tid: Option<String>,
+    /// The event has a retry/failure state row (cleared when marked).
+    pub has_state: bool,
     pub row: Result<Event, Malformed>,
 }
 
@@ -199,6 +204,32 @@ impl Store {
         dispatch!(self, s => s.check_table().await)
     }
 
+    /// The `CREATE INDEX` statement the claim needs when the table has no
+    /// usable lane index (after `check_table`); `None` when it has one.
+    pub fn missing_index(&self) -> Option<&str> {
+        match self {
+            Store::Postgres(s) => s.missing_index(),
+            Store::Sqlite(_) => None,
+        }
+    }
+
+    /// The PostgreSQL store, if that is what this is (diagnostics, tests).
+    pub fn postgres(&self) -> Option<&postgres::PgStore> {
+        match self {
+            Store::Postgres(s) => Some(s),
+            Store::Sqlite(_) => None,
+        }
+    }
+
+    /// Create the lane index if it is missing (CONCURRENTLY: producers keep
+    /// writing). Returns the statement run, `None` if nothing was needed.
+    pub async fn create_lane_index(&mut self) -> anyhow::Result<Option<String>> {
+        match self {
+            Store::Postgres(s) => s.create_lane_index().await,
+            Store::Sqlite(_) => Ok(None),
+        }
+    }
+
     /// Renew/acquire/release lane leases; returns the lanes to claim from.
     pub async fn lease_round(&self) -> anyhow::Result<Leases> {
         dispatch!(self, s => s.lease_round().await)
@@ -213,10 +244,10 @@ impl Store {
         dispatch!(self, s => s.claim(lanes, limit).await)
     }
 
-    /// Mark these events published; returns how many were marked (rows in
-    /// lanes this relay no longer owns are not).
-    pub async fn mark_published(&self, ids: &[String]) -> anyhow::Result<u64> {
-        dispatch!(self, s => s.mark_published(ids).await)
+    /// Mark these claimed events published; returns how many were marked
+    /// (rows in lanes this relay no longer owns are not).
+    pub async fn mark_published(&self, claims: &[&Claim]) -> anyhow::Result<u64> {
+        dispatch!(self, s => s.mark_published(claims).await)
     }
 
     /// Record retries and failures; returns how many were recorded.

@@ -51,6 +51,59 @@ fn literal(s: &str) -> String {
     format!("'{}'", s.replace('\'', "''"))
 }
 
+/// The rows still to publish, the lane of a row and the outbox order, as
+/// SQL over one alias (`o` in queries, none in index definitions: the
+/// planner matches the claim's expressions against the lane index only
+/// when both are written the same way).
+#[derive(Debug, Clone)]
+struct Shape {
+    lane: String,
+    pending: String,
+    order: String,
+    order_desc: String,
+}
+
+impl Shape {
+    fn new(t: &TableConfig, lanes: u32, alias: &str) -> Self {
+        let col = |c: &str| match alias {
+            "" => quote(c),
+            a => format!("{a}.{}", quote(c)),
+        };
+        let aggregate_type = match (&t.aggregate_type, &t.aggregate_type_value) {
+            (Some(c), _) => format!("{}::text", col(c)),
+            (None, Some(v)) => format!("{}::text", literal(v)),
+            (None, None) => "''::text".into(),
+        };
+        let aggregate_id = format!("{}::text", col(&t.aggregate_id));
+        let mut pending = match &t.marking {
+            Marking::PublishedAt { column } => vec![format!("{} IS NULL", col(column))],
+            Marking::Status {
+                column, pending, ..
+            } => vec![format!("{} = {}", col(column), literal(pending))],
+            Marking::Delete => Vec::new(),
+        };
+        if let Some(f) = &t.failed_at {
+            pending.push(format!("{} IS NULL", col(f)));
+        }
+        let order_col = t.sequence.as_deref().unwrap_or(&t.created_at);
+        Shape {
+            lane: format!(
+                "((hashtext(coalesce({aggregate_type}, '') || '/' || coalesce({aggregate_id}, '')) & 2147483647) % {lanes})"
+            ),
+            pending: if pending.is_empty() {
+                "TRUE".into()
+            } else {
+                pending.join(" AND ")
+            },
+            order: format!("{}, {}", col(order_col), col(&t.id)),
+            order_desc: format!("{} DESC, {} DESC", col(order_col), col(&t.id)),
+        }
+    }
+}
+
+/// The backlog gauge counts pending events exactly up to about this many.
+pub const BACKLOG_EXACT: i64 = 10_000;
+
 /// The SQL for one table mapping, generated once at start-up.
 #[derive(Debug, Clone)]
 pub struct TableSql {
@@ -60,10 +113,16 @@ pub struct TableSql {
     seq: String,
     aggregate_type: String,
     aggregate_id: String,
+    /// Pending rows, lane and order over alias `o`.
     pending: String,
-    published: String,
     lane: String,
+    order: String,
+    order_desc: String,
+    published: String,
     select_cols: String,
+    /// The lane index: its name and `CREATE INDEX` statement.
+    index_name: String,
+    index_ddl: String,
     cfg: TableConfig,
 }
 
@@ -83,30 +142,15 @@ impl TableSql {
             (None, None) => "''::text".into(),
         };
         let aggregate_id = format!("{}::text", col(&t.aggregate_id));
-        let failed = t
-            .failed_at
-            .as_ref()
-            .map(|f| format!(" AND {} IS NULL", col(f)))
-            .unwrap_or_default();
-        let (pending, published) = match &t.marking {
-            Marking::PublishedAt { column } => (
-                format!("{} IS NULL{failed}", col(column)),
-                format!("{} IS NOT NULL", col(column)),
-            ),
-            Marking::Status {
-                column,
-                pending,
-                sent,
-                ..
-            } => (
-                format!("{} = {}{failed}", col(column), literal(pending)),
-                format!("{} = {}", col(column), literal(sent)),
-            ),
-            Marking::Delete => (format!("TRUE{failed}"), "FALSE".into()),
+        let published = match &t.marking {
+            Marking::PublishedAt { column } => format!("{} IS NOT NULL", col(column)),
+            Marking::Status { column, sent, .. } => {
+                format!("{} = {}", col(column), literal(sent))
+            }
+            Marking::Delete => "FALSE".into(),
         };
-        let lane = format!(
-            "((hashtext(coalesce({aggregate_type}, '') || '/' || coalesce({aggregate_id}, '')) & 2147483647) % {lanes})::int"
-        );
+        let q = Shape::new(t, lanes, "o");
+        let bare = Shape::new(t, lanes, "");
         let opt = |c: &Option<String>, cast: &str| match c {
             Some(c) => format!("{}::{cast}", col(c)),
             None => format!("NULL::{cast}"),
@@ -121,6 +165,29 @@ impl TableSql {
             payload = col(&t.payload),
             headers = opt(&t.headers, "text"),
             created = col(&t.created_at),
+            lane = q.lane,
+        );
+        // Index names are per schema and at most 63 bytes.
+        let base: String = t
+            .name
+            .rsplit('.')
+            .next()
+            .unwrap_or(&t.name)
+            .chars()
+            .take(40)
+            .collect();
+        let index_name = format!("{base}_outroute_lanes{lanes}");
+        let index_ddl = format!(
+            "CREATE INDEX CONCURRENTLY IF NOT EXISTS {} ON {} (({}), {}){}",
+            quote(&index_name),
+            quote(&t.name),
+            bare.lane,
+            bare.order,
+            if bare.pending == "TRUE" {
+                String::new()
+            } else {
+                format!(" WHERE {}", bare.pending)
+            }
         );
         TableSql {
             table: quote(&t.name),
@@ -129,10 +196,14 @@ impl TableSql {
             seq,
             aggregate_type,
             aggregate_id,
-            pending,
+            pending: q.pending,
+            lane: q.lane,
+            order: q.order,
+            order_desc: q.order_desc,
             published,
-            lane,
             select_cols,
+            index_name,
+            index_ddl,
             cfg: t.clone(),
         }
     }
@@ -140,6 +211,79 @@ impl TableSql {
     /// `$n` cast to an array of the id column's type.
     fn ids_param(&self, n: usize) -> String {
         format!("${n}::text[]::{}[]", self.id_type)
+    }
+
+    /// Skip rows whose own state says "not now" (failed, or retrying
+    /// later) and, under `ordering = "aggregate"`, rows of an aggregate
+    /// held by an earlier event. Each is an index probe per row scanned;
+    /// `OFFSET 0` keeps them per-row filters (a planner that turned them
+    /// into joins could sort the whole lane to restore its order).
+    fn state_filter(&self, ordering: Ordering) -> String {
+        let own = format!(
+            "AND NOT EXISTS (SELECT 1 FROM outroute_event_state s WHERE s.source = $1 AND s.event_id = {id}::text \
+               AND (s.failed_at IS NOT NULL OR s.next_attempt_at > now()) OFFSET 0)",
+            id = self.id
+        );
+        let hold = match ordering {
+            Ordering::Aggregate => format!(
+                " AND NOT EXISTS (SELECT 1 FROM outroute_event_state b WHERE b.source = $1 \
+                   AND b.aggregate_type = {at} AND b.aggregate_id = {ai} AND b.seq <= {seq} \
+                   AND b.event_id <> {id}::text AND b.blocks_until > now() OFFSET 0)",
+                at = self.aggregate_type,
+                ai = self.aggregate_id,
+                seq = self.seq,
+                id = self.id
+            ),
+            Ordering::None => String::new(),
+        };
+        format!("{own}{hold}")
+    }
+
+    /// Extra columns every claim returns: where the row is (for a cheap
+    /// mark) and its attempts so far (NULL: it has no state row).
+    fn claim_extras(&self) -> String {
+        format!(
+            "o.ctid::text AS tid, (SELECT st.attempts FROM outroute_event_state st \
+               WHERE st.source = $1 AND st.event_id = {}::text) AS state_attempts",
+            self.id
+        )
+    }
+
+    /// The claim with the lane index: each owned lane's index is walked
+    /// from its oldest pending row, lane after lane (the first lane changes
+    /// every claim), and the walk stops at `limit` rows. Cost: one index
+    /// descent per lane plus the rows returned (and rows skipped as held),
+    /// whatever the backlog or the history.
+    fn claim_by_lane(&self, ordering: Ordering) -> String {
+        format!(
+            "SELECT c.* FROM unnest($2::int[]) WITH ORDINALITY AS l(lane, n) \
+             CROSS JOIN LATERAL (SELECT {cols}, {extras} FROM {table} o \
+               WHERE {lane} = l.lane AND {pending} {state} ORDER BY {order} LIMIT $3) c \
+             ORDER BY l.n LIMIT $3",
+            cols = self.select_cols,
+            extras = self.claim_extras(),
+            table = self.table,
+            lane = self.lane,
+            pending = self.pending,
+            state = self.state_filter(ordering),
+            order = self.order,
+        )
+    }
+
+    /// The claim without the lane index: one scan of every pending row
+    /// (computing its lane), then a sort. Correct, but O(backlog).
+    fn claim_by_scan(&self, ordering: Ordering) -> String {
+        format!(
+            "SELECT {cols}, {extras} FROM {table} o \
+             WHERE {lane} = ANY($2) AND {pending} {state} ORDER BY {order} LIMIT $3",
+            cols = self.select_cols,
+            extras = self.claim_extras(),
+            table = self.table,
+            lane = self.lane,
+            pending = self.pending,
+            state = self.state_filter(ordering),
+            order = self.order,
+        )
     }
 }
 
@@ -150,8 +294,15 @@ pub struct PgStore {
     lanes: u32,
     lease_ttl: Duration,
     ordering: Ordering,
+    batch_size: u32,
     cfg: TableConfig,
     sql: Option<TableSql>,
+    /// The claim statement: by lane index, or by scan when the table has
+    /// no usable lane index (chosen in `check_table`).
+    claim_sql: String,
+    /// Set when the claim cannot use a lane index: the statement that
+    /// would make it cheap.
+    missing_index: Option<String>,
 }
 
 impl PgStore {
@@ -177,8 +328,11 @@ impl PgStore {
             lanes: config.relay.lanes,
             lease_ttl: config.relay.lease_ttl,
             ordering: config.relay.ordering,
+            batch_size: config.relay.batch_size,
             cfg: sc.table(),
             sql: None,
+            claim_sql: String::new(),
+            missing_index: None,
         })
     }
 
@@ -281,7 +435,17 @@ impl PgStore {
                  with the same timestamp (e.g. written in one transaction) have no defined order"
             );
         }
-        self.sql = Some(TableSql::new(t, self.lanes, &base));
+        let sql = TableSql::new(t, self.lanes, &base);
+        self.missing_index = if self.lane_index_usable(&sql).await? {
+            None
+        } else {
+            Some(sql.index_ddl.clone())
+        };
+        self.claim_sql = match self.missing_index {
+            None => sql.claim_by_lane(self.ordering),
+            Some(_) => sql.claim_by_scan(self.ordering),
+        };
+        self.sql = Some(sql);
         // Lane rows for this table; a changed lane count would break ordering.
         let existing: i64 =
             sqlx::query_scalar("SELECT count(*) FROM outroute_lanes WHERE source = $1")
@@ -306,6 +470,96 @@ impl PgStore {
             );
         }
         Ok(())
+    }
+
+    /// Does the lane-index claim plan walk an index of the outbox table
+    /// (rather than scanning and sorting it)? Asked of the planner itself,
+    /// so an equivalent index under another name counts too, and so does
+    /// a table that was never analysed.
+    async fn lane_index_usable(&self, sql: &TableSql) -> Result<bool> {
+        let claim = sql.claim_by_lane(self.ordering);
+        let all: Vec<i32> = (0..self.lanes as i32).collect();
+        let plan = self.explain(&claim, &all, self.batch_size, false).await?;
+        let scans: Vec<String> = scans_of(&plan, "o")
+            .into_iter()
+            .map(|(node, _)| node)
+            .collect();
+        Ok(!scans.is_empty() && scans.iter().all(|node| node.starts_with("Index")))
+    }
+
+    /// `EXPLAIN (FORMAT JSON[, ANALYZE])` of a claim statement.
+    async fn explain(
+        &self,
+        claim: &str,
+        lanes: &[i32],
+        limit: u32,
+        analyze: bool,
+    ) -> Result<serde_json::Value> {
+        let opts = if analyze { "ANALYZE, " } else { "" };
+        sqlx::query_scalar(&format!("EXPLAIN ({opts}FORMAT JSON) {claim}"))
+            .bind(&self.source)
+            .bind(lanes)
+            .bind(limit as i64)
+            .fetch_one(&self.pool)
+            .await
+            .context("planning the claim")
+    }
+
+    /// Run the claim under `EXPLAIN ANALYZE` and return, for every plan
+    /// node that reads the outbox table, its type and the rows it produced
+    /// over all loops: what a claim costs, for tests and diagnosis.
+    pub async fn claim_cost(&self, lanes: &[i32], limit: u32) -> Result<Vec<(String, f64)>> {
+        let plan = self.explain(&self.claim_sql, lanes, limit, true).await?;
+        Ok(scans_of(&plan, "o"))
+    }
+
+    /// The `CREATE INDEX` the claim needs, when the table lacks it.
+    pub fn missing_index(&self) -> Option<&str> {
+        self.missing_index.as_deref()
+    }
+
+    /// Create the lane index (`outroute migrate`, `migrate --table`):
+    /// `CREATE INDEX CONCURRENTLY`, so producers keep writing; an invalid
+    /// leftover of an interrupted build is dropped first. Returns the
+    /// statement run, or `None` when a usable index already exists.
+    pub async fn create_lane_index(&mut self) -> Result<Option<String>> {
+        let Some(ddl) = self.missing_index.clone() else {
+            return Ok(None);
+        };
+        let s = self.sql()?;
+        let name = s.index_name.clone();
+        let invalid: Option<bool> = sqlx::query_scalar(
+            "SELECT NOT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
+             WHERE i.indrelid = to_regclass($1) AND c.relname = $2",
+        )
+        .bind(&s.table)
+        .bind(&name)
+        .fetch_optional(&self.pool)
+        .await?;
+        if invalid == Some(true) {
+            let schema = match self.cfg.name.rsplit_once('.') {
+                Some((schema, _)) => format!("{}.", quote(schema)),
+                None => String::new(),
+            };
+            sqlx::query(&format!(
+                "DROP INDEX CONCURRENTLY IF EXISTS {schema}{}",
+                quote(&name)
+            ))
+            .execute(&self.pool)
+            .await
+            .with_context(|| format!("dropping the invalid index `{name}`"))?;
+        }
+        sqlx::query(&ddl)
+            .execute(&self.pool)
+            .await
+            .with_context(|| format!("creating the lane index: {ddl}"))?;
+        self.check_table().await?;
+        if let Some(still) = &self.missing_index {
+            bail!(
+                "created the lane index, but the planner still does not use it for the claim: {still}"
+            );
+        }
+        Ok(Some(ddl))
     }
 
     pub async fn lease_round(&self) -> Result<Leases> {
@@ -410,33 +664,7 @@ impl PgStore {
         if lanes.is_empty() {
             return Ok(Vec::new());
         }
-        let s = self.sql()?;
-        let hold = match self.ordering {
-            Ordering::Aggregate => format!(
-                "AND NOT EXISTS (SELECT 1 FROM outroute_event_state b WHERE b.source = $1 \
-                   AND b.aggregate_type = {at} AND b.aggregate_id = {ai} AND b.seq <= {seq} AND b.event_id <> {id}::text AND b.blocks_until > now())",
-                at = s.aggregate_type,
-                ai = s.aggregate_id,
-                seq = s.seq,
-                id = s.id
-            ),
-            Ordering::None => String::new(),
-        };
-        let q = format!(
-            "SELECT {cols}, COALESCE(st.attempts, 0) AS attempts FROM {table} o \
-             LEFT JOIN outroute_event_state st ON st.source = $1 AND st.event_id = {id}::text \
-             WHERE {pending} AND {lane} = ANY($2) \
-               AND (st.event_id IS NULL OR (st.failed_at IS NULL AND st.next_attempt_at <= now())) \
-               {hold} \
-             ORDER BY {seq}, {id} LIMIT $3",
-            cols = s.select_cols,
-            table = s.table,
-            id = s.id,
-            pending = s.pending,
-            lane = s.lane,
-            seq = s.seq,
-        );
-        let rows = sqlx::query(&q)
+        let rows = sqlx::query(&self.claim_sql)
             .bind(&self.source)
             .bind(lanes)
             .bind(limit as i64)
@@ -446,10 +674,46 @@ impl PgStore {
         rows.iter().map(to_claim).collect()
     }
 
-    pub async fn mark_published(&self, ids: &[String]) -> Result<u64> {
-        if ids.is_empty() {
+    /// Mark these claimed rows published. Each row is found by where the
+    /// claim saw it (`ctid`, a direct heap fetch) and re-checked by id,
+    /// pending state and lane ownership, so the cost is per row marked
+    /// whatever the table's size or statistics; a row that moved since the
+    /// claim (updated meanwhile) is looked up by id instead. The lease
+    /// check is a plain read: renewing a lease never waits for a mark.
+    pub async fn mark_published(&self, claims: &[&Claim]) -> Result<u64> {
+        if claims.is_empty() {
             return Ok(0);
         }
+        let ids: Vec<&str> = claims.iter().map(|c| c.id()).collect();
+        let tids: Vec<&str> = claims.iter().filter_map(|c| c.tid.as_deref()).collect();
+        let with_state: Vec<&str> = claims
+            .iter()
+            .filter(|c| c.has_state)
+            .map(|c| c.id())
+            .collect();
+        let marked = self.mark_where(&ids, Some(&tids), &with_state).await?;
+        if marked.len() == ids.len() {
+            return Ok(marked.len() as u64);
+        }
+        let marked: std::collections::HashSet<String> = marked.into_iter().collect();
+        let rest: Vec<&str> = ids
+            .iter()
+            .copied()
+            .filter(|id| !marked.contains(*id))
+            .collect();
+        let again = self.mark_where(&rest, None, &with_state).await?;
+        Ok((marked.len() + again.len()) as u64)
+    }
+
+    /// One mark statement: rows with these ids (at these `ctid`s when
+    /// given) that are still pending in lanes this relay holds; clears the
+    /// state rows of those in `with_state`. Returns the ids marked.
+    async fn mark_where(
+        &self,
+        ids: &[&str],
+        tids: Option<&[&str]>,
+        with_state: &[&str],
+    ) -> Result<Vec<String>> {
         let s = self.sql()?;
         let change = match &s.cfg.marking {
             Marking::PublishedAt { column } => {
@@ -465,24 +729,36 @@ impl PgStore {
             }
             Marking::Delete => format!("DELETE FROM {} o", s.table),
         };
+        let at = if tids.is_some() {
+            "o.ctid = ANY($5::text[]::tid[]) AND "
+        } else {
+            ""
+        };
+        let clear = if with_state.is_empty() {
+            ""
+        } else {
+            ", cleared AS (DELETE FROM outroute_event_state st WHERE st.source = $1 \
+               AND st.event_id = ANY($4::text[]) AND st.event_id IN (SELECT id FROM marked))"
+        };
         let q = format!(
-            "WITH fence AS (SELECT lane FROM outroute_lanes WHERE source = $1 AND owner = $2 AND lease_until > now() FOR SHARE), \
-             marked AS ({change} WHERE {id} = ANY({ids}) AND {pending} AND {lane} IN (SELECT lane FROM fence) RETURNING {id}::text AS id), \
-             cleared AS (DELETE FROM outroute_event_state st USING marked m WHERE st.source = $1 AND st.event_id = m.id) \
-             SELECT count(*) FROM marked",
+            "WITH marked AS ({change} WHERE {at}{id} = ANY({ids}) AND {pending} \
+               AND {lane} = ANY(ARRAY(SELECT lane FROM outroute_lanes WHERE source = $1 AND owner = $2 AND lease_until > now())) \
+               RETURNING {id}::text AS id){clear} \
+             SELECT id FROM marked",
             id = s.id,
             ids = s.ids_param(3),
             pending = s.pending,
             lane = s.lane,
         );
-        let n: i64 = sqlx::query_scalar(&q)
+        sqlx::query_scalar(&q)
             .bind(&self.source)
             .bind(&self.relay_id)
             .bind(ids)
-            .fetch_one(&self.pool)
+            .bind(with_state)
+            .bind(tids.unwrap_or_default())
+            .fetch_all(&self.pool)
             .await
-            .context("marking events published")?;
-        Ok(n as u64)
+            .context("marking events published")
     }
 
     pub async fn record_failures(&self, failures: &[Failure]) -> Result<u64> {
@@ -587,22 +863,78 @@ impl PgStore {
         Ok(())
     }
 
+    /// Pending events (not failed) and the age of the oldest, without
+    /// work that grows with the backlog: each lane's index is walked for
+    /// at most `BACKLOG_EXACT / lanes` rows, so the count is exact up to
+    /// about [`BACKLOG_EXACT`]. Past that it is estimated from the span of
+    /// pending sequence numbers (tables with a sequence column), or stays
+    /// the lower bound counted. Without a lane index: the same bound, by scan.
     pub async fn backlog(&self) -> Result<(i64, Option<f64>)> {
         let s = self.sql()?;
-        let q = format!(
-            "SELECT count(*), extract(epoch from now() - min({created}::timestamptz))::float8 FROM {table} o \
-             WHERE {pending} AND NOT EXISTS (SELECT 1 FROM outroute_event_state st WHERE st.source = $1 \
-               AND st.event_id = {id}::text AND st.failed_at IS NOT NULL)",
-            created = format_args!("o.{}", quote(&s.cfg.created_at)),
-            table = s.table,
-            pending = s.pending,
-            id = s.id,
+        let per_lane = (BACKLOG_EXACT / self.lanes as i64).max(2);
+        let created = format!("o.{}::timestamptz", quote(&s.cfg.created_at));
+        let not_failed = format!(
+            "NOT EXISTS (SELECT 1 FROM outroute_event_state st WHERE st.source = $1 \
+               AND st.event_id = {}::text AND st.failed_at IS NOT NULL OFFSET 0)",
+            s.id
         );
+        let q = if self.missing_index.is_some() {
+            format!(
+                "SELECT count(*)::bigint, count(*) >= {cap}, min(x.created), min(x.seq) FROM \
+                 (SELECT {created} AS created, {seq} AS seq FROM {table} o WHERE {pending} AND {not_failed} LIMIT {cap}) x",
+                cap = BACKLOG_EXACT,
+                seq = s.seq,
+                table = s.table,
+                pending = s.pending,
+            )
+        } else {
+            format!(
+                "SELECT sum(c.n)::bigint, bool_or(c.n >= {per_lane}), min(c.created), min(c.seq) \
+                 FROM generate_series(0, {last}) l(lane) CROSS JOIN LATERAL \
+                   (SELECT count(*) AS n, min(x.created) AS created, min(x.seq) AS seq FROM \
+                     (SELECT {created} AS created, {seq} AS seq FROM {table} o \
+                      WHERE {lane} = l.lane AND {pending} AND {not_failed} ORDER BY {order} LIMIT {per_lane}) x) c",
+                last = self.lanes - 1,
+                seq = s.seq,
+                table = s.table,
+                lane = s.lane,
+                pending = s.pending,
+                order = s.order,
+            )
+        };
         let row = sqlx::query(&q)
             .bind(&self.source)
             .fetch_one(&self.pool)
             .await?;
-        Ok((row.try_get(0)?, row.try_get(1)?))
+        let counted: Option<i64> = row.try_get(0)?;
+        let saturated: Option<bool> = row.try_get(1)?;
+        let oldest: Option<chrono::DateTime<chrono::Utc>> = row.try_get(2)?;
+        let first_seq: Option<i64> = row.try_get(3)?;
+        let mut n = counted.unwrap_or(0);
+        if saturated == Some(true)
+            && self.missing_index.is_none()
+            && s.cfg.sequence.is_some()
+            && let Some(first) = first_seq
+        {
+            // The newest pending row of each lane (index walked backwards).
+            let q = format!(
+                "SELECT max(c.seq) FROM generate_series(0, {last}) l(lane) CROSS JOIN LATERAL \
+                   (SELECT {seq} AS seq FROM {table} o WHERE {lane} = l.lane AND {pending} \
+                    ORDER BY {desc} LIMIT 1) c",
+                last = self.lanes - 1,
+                seq = s.seq,
+                table = s.table,
+                lane = s.lane,
+                pending = s.pending,
+                desc = s.order_desc,
+            );
+            let last: Option<i64> = sqlx::query_scalar(&q).fetch_one(&self.pool).await?;
+            if let Some(last) = last {
+                n = n.max(last - first + 1);
+            }
+        }
+        let age = oldest.map(|t| (chrono::Utc::now() - t).num_milliseconds().max(0) as f64 / 1e3);
+        Ok((n, age))
     }
 
     pub async fn status(&self) -> Result<Status> {
@@ -804,7 +1136,7 @@ impl PgStore {
             bail!("replay: marking style `delete` keeps no published events to replay");
         }
         let q = format!(
-            "SELECT {cols}, 0 AS attempts FROM {table} o WHERE {w} AND {seq} > $6 ORDER BY {seq}, {id} LIMIT $7",
+            "SELECT {cols}, NULL::text AS tid, NULL::int AS state_attempts FROM {table} o WHERE {w} AND {seq} > $6 ORDER BY {seq}, {id} LIMIT $7",
             cols = s.select_cols,
             table = s.table,
             w = self.published_where(s),
@@ -851,19 +1183,33 @@ impl PgStore {
             Marking::Status { .. } => format!("o.{}::timestamptz", quote(&s.cfg.created_at)),
             Marking::Delete => return Ok(0),
         };
-        // Small batches by ctid: short transactions, no long locks.
+        // Small batches by ctid: short transactions, no long locks. One
+        // relay at a time: the others skip the round while it holds the
+        // table's purge lock (a transaction-level advisory lock).
+        let mut tx = self.pool.begin().await?;
+        let ours: bool = sqlx::query_scalar(
+            "SELECT pg_try_advisory_xact_lock(hashtext('outroute purge'), hashtext($1))",
+        )
+        .bind(&self.source)
+        .fetch_one(&mut *tx)
+        .await?;
+        if !ours {
+            return Ok(0);
+        }
         let q = format!(
             "DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT o.ctid FROM {table} o WHERE {published} \
                AND {age} < now() - make_interval(secs => $1) LIMIT $2))",
             table = s.table,
             published = s.published,
         );
-        Ok(sqlx::query(&q)
+        let n = sqlx::query(&q)
             .bind(older_than.as_secs_f64())
             .bind(batch)
-            .execute(&self.pool)
+            .execute(&mut *tx)
             .await?
-            .rows_affected())
+            .rows_affected();
+        tx.commit().await?;
+        Ok(n)
     }
 
     pub async fn ping(&self) -> bool {
@@ -871,9 +1217,38 @@ impl PgStore {
     }
 }
 
+/// Type and rows produced (over all loops, as `EXPLAIN ANALYZE` counts
+/// them; 0 without ANALYZE) of every plan node that reads the relation
+/// aliased `alias`, in an `EXPLAIN (FORMAT JSON)` result.
+fn scans_of(plan: &serde_json::Value, alias: &str) -> Vec<(String, f64)> {
+    fn walk(v: &serde_json::Value, alias: &str, out: &mut Vec<(String, f64)>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                if m.get("Alias").and_then(|a| a.as_str()) == Some(alias)
+                    && let Some(t) = m.get("Node Type").and_then(|t| t.as_str())
+                {
+                    let num = |k: &str| m.get(k).and_then(|v| v.as_f64()).unwrap_or(0.0);
+                    let removed = num("Rows Removed by Filter");
+                    out.push((
+                        t.to_string(),
+                        (num("Actual Rows") + removed) * num("Actual Loops"),
+                    ));
+                }
+                m.values().for_each(|c| walk(c, alias, out));
+            }
+            serde_json::Value::Array(a) => a.iter().for_each(|c| walk(c, alias, out)),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    walk(plan, alias, &mut out);
+    out
+}
+
 fn to_claim(r: &PgRow) -> Result<Claim> {
     let id: String = r.try_get("id")?;
     let lane: i32 = r.try_get("lane")?;
+    let state_attempts: Option<i32> = r.try_get("state_attempts")?;
     let read = || -> Result<RawRow, sqlx::Error> {
         Ok(RawRow {
             id: id.clone(),
@@ -885,7 +1260,7 @@ fn to_claim(r: &PgRow) -> Result<Claim> {
             payload: r.try_get("payload")?,
             headers: r.try_get("headers")?,
             created_at: r.try_get("created_at")?,
-            attempts: r.try_get("attempts")?,
+            attempts: state_attempts.unwrap_or(0),
         })
     };
     // A row that cannot even be read fails on its own, with the reason.
@@ -893,7 +1268,12 @@ fn to_claim(r: &PgRow) -> Result<Claim> {
         Ok(raw) => raw.validate(),
         Err(e) => Err(super::unreadable(r, id.clone(), e)),
     };
-    Ok(Claim { lane, row })
+    Ok(Claim {
+        lane,
+        tid: r.try_get("tid")?,
+        has_state: state_attempts.is_some(),
+        row,
+    })
 }
 
 #[cfg(test)]

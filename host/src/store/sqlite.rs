@@ -113,7 +113,8 @@ impl SqliteStore {
         rows.iter().map(to_claim).collect()
     }
 
-    pub async fn mark_published(&self, ids: &[String]) -> Result<u64> {
+    pub async fn mark_published(&self, claims: &[&Claim]) -> Result<u64> {
+        let ids: Vec<&str> = claims.iter().map(|c| c.id()).collect();
         if ids.is_empty() {
             return Ok(0);
         }
@@ -122,8 +123,8 @@ impl SqliteStore {
             "UPDATE outbox SET published_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') WHERE published_at IS NULL AND id IN (",
         );
         let mut sep = qb.separated(", ");
-        for id in ids {
-            sep.push_bind(id);
+        for id in &ids {
+            sep.push_bind(*id);
         }
         qb.push(")");
         let n = qb.build().execute(&mut *tx).await?.rows_affected();
@@ -406,7 +407,12 @@ fn to_claim(r: &SqliteRow) -> Result<Claim> {
         Ok(raw) => raw.validate(),
         Err(e) => Err(super::unreadable(r, id.clone(), e)),
     };
-    Ok(Claim { lane: 0, row })
+    Ok(Claim {
+        lane: 0,
+        tid: None,
+        has_state: true,
+        row,
+    })
 }
 
 /// SQLite timestamps: RFC 3339 or `YYYY-MM-DD HH:MM:SS[.fff]` (UTC).

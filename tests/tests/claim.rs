@@ -1,0 +1,316 @@
+//! The claim path's cost on the database (issue: lease mode at the
+//! database's ceiling). Every table here is filled right after creation and
+//! never analysed (autovacuum is off on this machine), as a user's table is
+//! right after a burst: the claim must walk the lane index anyway, touching
+//! rows in proportion to the batch, not to the backlog. Costs are counted
+//! by PostgreSQL itself (`EXPLAIN ANALYZE` row counts), not timed.
+
+use std::path::Path;
+
+use outroute::store::{Claim, Store};
+use outroute_e2e::*;
+
+async fn open(config: &Path, relay_id: &str) -> anyhow::Result<Store> {
+    let loaded = outroute::config::load(config).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut s = Store::connect(&loaded.config, relay_id).await?;
+    s.migrate(false).await?;
+    s.check_table().await?;
+    Ok(s)
+}
+
+fn file_body(dir: &Path, table: &str) -> String {
+    format!(
+        "[http]\nlisten = \"\"\n{table}\n[sinks.file]\nkind = \"file\"\npath = \"{}\"\n[plugins.p]\npath = \"{}\"\n\
+         [[routes]]\nname = \"r\"\nplugin = \"p\"\nconfig = {{ sink = \"file\", topic = \"orders.{{event_type}}\" }}\n\
+         allow = {{ file = [\"orders.*\"] }}\n",
+        dir.join("out.jsonl").display(),
+        plugin("order-router").display()
+    )
+}
+
+/// Never analysed: no column statistics for the planner; with
+/// `row_count_unknown`, not even a row count (building an index records
+/// one, so a table that just got its lane index has that much).
+async fn assert_never_analysed(db: &TestDb, table: &str, row_count_unknown: bool) {
+    let analysed = db
+        .count(&format!(
+            "SELECT count(*) FROM pg_stat_user_tables WHERE relname = '{table}' \
+             AND (last_analyze IS NOT NULL OR last_autoanalyze IS NOT NULL)"
+        ))
+        .await
+        + db.count(&format!(
+            "SELECT count(*) FROM pg_stats WHERE tablename = '{table}'"
+        ))
+        .await;
+    assert_eq!(analysed, 0, "{table} was analysed");
+    if row_count_unknown {
+        let unknown = db
+            .count(&format!(
+                "SELECT count(*) FROM pg_class WHERE relname = '{table}' AND reltuples < 0"
+            ))
+            .await;
+        assert_eq!(unknown, 1, "{table} has a planner row count");
+    }
+}
+
+/// Rows the claim made PostgreSQL read from the outbox table, and whether
+/// it only ever walked an index.
+async fn claim_cost(store: &Store, lanes: &[i32], batch: u32) -> anyhow::Result<(f64, bool)> {
+    let pg = store
+        .postgres()
+        .ok_or_else(|| anyhow::anyhow!("not PostgreSQL"))?;
+    let scans = pg.claim_cost(lanes, batch).await?;
+    let rows = scans.iter().map(|(_, r)| r).sum();
+    let indexed = !scans.is_empty() && scans.iter().all(|(n, _)| n.starts_with("Index"));
+    Ok((rows, indexed))
+}
+
+async fn fill(db: &TestDb, from: i64, to: i64) -> anyhow::Result<()> {
+    // One aggregate per event, ~1 KB payload, one statement.
+    sqlx::query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'order', 'o-' || g, 'order-created', \
+                jsonb_build_object('n', g, 'pad', repeat('x', 1000)) \
+         FROM generate_series($1::bigint, $2::bigint) g",
+    )
+    .bind(from)
+    .bind(to)
+    .execute(&db.pool)
+    .await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn claim_cost_is_bounded_by_the_batch_on_a_never_analysed_table() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("claim-cost");
+    let config = write_config(
+        &dir,
+        &db.url,
+        "lanes = 64\nbatch_size = 500\nlease_ttl = \"300s\"",
+        &file_body(&dir, ""),
+    )?;
+    db.migrate(&config)?;
+    fill(&db, 1, 30_000).await?;
+    assert_never_analysed(&db, "outbox", true).await;
+
+    let store = open(&config, "cost").await?;
+    assert_eq!(
+        store.missing_index(),
+        None,
+        "migrate created no usable lane index"
+    );
+    let lanes = store.lease_round().await?.lanes;
+    assert_eq!(lanes.len(), 64);
+    // One worker's share, as `relay.concurrency = 2` gives it.
+    let share: Vec<i32> = lanes.iter().copied().filter(|l| l % 2 == 0).collect();
+    let (small, indexed) = claim_cost(&store, &share, 500).await?;
+    assert!(
+        indexed,
+        "the claim scanned the table instead of the lane index"
+    );
+    assert!(
+        small <= (500 + share.len()) as f64,
+        "a 500-event claim read {small} rows from a 30,000-event backlog"
+    );
+
+    // Three times the backlog: the same cost.
+    fill(&db, 30_001, 90_000).await?;
+    assert_never_analysed(&db, "outbox", true).await;
+    let (large, indexed) = claim_cost(&store, &share, 500).await?;
+    assert!(
+        indexed,
+        "the claim scanned the table instead of the lane index"
+    );
+    assert!(
+        large <= (500 + share.len()) as f64,
+        "a 500-event claim read {large} rows from a 90,000-event backlog"
+    );
+
+    // Claim and mark drain it all, each row marked exactly once, and each
+    // lane's events come out in outbox order.
+    store.lease_round().await?;
+    let mut marked = 0u64;
+    let mut last_seq = std::collections::HashMap::new();
+    loop {
+        let claims = store.claim(&lanes, 1000).await?;
+        if claims.is_empty() {
+            break;
+        }
+        for c in &claims {
+            let seq = c.row.as_ref().map(|e| e.sequence).unwrap_or(0);
+            let prev = last_seq.insert(c.lane, seq).unwrap_or(0);
+            assert!(
+                seq > prev,
+                "lane {} went from seq {prev} back to {seq}",
+                c.lane
+            );
+            assert!(c.tid.is_some() && !c.has_state);
+        }
+        let refs: Vec<&Claim> = claims.iter().collect();
+        let n = store.mark_published(&refs).await?;
+        assert_eq!(n, claims.len() as u64, "a claimed row was not marked");
+        marked += n;
+    }
+    assert_eq!(marked, 90_000);
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            .await,
+        0
+    );
+    let (bl, _) = store.backlog().await?;
+    assert_eq!(bl, 0);
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_row_moved_since_its_claim_is_still_marked_and_the_backlog_gauge_is_bounded()
+-> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("claim-moved");
+    let config = write_config(&dir, &db.url, "lanes = 8", &file_body(&dir, ""))?;
+    db.migrate(&config)?;
+    fill(&db, 1, 20).await?;
+    let store = open(&config, "moved").await?;
+    let lanes = store.lease_round().await?.lanes;
+    let claims = store.claim(&lanes, 100).await?;
+    assert_eq!(claims.len(), 20);
+    // A producer touches a pending row after the claim: it moves (new ctid).
+    sqlx::query("UPDATE outbox SET headers = '{\"touched\": \"yes\"}' WHERE aggregate_id = 'o-7'")
+        .execute(&db.pool)
+        .await?;
+    let refs: Vec<&Claim> = claims.iter().collect();
+    assert_eq!(store.mark_published(&refs).await?, 20);
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            .await,
+        0
+    );
+
+    // The gauge counts exactly below its bound, and estimates above it
+    // from the sequence span instead of counting every row.
+    fill(&db, 100, 5_099).await?;
+    assert_eq!(store.backlog().await?.0, 5_000);
+    fill(&db, 10_000, 39_999).await?;
+    let (estimate, oldest) = store.backlog().await?;
+    assert!(
+        (34_000..=36_000).contains(&estimate),
+        "backlog estimate {estimate} for 35,000 pending events"
+    );
+    assert!(oldest.is_some());
+    db.drop_db().await;
+    Ok(())
+}
+
+const T_OUTBOX: &str = r#"
+[store.table]
+name = "t_outbox"
+id = "event_id"
+aggregate_type = "aggregate_type"
+aggregate_id = "aggregate_id"
+event_type = "event_type"
+payload = "payload"
+created_at = "create_time"
+attempts = "retry_count"
+marking = { style = "status", column = "status", pending = "PENDING", sent = "SENT" }
+"#;
+
+const OUTBOX_EVENTS: &str = r#"
+[store.table]
+name = "outbox_events"
+id = "id"
+aggregate_type_value = "order"
+aggregate_id = "aggregate_id"
+event_type = "event_type"
+payload = "payload"
+created_at = "created_at"
+attempts = "attempts"
+marking = { style = "published_at", column = "published_at" }
+"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn existing_tables_get_their_lane_index_from_migrate_table() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    sqlx::query(
+        "CREATE TABLE outbox_events (id uuid PRIMARY KEY, event_type text NOT NULL, aggregate_id uuid NOT NULL, \
+         payload json NOT NULL, created_at timestamptz NOT NULL DEFAULT clock_timestamp(), published_at timestamptz, \
+         attempts int NOT NULL DEFAULT 0, lease_owner text, lease_until timestamptz)",
+    )
+    .execute(&db.pool)
+    .await?;
+    sqlx::query(
+        "CREATE TABLE t_outbox (event_id varchar(64) PRIMARY KEY, aggregate_type varchar(64), aggregate_id varchar(64), \
+         event_type varchar(128) NOT NULL, payload text, status varchar(16) NOT NULL DEFAULT 'PENDING', \
+         retry_count int NOT NULL DEFAULT 0, create_time timestamp NOT NULL DEFAULT clock_timestamp())",
+    )
+    .execute(&db.pool)
+    .await?;
+    sqlx::query(
+        "INSERT INTO outbox_events (id, event_type, aggregate_id, payload) \
+         SELECT gen_random_uuid(), 'order-created', gen_random_uuid(), json_build_object('n', g) \
+         FROM generate_series(1, 20000) g",
+    )
+    .execute(&db.pool)
+    .await?;
+    sqlx::query(
+        "INSERT INTO t_outbox (event_id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT 'evt-' || g, 'order', 'o-' || g, 'order-paid', '{\"n\": ' || g || '}' \
+         FROM generate_series(1, 20000) g",
+    )
+    .execute(&db.pool)
+    .await?;
+
+    for (table, mapping) in [("t_outbox", T_OUTBOX), ("outbox_events", OUTBOX_EVENTS)] {
+        let dir = test_dir(&format!("migrate-{table}"));
+        let config = write_config(&dir, &db.url, "lanes = 16", &file_body(&dir, mapping))?;
+        let c = config.to_string_lossy().to_string();
+        db.migrate(&config)?; // coordination tables only: the canonical table is not theirs
+        assert_never_analysed(&db, table, true).await;
+
+        // Without the index: it still works (slowly), and says what to run.
+        let store = open(&config, "before").await?;
+        let ddl = store
+            .missing_index()
+            .ok_or_else(|| anyhow::anyhow!("{table}: an index was found before migrate --table"))?
+            .to_string();
+        assert!(ddl.starts_with("CREATE INDEX CONCURRENTLY"), "{ddl}");
+        let (rows, indexed) = claim_cost(&store, &[0, 1, 2, 3], 100).await?;
+        assert!(
+            !indexed && rows >= 20_000.0,
+            "{table}: slow path read {rows} rows"
+        );
+        let (code, out, err) = cli(&["config", "check", "--store", "-c", &c])?;
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            out.contains("no usable lane index") && out.contains(&ddl),
+            "{table}: config check --store said: {out}"
+        );
+
+        // migrate --table builds it, saying what it locks.
+        let (code, out, err) = cli(&["migrate", "--table", "-c", &c])?;
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains("SHARE UPDATE EXCLUSIVE"), "{out}");
+        assert!(out.contains("created"), "{out}");
+        let (code, out, _) = cli(&["migrate", "--table", "-c", &c])?;
+        assert_eq!(code, 0);
+        assert!(out.contains("present"), "second migrate --table: {out}");
+        let (_, out, _) = cli(&["config", "check", "--store", "-c", &c])?;
+        assert!(out.contains("lane index usable"), "{out}");
+
+        let store = open(&config, "after").await?;
+        assert_eq!(store.missing_index(), None);
+        assert_never_analysed(&db, table, false).await;
+        let (rows, indexed) = claim_cost(&store, &[0, 1, 2, 3], 100).await?;
+        assert!(indexed, "{table}: the claim does not walk the new index");
+        assert!(rows <= 104.0, "{table}: a 100-event claim read {rows} rows");
+        // And the fast path marks what it claims.
+        store.lease_round().await?;
+        let claims = store.claim(&[0, 1, 2, 3], 100).await?;
+        assert_eq!(claims.len(), 100);
+        let refs: Vec<&Claim> = claims.iter().collect();
+        assert_eq!(store.mark_published(&refs).await?, 100);
+    }
+    db.drop_db().await;
+    Ok(())
+}
