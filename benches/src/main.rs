@@ -52,10 +52,38 @@ struct Args {
     /// Where to write the figures.
     #[arg(long, default_value = "bench-results.json")]
     json: PathBuf,
-    /// Only these sections (plugin, ceiling, produce, drain, baseline, wakeup, latency).
+    /// Only these sections (plugin, ceiling, produce, drain, tables, baseline,
+    /// wakeup, latency, backlog, history).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Distinct aggregates in the pre-filled backlogs; 0: one per event (the
+    /// hardest case for ordering bookkeeping, and the default).
+    #[arg(long, default_value_t = 0)]
+    aggregates: usize,
+    /// ANALYZE pre-filled tables. Off by default: a backlog that just built
+    /// up (burst, broker outage) has no planner statistics yet, and this
+    /// machine's PostgreSQL runs with autovacuum off.
+    #[arg(long)]
+    analyse: bool,
+    /// Events in the `backlog` run (drain rate across a deep backlog).
+    #[arg(long, default_value_t = 1_000_000)]
+    backlog: usize,
+    /// Published rows kept in the table for the `history` run.
+    #[arg(long, default_value_t = 10_000_000)]
+    history: usize,
+    /// Payload bytes of each history row.
+    #[arg(long, default_value_t = 200)]
+    history_payload: usize,
 }
+
+/// How pre-filled tables are made (see `--aggregates`, `--analyse`).
+#[derive(Clone, Copy)]
+struct Fill {
+    aggregates: usize,
+    analyse: bool,
+}
+
+static FILL: std::sync::OnceLock<Fill> = std::sync::OnceLock::new();
 
 const PAYLOAD_BYTES: usize = 1024;
 
@@ -68,6 +96,10 @@ fn payload(i: usize) -> Value {
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
+    let _ = FILL.set(Fill {
+        aggregates: args.aggregates,
+        analyse: args.analyse,
+    });
     let want = |s: &str| args.only.is_empty() || args.only.iter().any(|o| o == s);
     let mut results = serde_json::Map::new();
     results.insert(
@@ -128,16 +160,50 @@ async fn main() -> Result<()> {
         for sink in ["kafka", "nats"] {
             eprintln!("== outroute drain → {sink}");
             let d = drain(args.events, sink, args.concurrency).await?;
+            let f = |k: &str| d[k].as_f64().unwrap_or(0.0);
             table.push((
                 format!("outroute drain → {sink}"),
                 format!(
                     "{:.0} events/s, {:.2} cores, peak RSS {:.0} MiB",
-                    d["events_per_s"].as_f64().unwrap_or(0.0),
-                    d["cores"].as_f64().unwrap_or(0.0),
-                    d["peak_rss_mib"].as_f64().unwrap_or(0.0)
+                    f("events_per_s"),
+                    f("cores"),
+                    f("peak_rss_mib")
+                ),
+            ));
+            table.push((
+                format!("  CPU per event → {sink}: relay + PostgreSQL"),
+                format!(
+                    "{:.1} + {:.1} = {:.1} µs",
+                    f("relay_us_per_event"),
+                    f("postgres_us_per_event"),
+                    f("relay_us_per_event") + f("postgres_us_per_event")
                 ),
             ));
             results.insert(format!("drain_{sink}"), d);
+        }
+    }
+    if want("tables") {
+        for shape in [Shape::TOutbox, Shape::OutboxEvents] {
+            eprintln!("== outroute drain of {} → kafka", shape.name());
+            let d = drain_table(args.events, "kafka", args.concurrency, shape).await?;
+            let rate = d["events_per_s"].as_f64().unwrap_or(0.0);
+            let canonical = results
+                .get("drain_kafka")
+                .and_then(|c| c["events_per_s"].as_f64());
+            table.push((
+                format!(
+                    "outroute drain of {} (migrate --table) → kafka",
+                    shape.name()
+                ),
+                match canonical {
+                    Some(c) => format!(
+                        "{rate:.0} events/s ({:.0} % of the canonical table)",
+                        rate / c * 100.0
+                    ),
+                    None => format!("{rate:.0} events/s"),
+                },
+            ));
+            results.insert(format!("drain_{}_kafka", shape.name()), d);
         }
     }
     if want("baseline") {
@@ -162,7 +228,7 @@ async fn main() -> Result<()> {
     }
     if want("latency") && args.latency_secs > 0 {
         eprintln!("== steady-state latency");
-        let l = latency(args.latency_secs, args.rate).await?;
+        let l = latency(args.latency_secs, args.rate, 0, 0).await?;
         table.push((
             format!("latency @{}/s commit→consumer", args.rate),
             format!(
@@ -182,7 +248,44 @@ async fn main() -> Result<()> {
                 l["commit_to_ack_ms_bucket"]["p50"], l["commit_to_ack_ms_bucket"]["p99"]
             ),
         ));
+        push_claim_figures(&mut table, "", &l);
         results.insert("latency".into(), l);
+    }
+    if want("history") && args.latency_secs > 0 {
+        eprintln!("== steady state over {} published rows", args.history);
+        let l = latency(
+            args.latency_secs,
+            args.rate,
+            args.history,
+            args.history_payload,
+        )
+        .await?;
+        let label = format!(
+            ", {}M published rows of {} B kept",
+            args.history / 1_000_000,
+            args.history_payload
+        );
+        push_claim_figures(&mut table, &label, &l);
+        results.insert("history".into(), l);
+    }
+    if want("backlog") {
+        eprintln!("== drain of a {}-event backlog → kafka", args.backlog);
+        let b = drain_backlog(args.backlog, args.concurrency).await?;
+        let f = |k: &str| b[k].as_f64().unwrap_or(0.0);
+        table.push((
+            format!("backlog {}: first publish after start", args.backlog),
+            format!("{:.0} ms", f("first_publish_ms")),
+        ));
+        table.push((
+            format!("backlog {}: first 100k / last 100k", args.backlog),
+            format!(
+                "{:.0} / {:.0} events/s (overall {:.0})",
+                f("first_100k_per_s"),
+                f("last_100k_per_s"),
+                f("events_per_s")
+            ),
+        ));
+        results.insert("backlog".into(), b);
     }
 
     // Ratios.
@@ -315,8 +418,13 @@ fn bench_plugins() -> Result<Value> {
     Ok(Value::Object(out))
 }
 
-/// Insert `n` 1 KB events quickly (multi-row INSERTs from 4 connections).
+/// Insert `n` 1 KB events quickly (multi-row INSERTs from 4 connections),
+/// one aggregate per event unless `--aggregates` says otherwise.
 async fn fill(pool: &PgPool, n: usize) -> Result<()> {
+    let how = FILL.get().copied().unwrap_or(Fill {
+        aggregates: 0,
+        analyse: false,
+    });
     let per = n.div_ceil(4);
     let mut tasks = Vec::new();
     for w in 0..4 {
@@ -333,7 +441,10 @@ async fn fill(pool: &PgPool, n: usize) -> Result<()> {
                 qb.push_values(i..end, |mut b, k| {
                     b.push_bind(uuid::Uuid::new_v4())
                         .push_bind("order")
-                        .push_bind(format!("o-{}", k % 5000))
+                        .push_bind(match how.aggregates {
+                            0 => format!("o-{k}"),
+                            a => format!("o-{}", k % a),
+                        })
                         .push_bind("order-created")
                         .push_bind(payload(k));
                 });
@@ -346,7 +457,9 @@ async fn fill(pool: &PgPool, n: usize) -> Result<()> {
     for t in tasks {
         t.await??;
     }
-    sqlx::query("VACUUM ANALYZE outbox").execute(pool).await?;
+    if how.analyse {
+        sqlx::query("VACUUM ANALYZE outbox").execute(pool).await?;
+    }
     Ok(())
 }
 
@@ -567,14 +680,136 @@ fn group_cpu(pattern: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-const GROUPS: [(&str, &str); 3] = [
-    ("postgres", "postgres"),
-    ("tansu", "tansu broker"),
-    ("nats-server", "nats-server"),
-];
+const GROUPS: [(&str, &str); 2] = [("tansu", "tansu broker"), ("nats-server", "nats-server")];
+
+/// Fields of `/proc/<pid>/stat` after the command name.
+fn stat_fields(pid: u32) -> Option<Vec<String>> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    Some(
+        s.rsplit_once(')')?
+            .1
+            .split_whitespace()
+            .map(str::to_string)
+            .collect(),
+    )
+}
+
+/// CPU seconds PostgreSQL has used so far: the postmaster, every live
+/// child (backends, parallel workers, background processes), and every
+/// child that already exited (the postmaster's cumulative children time,
+/// which is where short-lived parallel query workers end up).
+async fn pg_cpu(pool: &PgPool) -> f64 {
+    let ticks = 100.0;
+    let Ok(backend) = sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()")
+        .fetch_one(pool)
+        .await
+    else {
+        return 0.0;
+    };
+    let Some(postmaster) =
+        stat_fields(backend as u32).and_then(|f| f.get(1).and_then(|p| p.parse::<u32>().ok()))
+    else {
+        return 0.0;
+    };
+    let num = |f: &[String], i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    let own = stat_fields(postmaster)
+        .map(|f| num(&f, 11) + num(&f, 12) + num(&f, 13) + num(&f, 14))
+        .unwrap_or(0.0);
+    let children: f64 = std::fs::read_dir("/proc")
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+                .filter_map(stat_fields)
+                .filter(|f| f.get(1).and_then(|p| p.parse::<u32>().ok()) == Some(postmaster))
+                .map(|f| num(&f, 11) + num(&f, 12))
+                .sum()
+        })
+        .unwrap_or(0.0);
+    (own + children) / ticks
+}
 
 /// outroute draining `n` pre-inserted events through order-router.
+/// The outbox table a drain reads: the canonical one, or one of the seed
+/// articles' existing shapes (given its lane index by `migrate --table`).
+#[derive(Clone, Copy, PartialEq)]
+enum Shape {
+    Canonical,
+    TOutbox,
+    OutboxEvents,
+}
+
+impl Shape {
+    fn name(self) -> &'static str {
+        match self {
+            Shape::Canonical => "outbox",
+            Shape::TOutbox => "t_outbox",
+            Shape::OutboxEvents => "outbox_events",
+        }
+    }
+
+    fn mapping(self) -> &'static str {
+        match self {
+            Shape::Canonical => "",
+            Shape::TOutbox => {
+                "[store.table]\nname = \"t_outbox\"\nid = \"event_id\"\naggregate_type = \"aggregate_type\"\naggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\npayload = \"payload\"\ncreated_at = \"create_time\"\nattempts = \"retry_count\"\nmarking = { style = \"status\", column = \"status\", pending = \"PENDING\", sent = \"SENT\" }\n"
+            }
+            Shape::OutboxEvents => {
+                "[store.table]\nname = \"outbox_events\"\nid = \"id\"\naggregate_type_value = \"order\"\naggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\npayload = \"payload\"\ncreated_at = \"created_at\"\nattempts = \"attempts\"\nmarking = { style = \"published_at\", column = \"published_at\" }\n"
+            }
+        }
+    }
+
+    fn pending(self) -> &'static str {
+        match self {
+            Shape::Canonical => "SELECT count(*) FROM outbox WHERE published_at IS NULL",
+            Shape::TOutbox => "SELECT count(*) FROM t_outbox WHERE status = 'PENDING'",
+            Shape::OutboxEvents => "SELECT count(*) FROM outbox_events WHERE published_at IS NULL",
+        }
+    }
+
+    /// Create the existing table and fill it with `n` ~1 KB events, one
+    /// aggregate each, in the seed articles' DDL.
+    async fn create_and_fill(self, pool: &PgPool, n: usize) -> Result<()> {
+        let (create, insert) = match self {
+            Shape::Canonical => return fill(pool, n).await,
+            Shape::TOutbox => (
+                "CREATE TABLE t_outbox (event_id varchar(64) PRIMARY KEY, aggregate_type varchar(64), aggregate_id varchar(64), \
+                 event_type varchar(128) NOT NULL, payload text, status varchar(16) NOT NULL DEFAULT 'PENDING', \
+                 retry_count int NOT NULL DEFAULT 0, create_time timestamp NOT NULL DEFAULT clock_timestamp())",
+                "INSERT INTO t_outbox (event_id, aggregate_type, aggregate_id, event_type, payload) \
+                 SELECT gen_random_uuid()::text, 'order', 'o-' || g, 'order-created', \
+                        json_build_object('order_id', 'o-' || g, 'total', g, 'note', repeat('x', 900))::text \
+                 FROM generate_series($1::bigint, $2::bigint) g",
+            ),
+            Shape::OutboxEvents => (
+                "CREATE TABLE outbox_events (id uuid PRIMARY KEY, event_type text NOT NULL, aggregate_id uuid NOT NULL, \
+                 payload json NOT NULL, created_at timestamptz NOT NULL DEFAULT clock_timestamp(), published_at timestamptz, \
+                 attempts int NOT NULL DEFAULT 0, lease_owner text, lease_until timestamptz)",
+                "INSERT INTO outbox_events (id, event_type, aggregate_id, payload) \
+                 SELECT gen_random_uuid(), 'order-created', gen_random_uuid(), \
+                        json_build_object('order_id', 'o-' || g, 'total', g, 'note', repeat('x', 900)) \
+                 FROM generate_series($1::bigint, $2::bigint) g",
+            ),
+        };
+        sqlx::query(create).execute(pool).await?;
+        let mut done = 0;
+        while done < n {
+            let end = (done + 50_000).min(n);
+            sqlx::query(insert)
+                .bind(done as i64)
+                .bind(end as i64 - 1)
+                .execute(pool)
+                .await?;
+            done = end;
+        }
+        Ok(())
+    }
+}
+
 async fn drain(n: usize, sink: &str, concurrency: u32) -> Result<Value> {
+    drain_table(n, sink, concurrency, Shape::Canonical).await
+}
+
+async fn drain_table(n: usize, sink: &str, concurrency: u32, shape: Shape) -> Result<Value> {
     let db = TestDb::new().await?;
     let t = tag();
     if sink == "kafka" {
@@ -588,15 +823,21 @@ async fn drain(n: usize, sink: &str, concurrency: u32) -> Result<Value> {
         &dir,
         &db.url,
         &format!("batch_size = 1000\nconcurrency = {concurrency}\nlanes = 64"),
-        &relay_body(sink, &t, &http),
+        &format!("{}{}", shape.mapping(), relay_body(sink, &t, &http)),
     )?;
     db.migrate(&config)?;
-    fill(&db.pool, n).await?;
+    shape.create_and_fill(&db.pool, n).await?;
+    if shape != Shape::Canonical {
+        let c = config.to_string_lossy().to_string();
+        let (code, out, err) = outroute_e2e::cli(&["migrate", "--table", "-c", &c])?;
+        anyhow::ensure!(code == 0, "migrate --table: {out}{err}");
+    }
     let mut relay = Relay::start(&config, &[("RUST_LOG", "warn")])?;
     let pid = relay.child.id();
     // Time from the first publish to the last mark.
     let mut start: Option<(Instant, f64)> = None;
     let mut group0: Vec<f64> = Vec::new();
+    let mut pg0 = 0.0;
     let deadline = Instant::now() + Duration::from_secs(600);
     let done = loop {
         // Watch the relay's own counter (no load on the database); the
@@ -608,14 +849,13 @@ async fn drain(n: usize, sink: &str, concurrency: u32) -> Result<Value> {
             outroute_e2e::metric(&m, "outroute_events_published_total{route=\"orders\"}")
                 .unwrap_or(0.0) as i64;
         if published as usize >= n {
-            let pending = db
-                .count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
-                .await;
+            let pending = db.count(shape.pending()).await;
             published = n as i64 - pending;
         }
         if start.is_none() && published > 0 {
             start = Some((Instant::now(), proc_stats(pid).0));
             group0 = GROUPS.iter().map(|(_, p)| group_cpu(p)).collect();
+            pg0 = pg_cpu(&db.pool).await;
         }
         if published as usize >= n || Instant::now() > deadline {
             break published;
@@ -625,6 +865,7 @@ async fn drain(n: usize, sink: &str, concurrency: u32) -> Result<Value> {
     let (t0, cpu0) = start.unwrap_or((Instant::now(), 0.0));
     let secs = t0.elapsed().as_secs_f64().max(1e-3);
     let (cpu1, rss) = proc_stats(pid);
+    let pg = pg_cpu(&db.pool).await - pg0;
     let others: serde_json::Map<String, Value> = GROUPS
         .iter()
         .zip(group0.iter().chain(std::iter::repeat(&0.0)))
@@ -643,6 +884,9 @@ async fn drain(n: usize, sink: &str, concurrency: u32) -> Result<Value> {
         "seconds": secs,
         "events_per_s": done as f64 / secs,
         "cores": (cpu1 - cpu0) / secs,
+        "postgres_cores": pg / secs,
+        "relay_us_per_event": (cpu1 - cpu0) * 1e6 / done.max(1) as f64,
+        "postgres_us_per_event": pg * 1e6 / done.max(1) as f64,
         "peak_rss_mib": rss,
         "plugin_call_seconds_sum": outroute_e2e::metric(&metrics, "outroute_plugin_call_seconds_sum{route=\"orders\"}"),
     }))
@@ -702,6 +946,95 @@ async fn baseline(n: usize) -> Result<f64> {
     Ok(rate)
 }
 
+/// Claim and pickup figures of a latency run, as table rows.
+fn push_claim_figures(table: &mut Vec<(String, String)>, label: &str, l: &Value) {
+    table.push((
+        format!(
+            "latency @{}/s claim statement{label}",
+            l["achieved_rate"]
+                .as_f64()
+                .map(|r| r.round())
+                .unwrap_or(0.0)
+        ),
+        format!(
+            "p50 ≤ {} ms, p99 ≤ {} ms",
+            l["claim_ms_bucket"]["p50"], l["claim_ms_bucket"]["p99"]
+        ),
+    ));
+    table.push((
+        format!(
+            "latency @{}/s pickup (commit→claim){label}",
+            l["achieved_rate"]
+                .as_f64()
+                .map(|r| r.round())
+                .unwrap_or(0.0)
+        ),
+        format!(
+            "p50 ≤ {} ms, p99 ≤ {} ms",
+            l["pickup_ms_bucket"]["p50"], l["pickup_ms_bucket"]["p99"]
+        ),
+    ));
+}
+
+/// A deep backlog drained to Kafka: is the last 100k as fast as the
+/// first, and how soon after start does the first batch go out?
+async fn drain_backlog(n: usize, concurrency: u32) -> Result<Value> {
+    let db = TestDb::new().await?;
+    let t = tag();
+    create_topic(&format!("b{t}.order-created"), 3).await?;
+    let dir = test_dir("backlog");
+    let http = outroute_e2e::free_addr();
+    let config = write_config(
+        &dir,
+        &db.url,
+        &format!("batch_size = 1000\nconcurrency = {concurrency}\nlanes = 64"),
+        &relay_body("kafka", &t, &http),
+    )?;
+    db.migrate(&config)?;
+    let mut done = 0;
+    while done < n {
+        let step = (n - done).min(100_000);
+        fill(&db.pool, step).await?;
+        done += step;
+        eprintln!("   backlog: {done} events");
+    }
+    let spawned = Instant::now();
+    let mut relay = Relay::start(&config, &[("RUST_LOG", "warn")])?;
+    let mut samples: Vec<(f64, f64)> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(1800);
+    loop {
+        let (_, m) = outroute_e2e::http_get(&http, "/metrics")
+            .await
+            .unwrap_or_default();
+        let published =
+            outroute_e2e::metric(&m, "outroute_events_published_total{route=\"orders\"}")
+                .unwrap_or(0.0);
+        samples.push((spawned.elapsed().as_secs_f64(), published));
+        if published as usize >= n || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    relay.terminate(Duration::from_secs(15));
+    // Time at which the published count first reached `k`.
+    let at = |k: f64| samples.iter().find(|(_, p)| *p >= k).map(|(t, _)| *t);
+    let first = at(1.0).unwrap_or(0.0);
+    let end = at(n as f64).unwrap_or(0.0);
+    let span = 100_000f64.min(n as f64);
+    let rate = |a: f64, b: f64| match (at(a), at(b)) {
+        (Some(x), Some(y)) if y > x => (b - a) / (y - x),
+        _ => 0.0,
+    };
+    db.drop_db().await;
+    Ok(json!({
+        "events": n,
+        "first_publish_ms": first * 1000.0,
+        "first_100k_per_s": rate(1.0, span),
+        "last_100k_per_s": rate(n as f64 - span, n as f64),
+        "events_per_s": n as f64 / (end - first).max(1e-3),
+    }))
+}
+
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -742,7 +1075,10 @@ fn bucket_quantile(metrics: &str, name: &str, q: f64) -> Value {
 
 /// `rate` events/s committed by 4 writers for `secs` seconds; commit →
 /// consumer-received measured per event.
-async fn latency(secs: u64, rate: u64) -> Result<Value> {
+///
+/// `history`: that many already-published rows (`history_payload` bytes of
+/// payload each) are in the table first, as after months without retention.
+async fn latency(secs: u64, rate: u64, history: usize, history_payload: usize) -> Result<Value> {
     let db = TestDb::new().await?;
     let t = tag();
     let topic = format!("b{t}.order-created");
@@ -751,6 +1087,23 @@ async fn latency(secs: u64, rate: u64) -> Result<Value> {
     let http = outroute_e2e::free_addr();
     let config = write_config(&dir, &db.url, "", &relay_body("kafka", &t, &http))?;
     db.migrate(&config)?;
+    let mut chunk = 0;
+    while chunk < history {
+        let end = (chunk + 500_000).min(history);
+        sqlx::query(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, created_at, published_at) \
+             SELECT gen_random_uuid(), 'order', 'h-' || g, 'order-created', jsonb_build_object('pad', repeat('x', $3)), \
+                    now() - interval '30 days', now() - interval '30 days' \
+             FROM generate_series($1::bigint, $2::bigint) g",
+        )
+        .bind(chunk as i64)
+        .bind(end as i64 - 1)
+        .bind(history_payload as i32)
+        .execute(&db.pool)
+        .await?;
+        chunk = end;
+        eprintln!("   history: {chunk} published rows");
+    }
     let mut relay = Relay::start(&config, &[("RUST_LOG", "warn")])?;
     tokio::time::sleep(Duration::from_secs(1)).await;
 
@@ -848,6 +1201,16 @@ async fn latency(secs: u64, rate: u64) -> Result<Value> {
             "p50": bucket_quantile(&metrics, "outroute_commit_to_ack_seconds", 0.5),
             "p99": bucket_quantile(&metrics, "outroute_commit_to_ack_seconds", 0.99),
         },
+        "claim_ms_bucket": {
+            "p50": bucket_quantile(&metrics, "outroute_claim_seconds", 0.5),
+            "p99": bucket_quantile(&metrics, "outroute_claim_seconds", 0.99),
+        },
+        "pickup_ms_bucket": {
+            "p50": bucket_quantile(&metrics, "outroute_pickup_seconds", 0.5),
+            "p99": bucket_quantile(&metrics, "outroute_pickup_seconds", 0.99),
+        },
+        "history_rows": history,
+        "history_payload_bytes": history_payload,
         "peak_rss_mib": rss,
     }))
 }

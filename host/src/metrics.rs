@@ -34,6 +34,10 @@ pub const MARK_FENCED: &str = "outroute_mark_fenced_total";
 pub const BATCH_SECONDS: &str = "outroute_batch_seconds";
 pub const PLUGIN_RELOADS: &str = "outroute_plugin_reloads_total";
 pub const PURGED: &str = "outroute_purged_events_total";
+/// One claim statement (rows or none): what a poll costs the database.
+pub const CLAIM_SECONDS: &str = "outroute_claim_seconds";
+/// Commit (the row's created_at) to claim: how fast new rows are noticed.
+pub const PICKUP: &str = "outroute_pickup_seconds";
 
 /// Install the Prometheus recorder (once per process).
 pub fn install() -> Result<PrometheusHandle> {
@@ -45,9 +49,14 @@ pub fn install() -> Result<PrometheusHandle> {
         0.000_002, 0.000_005, 0.000_01, 0.000_02, 0.000_05, 0.000_1, 0.000_5, 0.001, 0.005, 0.01,
         0.05, 0.1,
     ];
+    let db = [
+        0.000_2, 0.000_5, 0.001, 0.001_5, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0,
+    ];
     PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Full(COMMIT_TO_ACK.into()), &latency)?
         .set_buckets_for_metric(Matcher::Full(BATCH_SECONDS.into()), &latency)?
+        .set_buckets_for_metric(Matcher::Full(PICKUP.into()), &latency)?
+        .set_buckets_for_metric(Matcher::Full(CLAIM_SECONDS.into()), &db)?
         .set_buckets_for_metric(Matcher::Full(PLUGIN_CALL.into()), &fast)?
         .install_recorder()
         .context("installing the metrics recorder")

@@ -285,8 +285,11 @@ impl Relay {
             let first = turn % lanes.len();
             lanes.rotate_left(first);
             turn = turn.wrapping_add(1);
+            let claim_started = Instant::now();
             let claims = match self.store.claim(&lanes, self.config.batch_size).await {
                 Ok(c) => {
+                    metrics::histogram!(m::CLAIM_SECONDS)
+                        .record(claim_started.elapsed().as_secs_f64());
                     self.health.set_store_ok(true);
                     c
                 }
@@ -306,6 +309,13 @@ impl Relay {
                 continue;
             }
             let full = claims.len() as u32 >= self.config.batch_size;
+            let now = Utc::now();
+            for ev in claims.iter().filter_map(|c| c.row.as_ref().ok()) {
+                if ev.attempts == 0 {
+                    let age = (now - ev.created_at).num_microseconds().unwrap_or(0) as f64 / 1e6;
+                    metrics::histogram!(m::PICKUP).record(age.max(0.0));
+                }
+            }
             failpoint::hit("after-claim");
             let lease = LeaseGuard {
                 view: leases.clone(),

@@ -1313,7 +1313,18 @@ mod tests {
         let s = TableSql::new(&t, 16, "character varying");
         assert_eq!(s.pending, "o.\"status\" = 'PENDING'");
         assert!(s.seq.contains("extract(epoch from o.\"create_time\""));
-        assert!(s.lane.ends_with("% 16)::int"));
+        assert!(s.lane.ends_with("% 16)"));
         assert_eq!(s.ids_param(3), "$3::text[]::character varying[]");
+        // The claim orders by the raw columns, and the index is written
+        // with the same expressions, unqualified, over the same rows.
+        assert_eq!(s.order, "o.\"create_time\", o.\"event_id\"");
+        assert_eq!(
+            s.index_ddl,
+            format!(
+                "CREATE INDEX CONCURRENTLY IF NOT EXISTS \"t_outbox_outroute_lanes16\" ON \"t_outbox\" \
+                 (({}), \"create_time\", \"event_id\") WHERE \"status\" = 'PENDING'",
+                s.lane.replace("o.", "")
+            )
+        );
     }
 }
