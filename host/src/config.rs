@@ -168,8 +168,12 @@ pub enum Marking {
         column: String,
         pending: String,
         sent: String,
-        /// Value written when an event fails; unset: the failure is recorded
-        /// only in outroute's own `outroute_event_state` table.
+        /// Value written when an event fails for good. Unset: the row keeps
+        /// its `pending` value for ever; the failure is recorded only in
+        /// outroute's own `outroute_event_state` table (`outroute failed
+        /// list` shows it, the relay skips it), and every claim still walks
+        /// past it in the lane index. Set it when the table allows a third
+        /// status, so failed rows leave the pending set.
         failed: Option<String>,
     },
     /// Delete the row once published.
@@ -637,6 +641,15 @@ pub fn check_identifier(name: &str, allow_schema: bool) -> Result<(), String> {
 }
 
 impl Loaded {
+    /// What `run` needs beyond a valid file: at least one route. (`migrate`,
+    /// `status` and `failed` need only the store.)
+    pub fn check_runnable(&self) -> Result<(), String> {
+        if self.config.routes.is_empty() {
+            return Err("routes: no routes: the relay would route nothing".into());
+        }
+        Ok(())
+    }
+
     /// Every cross-reference and value check; returns `(key, reason)` pairs.
     pub fn validate(&self) -> Vec<(String, String)> {
         let c = &self.config;
@@ -781,12 +794,6 @@ impl Loaded {
                     "must be at least 100ms".into(),
                 );
             }
-        }
-        if c.routes.is_empty() {
-            err(
-                "routes".into(),
-                "no routes: the relay would route nothing".into(),
-            );
         }
         let mut seen = std::collections::BTreeSet::new();
         for (i, r) in c.routes.iter().enumerate() {

@@ -62,10 +62,15 @@ pub struct Malformed {
     pub sequence: i64,
     pub aggregate_type: String,
     pub aggregate_id: String,
+    /// As far as it could be read ("" when not), so `failed list
+    /// --event-type` still finds the row.
+    pub event_type: String,
     pub reason: String,
 }
 
 impl RawRow {
+    // `Event` (the Ok side) is larger still: boxing the error saves nothing.
+    #[allow(clippy::result_large_err)]
     pub fn validate(self) -> Result<Event, Malformed> {
         let malformed = |row: &RawRow, reason: String| Malformed {
             id: row.id.clone(),
@@ -74,6 +79,7 @@ impl RawRow {
             sequence: row.sequence.unwrap_or(0),
             aggregate_type: row.aggregate_type.clone().unwrap_or_default(),
             aggregate_id: row.aggregate_id.clone().unwrap_or_default(),
+            event_type: row.event_type.clone().unwrap_or_default(),
             reason,
         };
         let required = |v: &Option<String>, col: &str| -> Result<String, String> {

@@ -96,7 +96,7 @@ fn main() -> ExitCode {
     match rt.block_on(dispatch(cli.command)) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("outroute: {e:#}");
+            eprintln!("outroute: {}", ops::describe(&e));
             ExitCode::FAILURE
         }
     }

@@ -172,10 +172,20 @@ pub async fn serve(
             store,
             sinks,
         });
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .with_context(|| format!("http.listen: cannot bind {listen}"))?;
-    tracing::info!(%listen, "serving /metrics, /healthz, /readyz");
+    let listener = match tokio::net::TcpListener::bind(listen).await {
+        Ok(l) => l,
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => anyhow::bail!(
+            "http.listen: cannot bind {listen}: the address is in use (another relay on this host?). \
+             Give each relay its own address, e.g. OUTROUTE_HTTP__LISTEN=127.0.0.1:9465, or port 0 for \
+             any free port (logged at start), or \"\" for no HTTP endpoint"
+        ),
+        Err(e) => return Err(e).with_context(|| format!("http.listen: cannot bind {listen}")),
+    };
+    let bound = listener
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| listen.to_string());
+    tracing::info!(listen = %bound, "serving /metrics, /healthz, /readyz");
     Ok(tokio::spawn(async move {
         let _ = axum::serve(listener, app)
             .with_graceful_shutdown(shutdown.cancelled_owned())

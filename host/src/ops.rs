@@ -30,6 +30,24 @@ pub struct ConfigArg {
     pub config: PathBuf,
 }
 
+/// An error and its causes on one line, each cause once: sqlx's database
+/// errors repeat their source's text ("…: role \"x\" does not exist: role
+/// \"x\" does not exist"), so a cause already ending the text is skipped.
+pub fn describe(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.ends_with(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
+}
+
 /// Load config or explain every problem.
 pub fn load(path: &Path) -> Result<Loaded> {
     config::load(path).map_err(|e| anyhow::anyhow!("invalid configuration:\n{e}"))
@@ -71,6 +89,9 @@ async fn open_store(loaded: &Loaded, relay_id: &str) -> Result<Store> {
 /// `outroute run`.
 pub async fn run(path: &Path) -> Result<ExitCode> {
     let loaded = load(path)?;
+    if let Err(e) = loaded.check_runnable() {
+        bail!("invalid configuration:\n{}:{e}", path.display());
+    }
     init_logging(loaded.config.log.format, &loaded.config.log.level);
     let prom = metrics::install()?;
     let id = relay_id(&loaded);
@@ -629,6 +650,10 @@ pub async fn config_check(path: &Path, store: bool) -> Result<ExitCode> {
             return Ok(ExitCode::FAILURE);
         }
     };
+    if let Err(e) = l.check_runnable() {
+        eprintln!("{}:{e}", path.display());
+        return Ok(ExitCode::FAILURE);
+    }
     println!(
         "{}: ok ({} routes, {} sinks, {} plugins)",
         path.display(),

@@ -19,14 +19,21 @@ use crate::metrics::Health;
 use crate::relay::Relay;
 use crate::store::{Filter, Store};
 
+/// The demo plugin, when the binary was built after the plugins (build.rs).
+#[cfg(embedded_demo)]
+const DEMO_PLUGIN: Option<&[u8]> = Some(include_bytes!(env!("OUTROUTE_DEMO_PLUGIN")));
+#[cfg(not(embedded_demo))]
+const DEMO_PLUGIN: Option<&[u8]> = None;
+
 #[derive(Args)]
 pub struct QuickstartArgs {
     /// Working directory for the database, config and output.
     #[arg(long, default_value = ".outroute/quickstart")]
     dir: PathBuf,
-    /// The routing plugin to use.
-    #[arg(long, default_value = "plugins/dist/order_router.wasm")]
-    plugin: PathBuf,
+    /// The routing plugin to use (default: the order-router demo carried in
+    /// this binary, or `plugins/dist/order_router.wasm` in a checkout).
+    #[arg(long)]
+    plugin: Option<PathBuf>,
     /// How many orders to create.
     #[arg(long, default_value_t = 20)]
     orders: u32,
@@ -35,15 +42,24 @@ pub struct QuickstartArgs {
 pub async fn run(a: QuickstartArgs) -> Result<ExitCode> {
     // The summary below reports failures; keep the log to real errors.
     crate::ops::init_logging(crate::config::LogFormat::Human, "error");
-    if !a.plugin.is_file() {
-        bail!(
-            "{} not found: build the example plugins first (scripts/build-plugins)",
-            a.plugin.display()
-        );
-    }
     std::fs::create_dir_all(&a.dir).with_context(|| format!("creating {}", a.dir.display()))?;
     let dir = a.dir.canonicalize()?;
-    let plugin = a.plugin.canonicalize()?;
+    let plugin = match (a.plugin, DEMO_PLUGIN) {
+        (Some(p), _) => p,
+        (None, Some(bytes)) => {
+            let p = dir.join("order_router.wasm");
+            std::fs::write(&p, bytes).with_context(|| format!("writing {}", p.display()))?;
+            p
+        }
+        (None, None) => PathBuf::from("plugins/dist/order_router.wasm"),
+    };
+    if !plugin.is_file() {
+        bail!(
+            "{} not found: build the example plugins first (scripts/build-plugins), or pass --plugin",
+            plugin.display()
+        );
+    }
+    let plugin = plugin.canonicalize()?;
     for f in [
         "outbox.db",
         "outbox.db-wal",

@@ -508,7 +508,7 @@ impl Relay {
                         .routes
                         .0
                         .iter()
-                        .position(|r| r.selects(&bad.aggregate_type, ""));
+                        .position(|r| r.selects(&bad.aggregate_type, &bad.event_type));
                     Plan::Fail {
                         route,
                         rejection: Rejection::Invalid(format!("malformed row: {}", bad.reason)),
@@ -770,7 +770,7 @@ impl Relay {
             Err(b) => (
                 b.aggregate_type.clone(),
                 b.aggregate_id.clone(),
-                String::new(),
+                b.event_type.clone(),
                 b.sequence,
                 0,
             ),

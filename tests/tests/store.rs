@@ -354,6 +354,32 @@ async fn existing_tables_relay_without_migration() -> anyhow::Result<()> {
     let status: serde_json::Value = serde_json::from_str(&status)?;
     assert_eq!(status["backlog"], 0, "{status}");
     assert_eq!(status["failed"], 2, "{status}");
+    // The per-type breakdown agrees with the total (failed rows that stay
+    // PENDING in a table without `marking.failed` are not backlog).
+    assert_eq!(
+        status["backlog_by_aggregate_type"],
+        serde_json::json!([]),
+        "{status}"
+    );
+    // A malformed row keeps the columns that could be read: its event type
+    // is listed and filterable.
+    let (_, out, _) = cli(&[
+        "failed",
+        "list",
+        "--json",
+        "--event-type",
+        "order-paid",
+        "-c",
+        &c2s,
+    ])?;
+    let listed: serde_json::Value = serde_json::from_str(&out)?;
+    assert_eq!(listed.as_array().map(Vec::len), Some(2), "{out}");
+    assert!(
+        listed
+            .as_array()
+            .is_some_and(|a| a.iter().all(|f| f["event_type"] == "order-paid")),
+        "{out}"
+    );
 
     // The operator fixes the payload and retries: it is published.
     sqlx::query("UPDATE t_outbox SET payload = '{\"fixed\": true}' WHERE event_id = 'bad-json'")

@@ -69,6 +69,7 @@ where
             .unwrap_or(0),
         aggregate_type: text("aggregate_type"),
         aggregate_id: text("aggregate_id"),
+        event_type: text("event_type"),
         reason: format!("unreadable row: {e}"),
     }
 }

@@ -939,7 +939,7 @@ impl PgStore {
 
     pub async fn status(&self) -> Result<Status> {
         let s = self.sql()?;
-        let (backlog, oldest) = self.backlog().await?;
+        let (_, oldest) = self.backlog().await?;
         let counts = sqlx::query(
             "SELECT count(*) FILTER (WHERE failed_at IS NULL), count(*) FILTER (WHERE failed_at IS NOT NULL AND discarded_at IS NULL) \
              FROM outroute_event_state WHERE source = $1",
@@ -947,13 +947,21 @@ impl PgStore {
         .bind(&self.source)
         .fetch_one(&self.pool)
         .await?;
+        // An operator's question, answered exactly (this reads every pending
+        // row, unlike the relay's bounded gauge); failed rows that stay
+        // pending in a table with nowhere to mark them are not backlog.
         let by_type_q = format!(
-            "SELECT {at}, count(*) FROM {table} o WHERE {pending} GROUP BY 1 ORDER BY 2 DESC LIMIT 50",
+            "SELECT {at}, count(*) FROM {table} o WHERE {pending} AND NOT EXISTS \
+               (SELECT 1 FROM outroute_event_state st WHERE st.source = $1 AND st.event_id = {id}::text \
+                AND st.failed_at IS NOT NULL) \
+             GROUP BY 1 ORDER BY 2 DESC",
             at = s.aggregate_type,
             table = s.table,
-            pending = s.pending
+            pending = s.pending,
+            id = s.id,
         );
-        let by_type = sqlx::query(&by_type_q)
+        let mut by_type = sqlx::query(&by_type_q)
+            .bind(&self.source)
             .fetch_all(&self.pool)
             .await?
             .iter()
@@ -964,6 +972,8 @@ impl PgStore {
                 ))
             })
             .collect::<Result<Vec<_>>>()?;
+        let backlog = by_type.iter().map(|(_, n)| n).sum();
+        by_type.truncate(50);
         let relays = sqlx::query(
             "SELECT r.relay_id, r.hostname, r.pid, extract(epoch from now() - r.heartbeat_at)::float8, \
                COALESCE(array_agg(l.lane ORDER BY l.lane) FILTER (WHERE l.lane IS NOT NULL), '{}') \

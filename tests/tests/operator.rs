@@ -1,0 +1,195 @@
+//! Rough edges an operator hits first: several relays on one host, migrating
+//! before any route exists, readable errors, the quickstart outside the
+//! checkout, and background services that keep none of the caller's files.
+
+use std::process::Command;
+use std::time::Duration;
+
+use outroute_e2e::*;
+
+/// The log without terminal colour codes.
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::new();
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+fn body(dir: &std::path::Path, http: &str, routes: bool) -> String {
+    let route = if routes {
+        format!(
+            "[plugins.p]\npath = \"{}\"\n[[routes]]\nname = \"r\"\nplugin = \"p\"\n\
+             config = {{ sink = \"file\", topic = \"orders.{{event_type}}\" }}\nallow = {{ file = [\"orders.*\"] }}\n",
+            plugin("order-router").display()
+        )
+    } else {
+        String::new()
+    };
+    format!(
+        "[http]\nlisten = \"{http}\"\n[sinks.file]\nkind = \"file\"\npath = \"{}\"\n{route}",
+        dir.join("out.jsonl").display()
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_relay_on_one_host_says_how_to_pick_another_port() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("two-relays");
+    let http = free_addr();
+    let config = write_config(&dir, &db.url, "", &body(&dir, &http, true))?;
+    db.migrate(&config)?;
+    let _first = Relay::start(&config, &[])?;
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            http_get(&http, "/healthz").await.is_ok()
+        })
+        .await
+    );
+    let mut second = Relay::start(&config, &[])?;
+    let status = second.wait_exit(Duration::from_secs(20));
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "the second relay kept running"
+    );
+    let log = second.log_text();
+    assert!(
+        log.contains("address is in use") && log.contains("OUTROUTE_HTTP__LISTEN"),
+        "{log}"
+    );
+    // Port 0: any free port, and the log says which.
+    let mut third = Relay::start(&config, &[("OUTROUTE_HTTP__LISTEN", "127.0.0.1:0")])?;
+    let mut bound = None;
+    for _ in 0..200 {
+        let log = strip_ansi(&third.log_text());
+        bound = log
+            .split("listen=")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .map(str::to_string)
+            .filter(|a| !a.ends_with(":0"));
+        if bound.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let bound =
+        bound.ok_or_else(|| anyhow::anyhow!("no bound port logged: {}", third.log_text()))?;
+    let (code, _) = http_get(&bound, "/healthz").await?;
+    assert_eq!(code, 200);
+    third.terminate(Duration::from_secs(15));
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn migrate_needs_only_the_store_and_errors_say_things_once() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("no-routes");
+    let config = write_config(&dir, &db.url, "", &body(&dir, "", false))?;
+    let c = config.to_string_lossy().to_string();
+    let (code, out, err) = cli(&["migrate", "-c", &c])?;
+    assert_eq!(
+        code, 0,
+        "migrate refused a config without routes: {out}{err}"
+    );
+    let (code, _, err) = cli(&["status", "-c", &c])?;
+    assert_eq!(code, 0, "{err}");
+    // `run` and `config check` still want a route.
+    let (code, _, err) = cli(&["config", "check", "-c", &c])?;
+    assert_ne!(code, 0);
+    assert!(err.contains(":routes: no routes"), "{err}");
+    let (code, _, err) = cli(&["run", "-c", &c])?;
+    assert_ne!(code, 0);
+    assert!(err.contains("no routes"), "{err}");
+
+    // A database error is said once, not twice.
+    let bad = write_config(
+        &dir,
+        "postgres://no_such_role@127.0.0.1:5432/test",
+        "",
+        &body(&dir, "", false),
+    )?;
+    let (code, _, err) = cli(&["migrate", "-c", &bad.to_string_lossy()])?;
+    assert_ne!(code, 0);
+    assert_eq!(
+        err.matches("role \"no_such_role\" does not exist").count(),
+        1,
+        "{err}"
+    );
+    db.drop_db().await;
+    Ok(())
+}
+
+#[test]
+fn the_quickstart_runs_from_any_directory() -> anyhow::Result<()> {
+    let dir = test_dir("quickstart-anywhere");
+    let out = Command::new(bin())
+        .args(["quickstart", "--dir", "qs", "--orders", "5"])
+        .current_dir(&dir)
+        .output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(dir.join("qs/messages.jsonl").is_file(), "{stdout}");
+    Ok(())
+}
+
+#[test]
+fn services_start_detached_without_the_callers_descriptors() -> anyhow::Result<()> {
+    // A second tansu on its own port, started while the caller holds a file
+    // open on descriptor 9 (as a lock file would be).
+    let port = 19000 + (std::process::id() % 500) as u16;
+    let held = test_dir("services-fd").join("held.lock");
+    std::fs::write(&held, "")?;
+    let out = Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "exec 9>>'{}'; '{}/scripts/services'",
+            held.display(),
+            workspace().display()
+        ))
+        .env("OUTROUTE_KAFKA_PORT", port.to_string())
+        .output()?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pids = Command::new("pgrep")
+        .args(["-f", &format!("tcp://127.0.0.1:{port}")])
+        .output()?;
+    let pids: Vec<String> = String::from_utf8_lossy(&pids.stdout)
+        .split_whitespace()
+        .map(str::to_string)
+        .collect();
+    assert!(!pids.is_empty(), "no tansu on port {port}");
+    let mut leaked = Vec::new();
+    for pid in &pids {
+        for fd in std::fs::read_dir(format!("/proc/{pid}/fd"))?.flatten() {
+            if std::fs::read_link(fd.path()).is_ok_and(|t| t == held) {
+                leaked.push(fd.path());
+            }
+        }
+    }
+    for pid in &pids {
+        let _ = Command::new("kill").arg(pid).status();
+    }
+    assert!(
+        leaked.is_empty(),
+        "tansu holds the caller's file: {leaked:?}"
+    );
+    Ok(())
+}
