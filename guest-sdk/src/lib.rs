@@ -28,8 +28,9 @@
 //! outroute_guest::export_router!(Orders);
 //! ```
 //!
-//! Build it with `cargo build --release --target wasm32-wasip2`; the `.wasm`
-//! file in `target/wasm32-wasip2/release/` is the plugin. The routing logic is
+//! Build it with `cargo build --release --target wasm32-wasip2` (in this
+//! workspace: `--profile plugin`, tuned for size); the `.wasm` file in
+//! `target/wasm32-wasip2/<profile>/` is the plugin. The routing logic is
 //! plain Rust, so `cargo test` exercises it natively: build [`Event`]s with
 //! [`Event::new`] and call your `route` directly.
 //!

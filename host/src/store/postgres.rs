@@ -10,19 +10,34 @@
 //! their leases lapse, so a new relay picks them up after at most one TTL.
 //!
 //! Because a lane has one owner, claiming needs no row locks and no writes:
-//! a claim is one `SELECT` of the owned lanes' next pending rows in outbox
-//! order (measured: row-lease designs that UPDATE lease columns at claim cost
-//! an extra write per row). Within a batch the relay keeps per-aggregate
-//! order itself. Marking is one statement that re-checks the lease inside
-//! the same statement (`FOR SHARE` on the lane rows): a relay whose lease
-//! lapsed (GC pause, network cut) marks nothing, and a takeover waits for an
-//! in-progress mark to commit. Worst case after a lapse is a duplicate
-//! publish carrying the same event id, never a loss or a reorder of first
-//! deliveries.
+//! a claim is one `SELECT` (measured: row-lease designs that UPDATE lease
+//! columns at claim cost an extra write per row). Within a batch the relay
+//! keeps per-aggregate order itself.
+//!
+//! ## Cost: per batch, never per backlog
+//! The lane index (`CREATE INDEX … ON t ((<lane expression>), <order>, <id>)
+//! WHERE <pending>`; `outroute migrate` builds it for the canonical table,
+//! `outroute migrate --table` for an existing one) lets the claim walk each
+//! owned lane from its oldest pending row and stop at a full batch: one
+//! index descent per lane plus the rows returned, whatever the backlog or
+//! history, and whatever the planner statistics (the plan is checked with
+//! `EXPLAIN` at start-up; a table without a usable index is claimed by a
+//! scan, with a warning naming the `CREATE INDEX`). Marking goes straight to
+//! each row by the `ctid` the claim saw, re-checking id, pending state and
+//! lane ownership in the same statement, so a relay whose lease lapsed (GC
+//! pause, network cut) marks nothing. The ownership check is a plain read:
+//! lease renewal never waits behind a mark. Worst case after a lapse is a
+//! duplicate publish carrying the same event id, never a loss or a reorder of
+//! first deliveries.
 //!
 //! A failing event holds back only its own aggregate: its retry time is
 //! stored in `outroute_event_state.blocks_until`, and the claim skips every
-//! later event of an aggregate with an earlier blocking state row.
+//! later event of an aggregate with an earlier blocking state row (an index
+//! probe per row walked; a held aggregate's pending rows are walked past on
+//! each claim of its lane).
+//!
+//! Background work is bounded too: the backlog gauge counts at most
+//! [`BACKLOG_EXACT`] rows, and retention runs in one relay at a time.
 //!
 //! Cost per batch: 1 claim round-trip, 1 mark round-trip, plus one per
 //! failed event; lease upkeep is 2–3 statements every `lease_ttl / 3`.
@@ -102,7 +117,7 @@ impl Shape {
 }
 
 /// The backlog gauge counts pending events exactly up to about this many.
-pub const BACKLOG_EXACT: i64 = 10_000;
+pub const BACKLOG_EXACT: i64 = 1_000;
 
 /// The SQL for one table mapping, generated once at start-up.
 #[derive(Debug, Clone)]
@@ -675,11 +690,12 @@ impl PgStore {
     }
 
     /// Mark these claimed rows published. Each row is found by where the
-    /// claim saw it (`ctid`, a direct heap fetch) and re-checked by id,
+    /// claim saw it (`ctid`: a direct heap fetch) and re-checked by id,
     /// pending state and lane ownership, so the cost is per row marked
-    /// whatever the table's size or statistics; a row that moved since the
-    /// claim (updated meanwhile) is looked up by id instead. The lease
-    /// check is a plain read: renewing a lease never waits for a mark.
+    /// whatever the table's size or statistics. A row that moved since the
+    /// claim (a producer updated it) is not marked: it is claimed again and
+    /// re-published with the same id. The lease check is a plain read:
+    /// renewing a lease never waits for a mark.
     pub async fn mark_published(&self, claims: &[&Claim]) -> Result<u64> {
         if claims.is_empty() {
             return Ok(0);
@@ -691,29 +707,22 @@ impl PgStore {
             .filter(|c| c.has_state)
             .map(|c| c.id())
             .collect();
-        let marked = self.mark_where(&ids, Some(&tids), &with_state).await?;
-        if marked.len() == ids.len() {
-            return Ok(marked.len() as u64);
-        }
-        let marked: std::collections::HashSet<String> = marked.into_iter().collect();
-        let rest: Vec<&str> = ids
-            .iter()
-            .copied()
-            .filter(|id| !marked.contains(*id))
-            .collect();
-        let again = self.mark_where(&rest, None, &with_state).await?;
-        Ok((marked.len() + again.len()) as u64)
+        let q = self.mark_sql(!with_state.is_empty())?;
+        let marked: Vec<String> = sqlx::query_scalar(&q)
+            .bind(&self.source)
+            .bind(&self.relay_id)
+            .bind(&ids)
+            .bind(&with_state)
+            .bind(&tids)
+            .fetch_all(&self.pool)
+            .await
+            .context("marking events published")?;
+        Ok(marked.len() as u64)
     }
 
-    /// One mark statement: rows with these ids (at these `ctid`s when
-    /// given) that are still pending in lanes this relay holds; clears the
-    /// state rows of those in `with_state`. Returns the ids marked.
-    async fn mark_where(
-        &self,
-        ids: &[&str],
-        tids: Option<&[&str]>,
-        with_state: &[&str],
-    ) -> Result<Vec<String>> {
+    /// The mark statement; parameters: $1 source, $2 relay id, $3 ids,
+    /// $4 ids with a state row, $5 ctids.
+    fn mark_sql(&self, clear_state: bool) -> Result<String> {
         let s = self.sql()?;
         let change = match &s.cfg.marking {
             Marking::PublishedAt { column } => {
@@ -729,36 +738,53 @@ impl PgStore {
             }
             Marking::Delete => format!("DELETE FROM {} o", s.table),
         };
-        let at = if tids.is_some() {
-            "o.ctid = ANY($5::text[]::tid[]) AND "
-        } else {
-            ""
-        };
-        let clear = if with_state.is_empty() {
-            ""
-        } else {
+        let clear = if clear_state {
             ", cleared AS (DELETE FROM outroute_event_state st WHERE st.source = $1 \
                AND st.event_id = ANY($4::text[]) AND st.event_id IN (SELECT id FROM marked))"
+        } else {
+            ""
         };
-        let q = format!(
-            "WITH marked AS ({change} WHERE {at}{id} = ANY({ids}) AND {pending} \
-               AND {lane} = ANY(ARRAY(SELECT lane FROM outroute_lanes WHERE source = $1 AND owner = $2 AND lease_until > now())) \
+        // `ctid = ANY(…)` must be the only condition an index could serve:
+        // the rest sits inside a CASE, which the planner cannot match to an
+        // index. Otherwise, with no statistics, it may take the small-looking
+        // lane index for `id = ANY(…)` (id is its last column) or for the
+        // pending predicate and walk every pending row. The lease check is a
+        // per-row probe of the row's own lane row (`OFFSET 0` keeps it one).
+        Ok(format!(
+            "WITH marked AS ({change} WHERE o.ctid = ANY($5::text[]::tid[]) \
+               AND CASE WHEN {id} = ANY({ids}) AND {pending} \
+                 THEN EXISTS (SELECT 1 FROM outroute_lanes l WHERE l.source = $1 AND l.lane = {lane} \
+                   AND l.owner = $2 AND l.lease_until > now() OFFSET 0) \
+                 ELSE FALSE END \
                RETURNING {id}::text AS id){clear} \
              SELECT id FROM marked",
             id = s.id,
             ids = s.ids_param(3),
             pending = s.pending,
             lane = s.lane,
-        );
-        sqlx::query_scalar(&q)
-            .bind(&self.source)
-            .bind(&self.relay_id)
-            .bind(ids)
-            .bind(with_state)
-            .bind(tids.unwrap_or_default())
-            .fetch_all(&self.pool)
-            .await
-            .context("marking events published")
+        ))
+    }
+
+    /// Run the mark of these claims under `EXPLAIN ANALYZE` and roll it
+    /// back: type and rows read of every plan node that reads the outbox
+    /// table (for tests and diagnosis).
+    pub async fn mark_cost(&self, claims: &[&Claim]) -> Result<Vec<(String, f64)>> {
+        let ids: Vec<&str> = claims.iter().map(|c| c.id()).collect();
+        let tids: Vec<&str> = claims.iter().filter_map(|c| c.tid.as_deref()).collect();
+        let q = self.mark_sql(false)?;
+        let mut tx = self.pool.begin().await?;
+        let plan: serde_json::Value =
+            sqlx::query_scalar(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {q}"))
+                .bind(&self.source)
+                .bind(&self.relay_id)
+                .bind(&ids)
+                .bind(Vec::<&str>::new())
+                .bind(&tids)
+                .fetch_one(&mut *tx)
+                .await
+                .context("planning the mark")?;
+        tx.rollback().await?;
+        Ok(scans_of(&plan, "o"))
     }
 
     pub async fn record_failures(&self, failures: &[Failure]) -> Result<u64> {
