@@ -27,7 +27,8 @@ use outroute::event::Event;
 use outroute::plugin::{Limits, PluginHandle, Runtime};
 use outroute::sink::{Outgoing, kafka::KafkaSink, nats::NatsSink};
 use outroute_e2e::{
-    KAFKA, NATS, Relay, TestDb, create_topic, nats_stream, plugin, tag, test_dir, write_config,
+    KAFKA, NATS, Relay, TestDb, create_topic, nats_stream, plugin, seed, tag, test_dir,
+    write_config,
 };
 use serde_json::{Value, json};
 use sqlx::postgres::PgPool;
@@ -489,6 +490,10 @@ async fn db_ceiling(n: usize, marking: &str, batch: u32, workers: u32) -> Result
     )?;
     db.migrate(&config)?;
     fill(&db.pool, n).await?;
+    // The delete mapping is not the canonical one: give it its lane index.
+    let c = config.to_string_lossy().to_string();
+    let (code, out, err) = outroute_e2e::cli(&["migrate", "--table", "-c", &c])?;
+    anyhow::ensure!(code == 0, "migrate --table: {out}{err}");
     let loaded = outroute::config::load(&config).map_err(|e| anyhow::anyhow!("{e}"))?;
     let mut store = outroute::store::Store::connect(&loaded.config, "ceiling").await?;
     store.check_table().await?;
@@ -749,12 +754,8 @@ impl Shape {
     fn mapping(self) -> &'static str {
         match self {
             Shape::Canonical => "",
-            Shape::TOutbox => {
-                "[store.table]\nname = \"t_outbox\"\nid = \"event_id\"\naggregate_type = \"aggregate_type\"\naggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\npayload = \"payload\"\ncreated_at = \"create_time\"\nattempts = \"retry_count\"\nmarking = { style = \"status\", column = \"status\", pending = \"PENDING\", sent = \"SENT\" }\n"
-            }
-            Shape::OutboxEvents => {
-                "[store.table]\nname = \"outbox_events\"\nid = \"id\"\naggregate_type_value = \"order\"\naggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\npayload = \"payload\"\ncreated_at = \"created_at\"\nattempts = \"attempts\"\nmarking = { style = \"published_at\", column = \"published_at\" }\n"
-            }
+            Shape::TOutbox => seed::T_OUTBOX_MAPPING,
+            Shape::OutboxEvents => seed::OUTBOX_EVENTS_MAPPING,
         }
     }
 
@@ -772,18 +773,14 @@ impl Shape {
         let (create, insert) = match self {
             Shape::Canonical => return fill(pool, n).await,
             Shape::TOutbox => (
-                "CREATE TABLE t_outbox (event_id varchar(64) PRIMARY KEY, aggregate_type varchar(64), aggregate_id varchar(64), \
-                 event_type varchar(128) NOT NULL, payload text, status varchar(16) NOT NULL DEFAULT 'PENDING', \
-                 retry_count int NOT NULL DEFAULT 0, create_time timestamp NOT NULL DEFAULT clock_timestamp())",
+                seed::T_OUTBOX_DDL,
                 "INSERT INTO t_outbox (event_id, aggregate_type, aggregate_id, event_type, payload) \
                  SELECT gen_random_uuid()::text, 'order', 'o-' || g, 'order-created', \
                         json_build_object('order_id', 'o-' || g, 'total', g, 'note', repeat('x', 900))::text \
                  FROM generate_series($1::bigint, $2::bigint) g",
             ),
             Shape::OutboxEvents => (
-                "CREATE TABLE outbox_events (id uuid PRIMARY KEY, event_type text NOT NULL, aggregate_id uuid NOT NULL, \
-                 payload json NOT NULL, created_at timestamptz NOT NULL DEFAULT clock_timestamp(), published_at timestamptz, \
-                 attempts int NOT NULL DEFAULT 0, lease_owner text, lease_until timestamptz)",
+                seed::OUTBOX_EVENTS_DDL,
                 "INSERT INTO outbox_events (id, event_type, aggregate_id, payload) \
                  SELECT gen_random_uuid(), 'order-created', gen_random_uuid(), \
                         json_build_object('order_id', 'o-' || g, 'total', g, 'note', repeat('x', 900)) \
@@ -948,32 +945,16 @@ async fn baseline(n: usize) -> Result<f64> {
 
 /// Claim and pickup figures of a latency run, as table rows.
 fn push_claim_figures(table: &mut Vec<(String, String)>, label: &str, l: &Value) {
-    table.push((
-        format!(
-            "latency @{}/s claim statement{label}",
-            l["achieved_rate"]
-                .as_f64()
-                .map(|r| r.round())
-                .unwrap_or(0.0)
-        ),
-        format!(
-            "p50 ≤ {} ms, p99 ≤ {} ms",
-            l["claim_ms_bucket"]["p50"], l["claim_ms_bucket"]["p99"]
-        ),
-    ));
-    table.push((
-        format!(
-            "latency @{}/s pickup (commit→claim){label}",
-            l["achieved_rate"]
-                .as_f64()
-                .map(|r| r.round())
-                .unwrap_or(0.0)
-        ),
-        format!(
-            "p50 ≤ {} ms, p99 ≤ {} ms",
-            l["pickup_ms_bucket"]["p50"], l["pickup_ms_bucket"]["p99"]
-        ),
-    ));
+    let rate = l["achieved_rate"].as_f64().unwrap_or(0.0).round();
+    for (what, key) in [
+        ("claim statement", "claim_ms_bucket"),
+        ("pickup (commit→claim)", "pickup_ms_bucket"),
+    ] {
+        table.push((
+            format!("latency @{rate}/s {what}{label}"),
+            format!("p50 ≤ {} ms, p99 ≤ {} ms", l[key]["p50"], l[key]["p99"]),
+        ));
+    }
 }
 
 /// A deep backlog drained to Kafka: is the last 100k as fast as the

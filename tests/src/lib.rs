@@ -645,3 +645,45 @@ pub fn relay_body(
         plugin(plugin_name).display()
     )
 }
+
+/// The two existing outbox shapes from the seed articles, exactly as they
+/// define them, and the `[store.table]` mappings that relay them unchanged.
+pub mod seed {
+    /// Article 000: `outbox_events`, marked by `published_at`, ordered by
+    /// `created_at`, no aggregate type column.
+    pub const OUTBOX_EVENTS_DDL: &str = "CREATE TABLE outbox_events (id uuid PRIMARY KEY, event_type text NOT NULL, \
+         aggregate_id uuid NOT NULL, payload json NOT NULL, created_at timestamptz NOT NULL DEFAULT clock_timestamp(), \
+         published_at timestamptz, attempts int NOT NULL DEFAULT 0, lease_owner text, lease_until timestamptz)";
+
+    /// Article 004: Spring-style `t_outbox`, marked by `status`.
+    pub const T_OUTBOX_DDL: &str = "CREATE TABLE t_outbox (event_id varchar(64) PRIMARY KEY, aggregate_type varchar(64), \
+         aggregate_id varchar(64), event_type varchar(128) NOT NULL, payload text, \
+         status varchar(16) NOT NULL DEFAULT 'PENDING', retry_count int NOT NULL DEFAULT 0, \
+         create_time timestamp NOT NULL DEFAULT clock_timestamp())";
+
+    pub const OUTBOX_EVENTS_MAPPING: &str = r#"
+[store.table]
+name = "outbox_events"
+id = "id"
+aggregate_type_value = "order"
+aggregate_id = "aggregate_id"
+event_type = "event_type"
+payload = "payload"
+created_at = "created_at"
+attempts = "attempts"
+marking = { style = "published_at", column = "published_at" }
+"#;
+
+    pub const T_OUTBOX_MAPPING: &str = r#"
+[store.table]
+name = "t_outbox"
+id = "event_id"
+aggregate_type = "aggregate_type"
+aggregate_id = "aggregate_id"
+event_type = "event_type"
+payload = "payload"
+created_at = "create_time"
+attempts = "retry_count"
+marking = { style = "status", column = "status", pending = "PENDING", sent = "SENT" }
+"#;
+}

@@ -232,49 +232,13 @@ async fn a_row_moved_since_its_claim_is_published_again_and_the_backlog_gauge_is
     Ok(())
 }
 
-const T_OUTBOX: &str = r#"
-[store.table]
-name = "t_outbox"
-id = "event_id"
-aggregate_type = "aggregate_type"
-aggregate_id = "aggregate_id"
-event_type = "event_type"
-payload = "payload"
-created_at = "create_time"
-attempts = "retry_count"
-marking = { style = "status", column = "status", pending = "PENDING", sent = "SENT" }
-"#;
-
-const OUTBOX_EVENTS: &str = r#"
-[store.table]
-name = "outbox_events"
-id = "id"
-aggregate_type_value = "order"
-aggregate_id = "aggregate_id"
-event_type = "event_type"
-payload = "payload"
-created_at = "created_at"
-attempts = "attempts"
-marking = { style = "published_at", column = "published_at" }
-"#;
-
 #[tokio::test(flavor = "multi_thread")]
 async fn existing_tables_get_their_lane_index_from_migrate_table() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
-    sqlx::query(
-        "CREATE TABLE outbox_events (id uuid PRIMARY KEY, event_type text NOT NULL, aggregate_id uuid NOT NULL, \
-         payload json NOT NULL, created_at timestamptz NOT NULL DEFAULT clock_timestamp(), published_at timestamptz, \
-         attempts int NOT NULL DEFAULT 0, lease_owner text, lease_until timestamptz)",
-    )
-    .execute(&db.pool)
-    .await?;
-    sqlx::query(
-        "CREATE TABLE t_outbox (event_id varchar(64) PRIMARY KEY, aggregate_type varchar(64), aggregate_id varchar(64), \
-         event_type varchar(128) NOT NULL, payload text, status varchar(16) NOT NULL DEFAULT 'PENDING', \
-         retry_count int NOT NULL DEFAULT 0, create_time timestamp NOT NULL DEFAULT clock_timestamp())",
-    )
-    .execute(&db.pool)
-    .await?;
+    sqlx::query(seed::OUTBOX_EVENTS_DDL)
+        .execute(&db.pool)
+        .await?;
+    sqlx::query(seed::T_OUTBOX_DDL).execute(&db.pool).await?;
     sqlx::query(
         "INSERT INTO outbox_events (id, event_type, aggregate_id, payload) \
          SELECT gen_random_uuid(), 'order-created', gen_random_uuid(), json_build_object('n', g) \
@@ -290,7 +254,10 @@ async fn existing_tables_get_their_lane_index_from_migrate_table() -> anyhow::Re
     .execute(&db.pool)
     .await?;
 
-    for (table, mapping) in [("t_outbox", T_OUTBOX), ("outbox_events", OUTBOX_EVENTS)] {
+    for (table, mapping) in [
+        ("t_outbox", seed::T_OUTBOX_MAPPING),
+        ("outbox_events", seed::OUTBOX_EVENTS_MAPPING),
+    ] {
         let dir = test_dir(&format!("migrate-{table}"));
         let config = write_config(&dir, &db.url, "lanes = 16", &file_body(&dir, mapping))?;
         let c = config.to_string_lossy().to_string();

@@ -157,32 +157,6 @@ async fn retention_deletes_only_published_rows_past_the_window() -> anyhow::Resu
     Ok(())
 }
 
-const OUTBOX_EVENTS: &str = r#"
-[store.table]
-name = "outbox_events"
-id = "id"
-aggregate_type_value = "order"
-aggregate_id = "aggregate_id"
-event_type = "event_type"
-payload = "payload"
-created_at = "created_at"
-attempts = "attempts"
-marking = { style = "published_at", column = "published_at" }
-"#;
-
-const T_OUTBOX: &str = r#"
-[store.table]
-name = "t_outbox"
-id = "event_id"
-aggregate_type = "aggregate_type"
-aggregate_id = "aggregate_id"
-event_type = "event_type"
-payload = "payload"
-created_at = "create_time"
-attempts = "retry_count"
-marking = { style = "status", column = "status", pending = "PENDING", sent = "SENT" }
-"#;
-
 fn nats_body(t: &str, table: &str) -> String {
     format!(
         r#"
@@ -212,20 +186,10 @@ async fn existing_tables_relay_without_migration() -> anyhow::Result<()> {
     let t = tag();
     let js = nats_stream(&format!("L{t}"), vec![format!("l{t}.>")]).await?;
     // The two shapes, exactly as the seed articles define them.
-    sqlx::query(
-        "CREATE TABLE outbox_events (id uuid PRIMARY KEY, event_type text NOT NULL, aggregate_id uuid NOT NULL, \
-         payload json NOT NULL, created_at timestamptz NOT NULL DEFAULT clock_timestamp(), published_at timestamptz, \
-         attempts int NOT NULL DEFAULT 0, lease_owner text, lease_until timestamptz)",
-    )
-    .execute(&db.pool)
-    .await?;
-    sqlx::query(
-        "CREATE TABLE t_outbox (event_id varchar(64) PRIMARY KEY, aggregate_type varchar(64), aggregate_id varchar(64), \
-         event_type varchar(128) NOT NULL, payload text, status varchar(16) NOT NULL DEFAULT 'PENDING', \
-         retry_count int NOT NULL DEFAULT 0, create_time timestamp NOT NULL DEFAULT clock_timestamp())",
-    )
-    .execute(&db.pool)
-    .await?;
+    sqlx::query(seed::OUTBOX_EVENTS_DDL)
+        .execute(&db.pool)
+        .await?;
+    sqlx::query(seed::T_OUTBOX_DDL).execute(&db.pool).await?;
     let agg = uuid::Uuid::new_v4();
     let mut ids1 = Vec::new();
     for i in 0..20 {
@@ -262,14 +226,14 @@ async fn existing_tables_relay_without_migration() -> anyhow::Result<()> {
         &dir1,
         &db.url,
         "lease_ttl = \"2s\"",
-        &nats_body(&t, OUTBOX_EVENTS),
+        &nats_body(&t, seed::OUTBOX_EVENTS_MAPPING),
     )?;
     let dir2 = test_dir("legacy2");
     let c2 = write_config(
         &dir2,
         &db.url,
         "lease_ttl = \"2s\"",
-        &nats_body(&t, T_OUTBOX),
+        &nats_body(&t, seed::T_OUTBOX_MAPPING),
     )?;
     let mut r1 = Relay::start(&c1, &[])?;
     let mut r2 = Relay::start(&c2, &[])?;

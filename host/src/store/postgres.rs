@@ -328,11 +328,6 @@ impl PgStore {
             .parse::<PgConnectOptions>()
             .map_err(|e| anyhow!("store.url: {e}"))?
             .application_name("outroute")
-            // Plan each statement for its actual parameters: a generic plan
-            // would re-cast the mark's id list for every row it checks
-            // (O(batch²)), where a custom plan folds it into a constant once
-            // and hashes it. Planning costs well under a millisecond a batch.
-            .options([("plan_cache_mode", "force_custom_plan")])
             .log_statements(tracing::log::LevelFilter::Trace)
             .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(2));
         let pool = PgPoolOptions::new()
@@ -705,8 +700,10 @@ impl PgStore {
         if claims.is_empty() {
             return Ok(0);
         }
-        let ids: Vec<&str> = claims.iter().map(|c| c.id()).collect();
-        let tids: Vec<&str> = claims.iter().filter_map(|c| c.tid.as_deref()).collect();
+        let (tids, ids): (Vec<&str>, Vec<&str>) = claims
+            .iter()
+            .filter_map(|c| Some((c.tid.as_deref()?, c.id())))
+            .unzip();
         let with_state: Vec<&str> = claims
             .iter()
             .filter(|c| c.has_state)
@@ -729,19 +726,24 @@ impl PgStore {
     /// $4 ids with a state row, $5 ctids.
     fn mark_sql(&self, clear_state: bool) -> Result<String> {
         let s = self.sql()?;
+        let rows = "unnest($5::text[]::tid[], $3::text[]) AS m(tid, id)";
         let change = match &s.cfg.marking {
             Marking::PublishedAt { column } => {
-                format!("UPDATE {} o SET {} = now()", s.table, quote(column))
+                format!(
+                    "UPDATE {} o SET {} = now() FROM {rows}",
+                    s.table,
+                    quote(column)
+                )
             }
             Marking::Status { column, sent, .. } => {
                 format!(
-                    "UPDATE {} o SET {} = {}",
+                    "UPDATE {} o SET {} = {} FROM {rows}",
                     s.table,
                     quote(column),
                     literal(sent)
                 )
             }
-            Marking::Delete => format!("DELETE FROM {} o", s.table),
+            Marking::Delete => format!("DELETE FROM {} o USING {rows}", s.table),
         };
         let clear = if clear_state {
             ", cleared AS (DELETE FROM outroute_event_state st WHERE st.source = $1 \
@@ -749,22 +751,22 @@ impl PgStore {
         } else {
             ""
         };
-        // `ctid = ANY(…)` must be the only condition an index could serve:
-        // the rest sits inside a CASE, which the planner cannot match to an
-        // index. Otherwise, with no statistics, it may take the small-looking
-        // lane index for `id = ANY(…)` (id is its last column) or for the
-        // pending predicate and walk every pending row. The lease check is a
-        // per-row probe of the row's own lane row (`OFFSET 0` keeps it one).
+        // Each (ctid, id) pair is one TID fetch. The ctid must be the only
+        // condition an index could serve: the rest sits inside a CASE, which
+        // the planner cannot match to an index. Otherwise, with no
+        // statistics, it may take the small-looking lane index for the id
+        // (its last column) or for the pending predicate and walk every
+        // pending row. The lease check is a per-row probe of the row's own
+        // lane row (`OFFSET 0` keeps it one).
         Ok(format!(
-            "WITH marked AS ({change} WHERE o.ctid = ANY($5::text[]::tid[]) \
-               AND CASE WHEN {id} = ANY({ids}) AND {pending} \
+            "WITH marked AS ({change} WHERE o.ctid = m.tid \
+               AND CASE WHEN {id}::text = m.id AND {pending} \
                  THEN EXISTS (SELECT 1 FROM outroute_lanes l WHERE l.source = $1 AND l.lane = {lane} \
                    AND l.owner = $2 AND l.lease_until > now() OFFSET 0) \
                  ELSE FALSE END \
                RETURNING {id}::text AS id){clear} \
              SELECT id FROM marked",
             id = s.id,
-            ids = s.ids_param(3),
             pending = s.pending,
             lane = s.lane,
         ))
@@ -774,8 +776,10 @@ impl PgStore {
     /// back: type and rows read of every plan node that reads the outbox
     /// table (for tests and diagnosis).
     pub async fn mark_cost(&self, claims: &[&Claim]) -> Result<Vec<(String, f64)>> {
-        let ids: Vec<&str> = claims.iter().map(|c| c.id()).collect();
-        let tids: Vec<&str> = claims.iter().filter_map(|c| c.tid.as_deref()).collect();
+        let (tids, ids): (Vec<&str>, Vec<&str>) = claims
+            .iter()
+            .filter_map(|c| Some((c.tid.as_deref()?, c.id())))
+            .unzip();
         let q = self.mark_sql(false)?;
         let mut tx = self.pool.begin().await?;
         let plan: serde_json::Value =
