@@ -310,3 +310,32 @@ async fn existing_tables_get_their_lane_index_from_migrate_table() -> anyhow::Re
     db.drop_db().await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_index_that_only_has_the_order_is_not_taken_for_a_lane_index() -> anyhow::Result<()> {
+    // The canonical table marked by DELETE is not the canonical mapping, so
+    // `migrate` builds no lane index for it; its primary key on `seq` has
+    // the outbox order but not the lane, and walking it would read other
+    // lanes' rows: the relay must see that the lane index is missing.
+    let db = TestDb::new().await?;
+    let dir = test_dir("claim-pk-only");
+    let mapping = "[store.table]\nname = \"outbox\"\nid = \"id\"\nsequence = \"seq\"\naggregate_type = \"aggregate_type\"\n\
+                   aggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\npayload = \"payload\"\n\
+                   created_at = \"created_at\"\nmarking = { style = \"delete\" }\n";
+    let config = write_config(&dir, &db.url, "lanes = 16", &file_body(&dir, mapping))?;
+    db.migrate(&config)?;
+    fill(&db, 1, 5_000).await?;
+    let store = open(&config, "pk").await?;
+    assert!(
+        store.missing_index().is_some(),
+        "the primary key was taken for a lane index"
+    );
+    let (code, out, err) = cli(&["migrate", "--table", "-c", &config.to_string_lossy()])?;
+    assert_eq!(code, 0, "{out}{err}");
+    let store = open(&config, "pk").await?;
+    assert_eq!(store.missing_index(), None);
+    let (rows, indexed) = claim_cost(&store, &[0, 1], 100).await?;
+    assert!(indexed && rows <= 102.0, "{rows} rows read");
+    db.drop_db().await;
+    Ok(())
+}
