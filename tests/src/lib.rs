@@ -646,6 +646,17 @@ pub fn relay_body(
     )
 }
 
+/// The store a relay with this config would open (coordination tables
+/// migrated, table and lane index checked), for tests that drive claims and
+/// marks directly.
+pub async fn open_store(config: &Path, relay_id: &str) -> Result<outroute::store::Store> {
+    let loaded = outroute::config::load(config).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut s = outroute::store::Store::connect(&loaded.config, relay_id).await?;
+    s.migrate(false).await?;
+    s.check_table().await?;
+    Ok(s)
+}
+
 /// The two existing outbox shapes from the seed articles, exactly as they
 /// define them, and the `[store.table]` mappings that relay them unchanged.
 pub mod seed {

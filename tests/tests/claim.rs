@@ -10,14 +10,6 @@ use std::path::Path;
 use outroute::store::{Claim, Store};
 use outroute_e2e::*;
 
-async fn open(config: &Path, relay_id: &str) -> anyhow::Result<Store> {
-    let loaded = outroute::config::load(config).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let mut s = Store::connect(&loaded.config, relay_id).await?;
-    s.migrate(false).await?;
-    s.check_table().await?;
-    Ok(s)
-}
-
 fn file_body(dir: &Path, table: &str) -> String {
     format!(
         "[http]\nlisten = \"\"\n{table}\n[sinks.file]\nkind = \"file\"\npath = \"{}\"\n[plugins.p]\npath = \"{}\"\n\
@@ -94,7 +86,7 @@ async fn claim_cost_is_bounded_by_the_batch_on_a_never_analysed_table() -> anyho
     fill(&db, 1, 30_000).await?;
     assert_never_analysed(&db, "outbox", true).await;
 
-    let store = open(&config, "cost").await?;
+    let store = open_store(&config, "cost").await?;
     assert_eq!(
         store.missing_index(),
         None,
@@ -190,7 +182,7 @@ async fn a_row_moved_since_its_claim_is_published_again_and_the_backlog_gauge_is
     let config = write_config(&dir, &db.url, "lanes = 8", &file_body(&dir, ""))?;
     db.migrate(&config)?;
     fill(&db, 1, 20).await?;
-    let store = open(&config, "moved").await?;
+    let store = open_store(&config, "moved").await?;
     let lanes = store.lease_round().await?.lanes;
     let claims = store.claim(&lanes, 100).await?;
     assert_eq!(claims.len(), 20);
@@ -265,7 +257,7 @@ async fn existing_tables_get_their_lane_index_from_migrate_table() -> anyhow::Re
         assert_never_analysed(&db, table, true).await;
 
         // Without the index: it still works (slowly), and says what to run.
-        let store = open(&config, "before").await?;
+        let store = open_store(&config, "before").await?;
         let ddl = store
             .missing_index()
             .ok_or_else(|| anyhow::anyhow!("{table}: an index was found before migrate --table"))?
@@ -294,7 +286,7 @@ async fn existing_tables_get_their_lane_index_from_migrate_table() -> anyhow::Re
         let (_, out, _) = cli(&["config", "check", "--store", "-c", &c])?;
         assert!(out.contains("lane index usable"), "{out}");
 
-        let store = open(&config, "after").await?;
+        let store = open_store(&config, "after").await?;
         assert_eq!(store.missing_index(), None);
         assert_never_analysed(&db, table, false).await;
         let (rows, indexed) = claim_cost(&store, &[0, 1, 2, 3], 100).await?;
@@ -325,14 +317,14 @@ async fn an_index_that_only_has_the_order_is_not_taken_for_a_lane_index() -> any
     let config = write_config(&dir, &db.url, "lanes = 16", &file_body(&dir, mapping))?;
     db.migrate(&config)?;
     fill(&db, 1, 5_000).await?;
-    let store = open(&config, "pk").await?;
+    let store = open_store(&config, "pk").await?;
     assert!(
         store.missing_index().is_some(),
         "the primary key was taken for a lane index"
     );
     let (code, out, err) = cli(&["migrate", "--table", "-c", &config.to_string_lossy()])?;
     assert_eq!(code, 0, "{out}{err}");
-    let store = open(&config, "pk").await?;
+    let store = open_store(&config, "pk").await?;
     assert_eq!(store.missing_index(), None);
     let (rows, indexed) = claim_cost(&store, &[0, 1], 100).await?;
     assert!(indexed && rows <= 102.0, "{rows} rows read");

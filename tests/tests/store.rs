@@ -7,16 +7,8 @@
 use std::path::Path;
 use std::time::Duration;
 
-use outroute::store::{Claim, Store};
+use outroute::store::Claim;
 use outroute_e2e::*;
-
-async fn open(config: &Path, relay_id: &str) -> anyhow::Result<Store> {
-    let loaded = outroute::config::load(config).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let mut s = Store::connect(&loaded.config, relay_id).await?;
-    s.migrate(false).await?;
-    s.check_table().await?;
-    Ok(s)
-}
 
 fn file_sink_body(dir: &Path, table: &str) -> String {
     format!(
@@ -53,7 +45,7 @@ async fn expired_lease_is_taken_over_and_the_old_owner_cannot_mark() -> anyhow::
     db.migrate(&config)?;
     let work = produce(&db.pool, "agg", 10, 2, 0).await?;
 
-    let a = open(&config, "relay-a").await?;
+    let a = open_store(&config, "relay-a").await?;
     let la = a.lease_round().await?;
     assert_eq!(la.lanes, vec![0, 1, 2, 3]);
     let claimed = a.claim(&la.lanes, 100).await?;
@@ -68,7 +60,7 @@ async fn expired_lease_is_taken_over_and_the_old_owner_cannot_mark() -> anyhow::
     sqlx::query("UPDATE outroute_relays SET heartbeat_at = now() - interval '1 hour' WHERE relay_id = 'relay-a'")
         .execute(&db.pool)
         .await?;
-    let b = open(&config, "relay-b").await?;
+    let b = open_store(&config, "relay-b").await?;
     let lb = b.lease_round().await?;
     assert_eq!(lb.lanes, vec![0, 1, 2, 3], "B takes over every lapsed lane");
     assert_eq!(lb.acquired, 4);
@@ -128,7 +120,7 @@ async fn retention_deletes_only_published_rows_past_the_window() -> anyhow::Resu
     )
     .execute(&db.pool)
     .await?;
-    let s = open(&config, "purger").await?;
+    let s = open_store(&config, "purger").await?;
     let mut deleted = 0;
     loop {
         let n = s.purge_published(Duration::from_secs(86_400), 3).await?;
