@@ -72,6 +72,8 @@ fn literal(s: &str) -> String {
 /// when both are written the same way).
 #[derive(Debug, Clone)]
 struct Shape {
+    aggregate_type: String,
+    aggregate_id: String,
     lane: String,
     pending: String,
     order: String,
@@ -105,6 +107,8 @@ impl Shape {
             lane: format!(
                 "((hashtext(coalesce({aggregate_type}, '') || '/' || coalesce({aggregate_id}, '')) & 2147483647) % {lanes})"
             ),
+            aggregate_type,
+            aggregate_id,
             pending: if pending.is_empty() {
                 "TRUE".into()
             } else {
@@ -151,12 +155,8 @@ impl TableSql {
                 col(&t.created_at)
             ),
         };
-        let aggregate_type = match (&t.aggregate_type, &t.aggregate_type_value) {
-            (Some(c), _) => format!("{}::text", col(c)),
-            (None, Some(v)) => format!("{}::text", literal(v)),
-            (None, None) => "''::text".into(),
-        };
-        let aggregate_id = format!("{}::text", col(&t.aggregate_id));
+        let q = Shape::new(t, lanes, "o");
+        let (aggregate_type, aggregate_id) = (q.aggregate_type.clone(), q.aggregate_id.clone());
         let published = match &t.marking {
             Marking::PublishedAt { column } => format!("{} IS NOT NULL", col(column)),
             Marking::Status { column, sent, .. } => {
@@ -164,7 +164,6 @@ impl TableSql {
             }
             Marking::Delete => "FALSE".into(),
         };
-        let q = Shape::new(t, lanes, "o");
         let bare = Shape::new(t, lanes, "");
         let opt = |c: &Option<String>, cast: &str| match c {
             Some(c) => format!("{}::{cast}", col(c)),
@@ -264,6 +263,20 @@ impl TableSql {
         )
     }
 
+    /// The next pending rows matching `rows` (a condition on the lane), in
+    /// outbox order, at most `$3` of them.
+    fn next_pending(&self, ordering: Ordering, rows: &str) -> String {
+        format!(
+            "SELECT {cols}, {extras} FROM {table} o WHERE {rows} AND {pending} {state} ORDER BY {order} LIMIT $3",
+            cols = self.select_cols,
+            extras = self.claim_extras(),
+            table = self.table,
+            pending = self.pending,
+            state = self.state_filter(ordering),
+            order = self.order,
+        )
+    }
+
     /// The claim with the lane index: each owned lane's index is walked
     /// from its oldest pending row, lane after lane (the first lane changes
     /// every claim), and the walk stops at `limit` rows. Cost: one index
@@ -272,33 +285,15 @@ impl TableSql {
     fn claim_by_lane(&self, ordering: Ordering) -> String {
         format!(
             "SELECT c.* FROM unnest($2::int[]) WITH ORDINALITY AS l(lane, n) \
-             CROSS JOIN LATERAL (SELECT {cols}, {extras} FROM {table} o \
-               WHERE {lane} = l.lane AND {pending} {state} ORDER BY {order} LIMIT $3) c \
-             ORDER BY l.n LIMIT $3",
-            cols = self.select_cols,
-            extras = self.claim_extras(),
-            table = self.table,
-            lane = self.lane,
-            pending = self.pending,
-            state = self.state_filter(ordering),
-            order = self.order,
+             CROSS JOIN LATERAL ({}) c ORDER BY l.n LIMIT $3",
+            self.next_pending(ordering, &format!("{} = l.lane", self.lane))
         )
     }
 
     /// The claim without the lane index: one scan of every pending row
     /// (computing its lane), then a sort. Correct, but O(backlog).
     fn claim_by_scan(&self, ordering: Ordering) -> String {
-        format!(
-            "SELECT {cols}, {extras} FROM {table} o \
-             WHERE {lane} = ANY($2) AND {pending} {state} ORDER BY {order} LIMIT $3",
-            cols = self.select_cols,
-            extras = self.claim_extras(),
-            table = self.table,
-            lane = self.lane,
-            pending = self.pending,
-            state = self.state_filter(ordering),
-            order = self.order,
-        )
+        self.next_pending(ordering, &format!("{} = ANY($2)", self.lane))
     }
 }
 
@@ -716,10 +711,7 @@ impl PgStore {
         if claims.is_empty() {
             return Ok(0);
         }
-        let (tids, ids): (Vec<&str>, Vec<&str>) = claims
-            .iter()
-            .filter_map(|c| Some((c.tid.as_deref()?, c.id())))
-            .unzip();
+        let (tids, ids) = tids_and_ids(claims);
         let with_state: Vec<&str> = claims
             .iter()
             .filter(|c| c.has_state)
@@ -792,10 +784,7 @@ impl PgStore {
     /// back: type and rows read of every plan node that reads the outbox
     /// table (for tests and diagnosis).
     pub async fn mark_cost(&self, claims: &[&Claim]) -> Result<Vec<(String, f64)>> {
-        let (tids, ids): (Vec<&str>, Vec<&str>) = claims
-            .iter()
-            .filter_map(|c| Some((c.tid.as_deref()?, c.id())))
-            .unzip();
+        let (tids, ids) = tids_and_ids(claims);
         let q = self.mark_sql(false)?;
         let mut tx = self.pool.begin().await?;
         let plan: serde_json::Value =
@@ -1276,6 +1265,14 @@ impl PgStore {
     pub async fn ping(&self) -> bool {
         sqlx::query("SELECT 1").execute(&self.pool).await.is_ok()
     }
+}
+
+/// The (ctid, id) pairs the mark looks up, as two parallel arrays.
+fn tids_and_ids<'c>(claims: &[&'c Claim]) -> (Vec<&'c str>, Vec<&'c str>) {
+    claims
+        .iter()
+        .filter_map(|c| Some((c.tid.as_deref()?, c.id())))
+        .unzip()
 }
 
 /// Every plan node that reads the relation aliased `alias`.
