@@ -25,7 +25,7 @@ use clap::Parser;
 use outroute::config::{KafkaSinkConfig, NatsMode, NatsSinkConfig};
 use outroute::event::Event;
 use outroute::plugin::{Limits, PluginHandle, Runtime};
-use outroute::sink::{Outgoing, kafka::KafkaSink, nats::NatsSink};
+use outroute::sink::{Outgoing, Sink, kafka::KafkaSink, nats::NatsSink};
 use outroute_e2e::{
     KAFKA, NATS, Relay, TestDb, create_topic, nats_stream, plugin, seed, tag, test_dir,
     write_config,

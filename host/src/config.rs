@@ -44,14 +44,23 @@ pub struct Config {
     pub log: LogConfig,
 }
 
-/// Per-aggregate ordering mode.
+/// Per-aggregate ordering mode. What each guarantees, per sink, is in the
+/// README ("Ordering"); `pipeline.rs` is the code that keeps it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Ordering {
-    /// Events of one aggregate reach each destination in outbox order; a
-    /// failing event holds back only the later events of its own aggregate.
+    /// Events of one aggregate are sent in outbox order, many in flight at
+    /// once; a failing event holds back only the later events of its own
+    /// aggregate. A broker that loses an earlier message after storing a
+    /// later one (ack-time failure) is counted in
+    /// `outroute_order_risk_total`; the later event is re-sent after it.
     #[default]
     Aggregate,
+    /// At most one unacknowledged event per aggregate: the next event of an
+    /// aggregate is sent only after the previous one was acknowledged, so
+    /// first deliveries are always in order. Costs a broker round trip per
+    /// repeated aggregate within a batch.
+    Strict,
     /// No ordering: every event is independent (maximum parallelism).
     None,
 }
@@ -83,7 +92,7 @@ pub struct RelayConfig {
     /// Also LISTEN on this channel (producers must `NOTIFY` it; this taxes
     /// producer commits, see README). Off by default.
     pub notify_channel: Option<String>,
-    /// Ordering mode: `aggregate` (default) or `none`.
+    /// Ordering mode: `aggregate` (default), `strict` or `none`.
     pub ordering: Ordering,
     /// How long SIGTERM waits for in-flight batches before exiting.
     #[serde(with = "humantime_serde")]
@@ -429,6 +438,22 @@ pub struct RouteConfig {
     /// `block` (default) or `skip`.
     #[serde(default)]
     pub on_failure: OnFailure,
+    /// Kafka key of a message whose plugin set neither key nor partition:
+    /// `aggregate-id` (default; one aggregate stays on one partition, so in
+    /// order) or `none` (spread over partitions; no per-aggregate order).
+    #[serde(default)]
+    pub default_key: DefaultKey,
+}
+
+/// The Kafka key a route gives messages the plugin left without one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum DefaultKey {
+    /// The event's aggregate id.
+    #[default]
+    AggregateId,
+    /// No key: librdkafka's partitioner spreads the messages.
+    None,
 }
 
 fn match_all() -> Vec<String> {
@@ -765,6 +790,19 @@ impl Loaded {
                     format!("sinks.{name}.max_message_bytes"),
                     "must be positive".into(),
                 );
+            }
+            if let SinkConfig::Kafka(k) = sink {
+                for key in k.options.keys() {
+                    if let Some((_, why)) = crate::sink::kafka::PROTECTED_OPTIONS
+                        .iter()
+                        .find(|(p, _)| p == key)
+                    {
+                        err(
+                            format!("sinks.{name}.options.\"{key}\""),
+                            format!("outroute sets this itself ({why}); remove it"),
+                        );
+                    }
+                }
             }
             if let SinkConfig::Nats(n) = sink
                 && !n.url.starts_with("nats://")

@@ -16,6 +16,7 @@ pub mod event;
 pub mod failpoint;
 pub mod metrics;
 pub mod ops;
+pub mod pipeline;
 pub mod plugin;
 pub mod quickstart;
 pub mod relay;

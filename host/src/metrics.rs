@@ -38,6 +38,11 @@ pub const PURGED: &str = "outroute_purged_events_total";
 pub const CLAIM_SECONDS: &str = "outroute_claim_seconds";
 /// Commit (the row's created_at) to claim: how fast new rows are noticed.
 pub const PICKUP: &str = "outroute_pickup_seconds";
+/// Events acknowledged after an earlier event of their aggregate failed at
+/// ack time: their first delivery was out of order (re-sent after it).
+pub const ORDER_RISK: &str = "outroute_order_risk_total";
+/// Events a plugin answered with no messages (marked published, nothing sent).
+pub const EVENTS_WITHOUT_MESSAGES: &str = "outroute_events_without_messages_total";
 
 /// Install the Prometheus recorder (once per process).
 pub fn install() -> Result<PrometheusHandle> {

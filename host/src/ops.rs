@@ -20,7 +20,7 @@ use crate::event::{Event, Rejection};
 use crate::metrics::{self, Health};
 use crate::plugin::{self, Limits, PluginHandle, Runtime};
 use crate::relay::Relay;
-use crate::store::{Filter, Store};
+use crate::store::{Cursor, Filter, Store};
 
 /// `--config FILE` (or `OUTROUTE_CONFIG`), shared by the commands.
 #[derive(Args, Clone)]
@@ -437,17 +437,15 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
         ProgressStyle::with_template("{bar:40} {pos}/{len} events ({per_sec}, eta {eta})")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let (mut sent, mut failed) = (0usize, Vec::new());
-    let mut after = i64::MIN;
+    let (mut selected, mut sent, mut failed) = (0usize, 0usize, Vec::new());
+    let mut after: Option<Cursor> = None;
     let run = Utc::now().format("%Y%m%dT%H%M%S").to_string();
     loop {
-        let page = store.published(&filter, after, 500).await?;
+        let page = store.published(&filter, after.as_ref(), 500).await?;
         let Some(last) = page.last() else { break };
-        after = match &last.row {
-            Ok(e) => e.sequence,
-            Err(m) => m.sequence,
-        };
+        after = Some(Cursor::after(last));
         let n = page.len();
+        selected += n;
         let (ok, bad) = relay.replay_batch(page, &run).await;
         sent += ok.len();
         failed.extend(bad);
@@ -458,17 +456,20 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
         sink.flush().await;
     }
     println!(
-        "re-published {sent} event(s); {} could not be",
+        "selected {selected} published event(s); re-published {sent}; {} could not be",
         failed.len()
     );
     for (id, reason) in failed.iter().take(20) {
         println!("  {id}: {reason}");
     }
-    Ok(if failed.is_empty() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    if sent != selected {
+        eprintln!(
+            "replay incomplete: {} of {selected} selected event(s) were not re-published",
+            selected - sent
+        );
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 #[derive(Subcommand)]

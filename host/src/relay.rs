@@ -13,27 +13,28 @@
 //! workers (each works the owned lanes `lane % concurrency == i`, so one
 //! aggregate is only ever in one worker), a plugin reloader, the retention
 //! purger and the backlog gauge. [`Relay::process`] is one batch; read it to
-//! learn what outroute does.
+//! learn what outroute does. Sending and the ordering rules live in
+//! `pipeline.rs`; this file claims before it and marks after it.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use chrono::Utc;
 use futures::future::join_all;
-use rand::Rng;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::config::{Loaded, OnFailure, Ordering, RelayConfig};
-use crate::event::{Event, Message, Outcome, Rejection, envelope};
+use crate::config::{Loaded, RelayConfig};
+use crate::event::{Event, Message, Outcome, Rejection};
 use crate::failpoint;
 use crate::metrics::{self as m, Health};
+use crate::pipeline::{Fate, LeaseGuard, LeaseView, Pipeline, Plan, jitter};
 use crate::plugin::{Limits, PluginHandle, Runtime};
 use crate::routing::{Route, Routes};
-use crate::sink::{Ack, Outgoing, PublishError, Sinks};
+use crate::sink::Sinks;
 use crate::store::{Claim, Failure, FailureKind, Store};
 
 /// Everything a batch needs, shared by the workers.
@@ -46,28 +47,10 @@ pub struct Relay {
     /// (`plugins.<name>.reload_interval`; `None`: never).
     pub reload: Vec<Option<Duration>>,
     pub sinks: Sinks,
+    /// Sends a batch and decides what becomes of each event.
+    pub pipeline: Pipeline,
     pub config: RelayConfig,
-    /// CloudEvents `source` attribute.
-    pub source: String,
     pub health: Arc<Health>,
-}
-
-/// What happens to one event of a batch.
-#[derive(Debug)]
-pub(crate) enum Plan {
-    /// Publish these messages, then mark.
-    Publish {
-        route: usize,
-        messages: Vec<Message>,
-    },
-    /// An earlier event of the same aggregate did not go through: leave this
-    /// one pending (it is claimed again once the earlier one is resolved).
-    Held,
-    /// Record a failed attempt (retry or failed state).
-    Fail {
-        route: Option<usize>,
-        rejection: Rejection,
-    },
 }
 
 /// How many events a batch published, held and failed.
@@ -82,28 +65,8 @@ pub struct BatchReport {
     pub outage: bool,
     /// One of the errors behind an outage, for the log.
     pub outage_reason: Option<String>,
-}
-
-/// The lanes a batch was claimed from, checked again before publishing.
-struct LeaseGuard {
-    view: watch::Receiver<LeaseView>,
-    lanes: Vec<i32>,
-}
-
-impl LeaseGuard {
-    /// Every claimed lane is still in the current, unexpired lease view
-    /// (lanes released over the fair share or lost leave the view at once).
-    fn still_ours(&self) -> bool {
-        let v = self.view.borrow();
-        Instant::now() < v.valid_until && self.lanes.iter().all(|l| v.lanes.contains(l))
-    }
-}
-
-/// The lanes a relay may claim from, and until when that is safe.
-#[derive(Debug, Clone)]
-struct LeaseView {
-    lanes: Vec<i32>,
-    valid_until: Instant,
+    /// Events whose first delivery was out of order (see `pipeline.rs`).
+    pub order_risks: usize,
 }
 
 impl Relay {
@@ -139,14 +102,22 @@ impl Relay {
             config.relay.publish_timeout,
         )
         .await?;
+        let routes = Arc::new(routes);
+        let pipeline = Pipeline {
+            routes: routes.clone(),
+            sinks: sinks.clone(),
+            ordering: config.relay.ordering,
+            publish_timeout: config.relay.publish_timeout,
+            source: format!("/outroute/{}", config.store.table().name),
+        };
         Ok(Relay {
             store,
-            routes: Arc::new(routes),
+            routes,
             plugins,
             reload,
             sinks,
+            pipeline,
             config: config.relay.clone(),
-            source: format!("/outroute/{}", config.store.table().name),
             health,
         })
     }
@@ -317,12 +288,13 @@ impl Relay {
                 }
             }
             failpoint::hit("after-claim");
-            let lease = LeaseGuard {
-                view: leases.clone(),
-                lanes,
-            };
+            let mut lease = LeaseGuard::new(leases.clone(), lanes);
             let span = tracing::info_span!("batch", worker = index, events = claims.len());
-            match self.process(claims, Some(&lease)).instrument(span).await {
+            match self
+                .process(claims, Some(&mut lease))
+                .instrument(span)
+                .await
+            {
                 Ok(report) if report.outage => {
                     tracing::warn!(backoff = ?outage_backoff, reason = report.outage_reason.as_deref().unwrap_or(""), "every publish failed; backing off");
                     sleep_or_cancel(jitter(outage_backoff), &shutdown).await;
@@ -348,127 +320,73 @@ impl Relay {
     }
 
     /// One batch, start to finish. `lease`: the lanes the batch was claimed
-    /// from must still be ours when publishing starts (another relay may own
-    /// them by then).
-    async fn process(&self, claims: Vec<Claim>, lease: Option<&LeaseGuard>) -> Result<BatchReport> {
+    /// from; nothing is sent for them once another relay may own them.
+    async fn process(
+        &self,
+        claims: Vec<Claim>,
+        mut lease: Option<&mut LeaseGuard>,
+    ) -> Result<BatchReport> {
         let started = Instant::now();
         let mut report = BatchReport::default();
 
         // 1–4. Rows → events → route → plugin → checked messages.
         let mut events = self.plan(claims).await;
 
-        // 5. Per-aggregate order: once an event of an aggregate does not go
-        //    through, later events of that aggregate in this batch wait.
-        if self.config.ordering == Ordering::Aggregate {
-            let mut blocked: HashSet<(String, String)> = HashSet::new();
-            for (claim, plan) in events.iter_mut() {
-                let key = aggregate_key(claim);
-                if blocked.contains(&key) {
-                    *plan = Plan::Held;
-                } else if let Plan::Fail { route, rejection } = plan
-                    && self.holds_aggregate(*route, rejection, claim)
-                {
-                    blocked.insert(key);
-                }
-            }
-        }
-
-        // 6. Messages → sinks, all at once; each resolves on its broker ack.
-        if lease.is_some_and(|l| !l.still_ours()) {
+        // 5–6. Messages → sinks → broker acks → what becomes of each event
+        //      (per-aggregate order is kept there: see pipeline.rs).
+        if lease.as_deref_mut().is_some_and(|l| !l.held()) {
             anyhow::bail!(
                 "lane lease expired before publishing; leaving the batch to the next owner"
             );
         }
-        let acks = self.publish(&events, None, lease).await;
-        // Every message failed because its broker is unreachable: an outage.
-        // (Refusals of particular messages are recorded per event below.)
-        report.outage = !acks.is_empty()
-            && acks
-                .values()
-                .all(|r| matches!(r, Err(PublishError::Unavailable(_))));
-        if report.outage {
-            report.outage_reason = acks
-                .values()
-                .find_map(|r| r.as_ref().err().map(|e| e.to_string()));
+        let delivery = self.pipeline.deliver(&mut events, lease).await;
+        report.order_risks = delivery.order_risks;
+        if let Some(reason) = delivery.outage {
             // Nothing went out: leave every event pending; the worker backs off.
+            report.outage = true;
+            report.outage_reason = Some(reason);
             return Ok(report);
         }
         failpoint::hit("after-ack");
 
-        // 7. Acks → mark. An event is marked only when every message of it was
-        //    acknowledged and no earlier event of its aggregate failed.
-        let mut blocked: HashSet<(String, String)> = HashSet::new();
+        // 7. Acked events → mark; failures → retry later or the failed state.
         let mut to_mark: Vec<&Claim> = Vec::new();
         let mut failures: Vec<Failure> = Vec::new();
         let now = Utc::now();
-        for (i, (claim, plan)) in events.iter().enumerate() {
-            let key = aggregate_key(claim);
-            let ordered = self.config.ordering == Ordering::Aggregate;
-            if ordered && blocked.contains(&key) {
-                report.held += 1;
-                continue;
-            }
-            match plan {
-                Plan::Held => {
-                    report.held += 1;
-                    if ordered {
-                        blocked.insert(key);
+        for ((claim, plan), fate) in events.iter().zip(&delivery.fates) {
+            match fate {
+                Fate::Held => report.held += 1,
+                Fate::Publish => {
+                    to_mark.push(claim);
+                    if let Ok(ev) = &claim.row {
+                        let age =
+                            (now - ev.created_at).num_microseconds().unwrap_or(0) as f64 / 1e6;
+                        metrics::histogram!(m::COMMIT_TO_ACK).record(age.max(0.0));
                     }
-                }
-                Plan::Publish { route, messages } => match acks.get(&i) {
-                    // Never sent (publishing stopped early): stays pending.
-                    None => {
-                        report.held += 1;
-                        if ordered {
-                            blocked.insert(key);
-                        }
-                    }
-                    Some(Ok(())) => {
-                        to_mark.push(claim);
-                        if let Ok(ev) = &claim.row {
-                            let age =
-                                (now - ev.created_at).num_microseconds().unwrap_or(0) as f64 / 1e6;
-                            metrics::histogram!(m::COMMIT_TO_ACK).record(age.max(0.0));
-                        }
+                    if let Plan::Publish { route, messages } = plan {
                         let r = self.routes.0[*route].name().to_string();
                         metrics::counter!(m::EVENTS_PUBLISHED, "route" => r.clone()).increment(1);
+                        if messages.is_empty() {
+                            metrics::counter!(m::EVENTS_WITHOUT_MESSAGES, "route" => r.clone())
+                                .increment(1);
+                        }
                         for msg in messages {
                             metrics::counter!(m::MESSAGES_PUBLISHED, "route" => r.clone(), "sink" => msg.sink.clone())
                                 .increment(1);
                         }
                     }
-                    Some(Err(e)) => {
-                        let rejection = match e {
-                            PublishError::Unavailable(r) | PublishError::Retryable(r) => {
-                                Rejection::Retryable(r.clone())
-                            }
-                            PublishError::Permanent(r) => Rejection::Invalid(r.clone()),
-                        };
-                        // A broker that is unreachable is an infrastructure
-                        // problem, not the event's: it waits with backoff for
-                        // as long as it takes and never uses up attempts.
-                        let broker_retry = matches!(e, PublishError::Unavailable(_));
-                        if ordered
-                            && (broker_retry
-                                || self.holds_aggregate(Some(*route), &rejection, claim))
-                        {
-                            blocked.insert(key);
-                        }
-                        failures.push(self.failure(
-                            claim,
-                            Some(*route),
-                            &rejection,
-                            &mut report,
-                            broker_retry,
-                        ));
-                    }
-                },
-                Plan::Fail { route, rejection } => {
-                    if ordered && self.holds_aggregate(*route, rejection, claim) {
-                        blocked.insert(key);
-                    }
-                    failures.push(self.failure(claim, *route, rejection, &mut report, false));
                 }
+                Fate::Fail {
+                    route,
+                    rejection,
+                    broker_retry,
+                } => failures.push(self.failure(
+                    claim,
+                    *route,
+                    rejection,
+                    &mut report,
+                    *broker_retry,
+                )),
             }
         }
         let marked = self.mark(&to_mark).await?;
@@ -484,8 +402,6 @@ impl Relay {
         if marked > 0 {
             self.health.progressed();
         }
-
-        // 8. Failures → retry later (backoff) or the failed state.
         if !failures.is_empty() {
             self.store.record_failures(&failures).await?;
         }
@@ -586,134 +502,6 @@ impl Relay {
         }
     }
 
-    /// Publish every message of every `Plan::Publish`; result per event
-    /// index. Messages are handed to the brokers one by one in batch order
-    /// (so an aggregate's events keep their order on a partition/stream),
-    /// then all acknowledgements are awaited together.
-    ///
-    /// `replay`: tags broker-side dedup ids (JetStream `Nats-Msg-Id`) so a
-    /// deliberate re-publish is not dropped as a duplicate; consumers still
-    /// see the same `ce_id`.
-    async fn publish(
-        &self,
-        events: &[(Claim, Plan)],
-        replay: Option<&str>,
-        lease: Option<&LeaseGuard>,
-    ) -> HashMap<usize, Result<(), PublishError>> {
-        let mut acks: HashMap<usize, Result<(), PublishError>> = HashMap::new();
-        let mut pending: Vec<(usize, &str, Ack)> = Vec::new();
-        'events: for (i, (claim, plan)) in events.iter().enumerate() {
-            let (Plan::Publish { messages, route }, Ok(ev)) = (plan, &claim.row) else {
-                continue;
-            };
-            acks.insert(i, Ok(()));
-            // One span per event: event id, aggregate, route and the trace id
-            // from its `traceparent`, on everything logged while publishing it.
-            let span = tracing::debug_span!(
-                "event",
-                event_id = %ev.id,
-                aggregate = %format_args!("{}/{}", ev.aggregate_type, ev.aggregate_id),
-                route = self.routes.0[*route].name(),
-                trace_id = ev.traceparent().and_then(|t| t.split('-').nth(1)).unwrap_or(""),
-            );
-            let mut seen: HashMap<(&str, &str), usize> = HashMap::new();
-            for msg in messages {
-                let Some(sink) = self.sinks.get(&msg.sink) else {
-                    record(
-                        &mut acks,
-                        i,
-                        &msg.sink,
-                        PublishError::Permanent(format!("no sink `{}`", msg.sink)),
-                    );
-                    continue;
-                };
-                let headers = envelope(ev, &self.source, &msg.headers);
-                // Broker-side dedup id (JetStream `Nats-Msg-Id`): event id and
-                // subject (plus a count for repeats), so the same message
-                // re-sent after a crash is dropped, while a plugin that changes
-                // its fan-out between attempts can never reuse an id.
-                let n = seen
-                    .entry((msg.sink.as_str(), msg.topic.as_str()))
-                    .or_insert(0);
-                let mut dedup = match *n {
-                    0 => format!("{}:{}", ev.id, msg.topic),
-                    n => format!("{}:{}:{n}", ev.id, msg.topic),
-                };
-                *n += 1;
-                if let Some(tag) = replay {
-                    dedup = format!("{dedup}:replay-{tag}");
-                }
-                let out = Outgoing {
-                    topic: &msg.topic,
-                    key: msg.key.as_deref(),
-                    partition: msg.partition,
-                    headers: &headers,
-                    payload: &msg.payload,
-                    dedup_id: &dedup,
-                };
-                // An in-flight slot; if none is free, our own unacknowledged
-                // messages may be holding them: settle those first.
-                let permit = match sink.try_reserve() {
-                    Some(p) => p,
-                    None => {
-                        self.settle(std::mem::take(&mut pending), &mut acks).await;
-                        let reserved = sink.reserve().await;
-                        // That may have taken a while: stop if the lanes
-                        // moved to another relay meanwhile.
-                        if lease.is_some_and(|l| !l.still_ours()) {
-                            let lost = PublishError::Unavailable(
-                                "lane lease lost while publishing".into(),
-                            );
-                            record(&mut acks, i, &msg.sink, lost);
-                            break 'events;
-                        }
-                        match reserved {
-                            Ok(p) => p,
-                            Err(e) => {
-                                record(&mut acks, i, &msg.sink, e);
-                                continue;
-                            }
-                        }
-                    }
-                };
-                match sink.send(out, permit).instrument(span.clone()).await {
-                    Ok(ack) => pending.push((i, msg.sink.as_str(), ack)),
-                    Err(e) => record(&mut acks, i, &msg.sink, e),
-                }
-            }
-        }
-        failpoint::hit("before-ack");
-        self.settle(pending, &mut acks).await;
-        acks
-    }
-
-    /// Wait for these acknowledgements (bounded by `publish_timeout`) and
-    /// note every failure against its event.
-    async fn settle(
-        &self,
-        pending: Vec<(usize, &str, Ack)>,
-        acks: &mut HashMap<usize, Result<(), PublishError>>,
-    ) {
-        let timeout = self.config.publish_timeout + Duration::from_secs(5);
-        let waits = pending.into_iter().map(|(i, sink, ack)| async move {
-            match tokio::time::timeout(timeout, ack.wait()).await {
-                Ok(r) => (i, sink, r),
-                Err(_) => (
-                    i,
-                    sink,
-                    Err(PublishError::Unavailable(format!(
-                        "no acknowledgement within {timeout:?}"
-                    ))),
-                ),
-            }
-        });
-        for (i, sink, r) in join_all(waits).await {
-            if let Err(e) = r {
-                record(acks, i, sink, e);
-            }
-        }
-    }
-
     async fn mark(&self, claims: &[&Claim]) -> Result<u64> {
         if failpoint::armed("mid-mark") && claims.len() > 1 {
             let (a, b) = claims.split_at(claims.len() / 2);
@@ -722,28 +510,6 @@ impl Relay {
             return Ok(n + self.store.mark_published(b).await?);
         }
         self.store.mark_published(claims).await
-    }
-
-    /// Does this failure hold back later events of its aggregate? A retry
-    /// always does (the event comes back); a final failure does under the
-    /// route's `block` policy.
-    fn holds_aggregate(&self, route: Option<usize>, rejection: &Rejection, claim: &Claim) -> bool {
-        let attempts = claim.row.as_ref().map(|e| e.attempts).unwrap_or(0) + 1;
-        match rejection {
-            Rejection::Retryable(_) if attempts < self.max_attempts(route) => true,
-            _ => {
-                route
-                    .map(|r| self.routes.0[r].config.on_failure)
-                    .unwrap_or(OnFailure::Block)
-                    == OnFailure::Block
-            }
-        }
-    }
-
-    fn max_attempts(&self, route: Option<usize>) -> u32 {
-        route
-            .map(|r| self.routes.0[r].config.max_attempts)
-            .unwrap_or(1)
     }
 
     /// The failure record for an event: retry with backoff, or failed.
@@ -775,36 +541,22 @@ impl Relay {
                 0,
             ),
         };
-        // Waiting for an unavailable broker is not an attempt of the event.
-        let attempts = if broker_retry { prior } else { prior + 1 };
         let plugin = route
             .and_then(|i| self.plugins[i].current())
             .map(|p| p.info.clone());
-        let kind = match rejection {
-            Rejection::Retryable(_) if broker_retry || attempts < self.max_attempts(route) => {
-                let (min, max) = r
-                    .map(|r| (r.config.backoff_min, r.config.backoff_max))
-                    .unwrap_or_default();
-                let exponent = if broker_retry {
-                    3
-                } else {
-                    attempts.saturating_sub(1).min(20)
-                };
-                let delay = jitter(min.saturating_mul(1 << exponent).min(max));
+        let verdict = self.pipeline.verdict(route, rejection, prior, broker_retry);
+        let (kind, attempts) = (verdict.kind, verdict.attempts);
+        match kind {
+            FailureKind::Retry { .. } => {
                 report.retried += 1;
                 metrics::counter!(m::RETRIES, "route" => route_name.clone()).increment(1);
-                FailureKind::Retry { delay }
             }
-            _ => {
+            FailureKind::Failed { .. } => {
                 report.failed += 1;
                 metrics::counter!(m::EVENTS_FAILED, "route" => route_name.clone()).increment(1);
-                let policy = r.map(|r| r.config.on_failure).unwrap_or(OnFailure::Block);
-                let hold =
-                    policy == OnFailure::Block && self.config.ordering == Ordering::Aggregate;
                 tracing::warn!(event_id = %claim.id(), route = %route_name, attempts, reason = %rejection.reason(), "event failed");
-                FailureKind::Failed { hold }
             }
-        };
+        }
         let reason = match (&kind, rejection) {
             (FailureKind::Failed { .. }, Rejection::Retryable(r)) => {
                 format!("gave up after {attempts} attempts: {r}")
@@ -991,44 +743,11 @@ impl Relay {
     }
 }
 
-/// Note a failed message of event `i` (permanent beats retryable).
-fn record(
-    acks: &mut HashMap<usize, Result<(), PublishError>>,
-    i: usize,
-    sink: &str,
-    e: PublishError,
-) {
-    let kind = match e {
-        PublishError::Permanent(_) => "permanent",
-        PublishError::Retryable(_) => "retryable",
-        PublishError::Unavailable(_) => "unavailable",
-    };
-    metrics::counter!(m::PUBLISH_ERRORS, "sink" => sink.to_string(), "kind" => kind).increment(1);
-    tracing::debug!(sink, "publish failed: {e}");
-    let slot = acks.entry(i).or_insert(Ok(()));
-    if !matches!(slot, Err(PublishError::Permanent(_))) {
-        *slot = Err(e);
-    }
-}
-
 fn check_messages(route: &Route, messages: Vec<Message>) -> Result<Vec<Message>, Rejection> {
     for m in &messages {
         route.check(m).map_err(Rejection::Invalid)?;
     }
     Ok(messages)
-}
-
-fn aggregate_key(c: &Claim) -> (String, String) {
-    match &c.row {
-        Ok(e) => (e.aggregate_type.clone(), e.aggregate_id.clone()),
-        Err(b) => (b.aggregate_type.clone(), b.aggregate_id.clone()),
-    }
-}
-
-/// Between 50% and 100% of `d` ("equal jitter"), so retries spread out.
-fn jitter(d: Duration) -> Duration {
-    let f: f64 = rand::rng().random_range(0.5..=1.0);
-    d.mul_f64(f)
 }
 
 async fn sleep_or_cancel(d: Duration, shutdown: &CancellationToken) {
@@ -1048,7 +767,7 @@ impl Relay {
         run: &str,
     ) -> (Vec<String>, Vec<(String, String)>) {
         let events = self.plan(claims).await;
-        let acks = self.publish(&events, Some(run), None).await;
+        let acks = self.pipeline.send_all(&events, Some(run), None).await.acks;
         let mut ok = Vec::new();
         let mut failed = Vec::new();
         for (i, (claim, plan)) in events.iter().enumerate() {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use outroute::config::{NatsMode, NatsSinkConfig};
 use outroute::sink::nats::NatsSink;
-use outroute::sink::{Outgoing, PublishError};
+use outroute::sink::{Outgoing, PublishError, Sink};
 use outroute_e2e::*;
 
 fn fanout_config(

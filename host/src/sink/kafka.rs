@@ -1,7 +1,17 @@
-//! Kafka sink (rdkafka over a bundled librdkafka): idempotent producer,
-//! `acks=all`, per-message key/partition/headers. `publish` resolves on the
+//! Kafka sink (rdkafka over a bundled librdkafka): idempotent producer with
+//! the gapless guarantee, `acks=all`, at most 5 requests in flight per
+//! connection, per-message key/partition/headers. A send resolves on the
 //! delivery report, so many messages are in flight at once while each event
 //! still waits for its own acknowledgement.
+//!
+//! Ordering: messages of one key go to one partition in send order. The
+//! idempotent producer keeps that order across retries, and with
+//! `enable.gapless.guarantee` a message that fails after a later one of the
+//! same partition was written makes the producer fatal instead of leaving a
+//! silent gap; the sink then starts a new producer (a new
+//! [`Sink::session`]), and the pipeline counts any event acknowledged after
+//! an earlier event of its aggregate failed as an order risk. `options` may
+//! not weaken any of this: see [`PROTECTED_OPTIONS`].
 
 use std::time::Duration;
 
@@ -10,14 +20,57 @@ use rdkafka::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use rdkafka::producer::DeliveryFuture;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::{Outgoing, PublishError};
+use super::{Ack, Outgoing, Permit, PublishError, Sink};
 use crate::config::KafkaSinkConfig;
+
+/// librdkafka settings `sinks.<name>.options` may not set, with what each
+/// protects: they are what makes "acknowledged" mean stored and keeps an
+/// aggregate's messages in order. `config check` and start-up refuse them.
+pub const PROTECTED_OPTIONS: &[(&str, &str)] = &[
+    (
+        "enable.idempotence",
+        "no duplicates or reordering on producer retries",
+    ),
+    (
+        "enable.gapless.guarantee",
+        "a failed message never leaves a silent gap before a later one",
+    ),
+    (
+        "acks",
+        "an acknowledgement means every in-sync replica has the message",
+    ),
+    (
+        "request.required.acks",
+        "an acknowledgement means every in-sync replica has the message",
+    ),
+    (
+        "max.in.flight.requests.per.connection",
+        "order with idempotence needs at most 5 requests in flight",
+    ),
+    (
+        "max.in.flight",
+        "order with idempotence needs at most 5 requests in flight",
+    ),
+    (
+        "retries",
+        "the producer retries in order instead of failing",
+    ),
+    (
+        "message.send.max.retries",
+        "the producer retries in order instead of failing",
+    ),
+    ("message.timeout.ms", "set from relay.publish_timeout"),
+    ("delivery.timeout.ms", "set from relay.publish_timeout"),
+    ("bootstrap.servers", "set from sinks.<name>.brokers"),
+    ("metadata.broker.list", "set from sinks.<name>.brokers"),
+    ("partitioner", "one key always goes to one partition"),
+];
 
 pub struct KafkaSink {
     name: String,
@@ -28,6 +81,8 @@ pub struct KafkaSink {
     client_config: ClientConfig,
     /// Set when the broker stopped accepting this producer's identity.
     reset: Arc<AtomicBool>,
+    /// How many times the producer was replaced ([`Sink::session`]).
+    generation: AtomicU64,
     in_flight: Arc<Semaphore>,
 }
 
@@ -79,6 +134,7 @@ impl KafkaSink {
         let mut cc = ClientConfig::new();
         cc.set("bootstrap.servers", &c.brokers)
             .set("enable.idempotence", "true")
+            .set("enable.gapless.guarantee", "true")
             .set("acks", "all")
             // Ordering with idempotence needs ≤ 5 in flight per connection.
             .set("max.in.flight.requests.per.connection", "5")
@@ -97,6 +153,9 @@ impl KafkaSink {
                 (c.max_in_flight * 2).max(1000).to_string(),
             );
         for (k, v) in &c.options {
+            if let Some((_, why)) = PROTECTED_OPTIONS.iter().find(|(p, _)| p == k) {
+                anyhow::bail!("sinks.{name}.options.\"{k}\": outroute sets this itself ({why})");
+            }
             cc.set(k, v);
         }
         let producer: FutureProducer = cc
@@ -107,6 +166,7 @@ impl KafkaSink {
             producer: RwLock::new(producer),
             client_config: cc,
             reset: Arc::new(AtomicBool::new(false)),
+            generation: AtomicU64::new(0),
             in_flight: Arc::new(Semaphore::new(c.max_in_flight.max(1))),
         })
     }
@@ -114,7 +174,7 @@ impl KafkaSink {
     /// Queue one message (waiting while librdkafka's queue is full); the
     /// delivery report comes later. `permit` is this message's in-flight
     /// slot, held until the report arrives.
-    pub async fn send(
+    async fn queue(
         &self,
         m: Outgoing<'_>,
         permit: Option<OwnedSemaphorePermit>,
@@ -155,10 +215,6 @@ impl KafkaSink {
         })
     }
 
-    pub fn in_flight(&self) -> &Arc<Semaphore> {
-        &self.in_flight
-    }
-
     /// The current producer, replaced first if librdkafka declared it dead.
     fn healthy_producer(&self) -> FutureProducer {
         let current = match self.producer.read() {
@@ -175,6 +231,7 @@ impl KafkaSink {
                 if let Ok(mut p) = self.producer.write() {
                     *p = fresh.clone();
                 }
+                self.generation.fetch_add(1, Ordering::Relaxed);
                 fresh
             }
             Err(e) => {
@@ -183,8 +240,24 @@ impl KafkaSink {
             }
         }
     }
+}
 
-    pub async fn connected(&self) -> bool {
+#[async_trait::async_trait]
+impl Sink for KafkaSink {
+    fn in_flight(&self) -> Option<&Arc<Semaphore>> {
+        Some(&self.in_flight)
+    }
+
+    async fn send(&self, m: Outgoing<'_>, permit: Permit) -> Result<Ack, PublishError> {
+        let pending = self.queue(m, permit).await?;
+        Ok(Ack::new(pending.wait()))
+    }
+
+    fn session(&self) -> u64 {
+        self.generation.load(Ordering::Relaxed)
+    }
+
+    async fn connected(&self) -> bool {
         let p = self.healthy_producer();
         tokio::task::spawn_blocking(move || {
             p.client()
@@ -195,7 +268,7 @@ impl KafkaSink {
         .unwrap_or(false)
     }
 
-    pub async fn flush(&self) {
+    async fn flush(&self) {
         let p = self.healthy_producer();
         let _ = tokio::task::spawn_blocking(move || p.flush(Duration::from_secs(5))).await;
     }
@@ -232,6 +305,9 @@ fn classify(sink: &str, topic: &str, e: KafkaError) -> PublishError {
             | C::NotEnoughReplicas
             | C::NotEnoughReplicasAfterAppend
             | C::QueueFull
+            | C::Fatal
+            | C::PurgeQueue
+            | C::PurgeInflight
             | C::ProducerFenced
             | C::InvalidProducerEpoch
             | C::UnknownProducerId

@@ -1,10 +1,14 @@
 //! Sinks: where messages go, and the only place that knows a broker's
-//! acknowledgement protocol. Publishing is two steps: [`Sink::send`] hands a
-//! message to the broker client *in call order* (so per-key order holds) and
-//! returns an [`Ack`]; [`Ack::wait`] resolves only once the broker has
-//! acknowledged (Kafka delivery report, JetStream PubAck, file written),
-//! which is what lets the relay mark a row published afterwards. Many acks
-//! are awaited at once; the number in flight per sink is bounded.
+//! acknowledgement protocol. Every sink implements [`Sink`]; the batch
+//! pipeline (`pipeline.rs`) knows nothing else about brokers.
+//!
+//! Publishing is two steps: [`Sink::send`] hands a message to the broker
+//! client *in call order* (so per-key order holds) and returns an [`Ack`];
+//! [`Ack::wait`] resolves only once the broker has acknowledged (Kafka
+//! delivery report, JetStream PubAck, core NATS server round trip, file
+//! written and fsynced), which is what lets the relay mark a row published
+//! afterwards. Many acks are awaited at once; the number in flight per sink
+//! is bounded.
 //!
 //! Each sink is a config struct (in `config.rs`) plus a builder, in its own
 //! file. Every failure is classified: [`PublishError::Unavailable`] (broker
@@ -17,6 +21,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use anyhow::Result;
+use futures::future::BoxFuture;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::SinkConfig;
@@ -55,30 +60,24 @@ pub enum PublishError {
     Permanent(String),
 }
 
-/// A configured destination.
-pub enum Sink {
-    Kafka(kafka::KafkaSink),
-    Nats(Box<nats::NatsSink>),
-    File(file::FileSink),
-}
-
 /// A message handed to a broker, not yet acknowledged. Holds its in-flight
 /// permit until the acknowledgement arrives.
-pub enum Ack {
-    Kafka(kafka::PendingAck),
-    Nats(nats::PendingAck),
-    /// Already acknowledged (file sink, core NATS).
-    Done,
-}
+pub struct Ack(BoxFuture<'static, Result<(), PublishError>>);
 
 impl Ack {
+    /// An acknowledgement that resolves when `f` does.
+    pub fn new(f: impl Future<Output = Result<(), PublishError>> + Send + 'static) -> Self {
+        Ack(Box::pin(f))
+    }
+
+    /// Already acknowledged.
+    pub fn done() -> Self {
+        Ack::new(std::future::ready(Ok(())))
+    }
+
     /// Wait for the broker's acknowledgement.
     pub async fn wait(self) -> Result<(), PublishError> {
-        match self {
-            Ack::Kafka(a) => a.wait().await,
-            Ack::Nats(a) => a.wait().await,
-            Ack::Done => Ok(()),
-        }
+        self.0.await
     }
 }
 
@@ -86,15 +85,34 @@ impl Ack {
 /// limit). Held by the message's [`Ack`] until the broker answers.
 pub type Permit = Option<OwnedSemaphorePermit>;
 
-impl Sink {
-    fn in_flight(&self) -> Option<&Arc<Semaphore>> {
-        match self {
-            Sink::Kafka(s) => Some(s.in_flight()),
-            Sink::Nats(s) => Some(s.in_flight()),
-            Sink::File(_) => None,
-        }
+/// A configured destination.
+#[async_trait::async_trait]
+pub trait Sink: Send + Sync {
+    /// The semaphore bounding messages in flight, if the sink has a limit.
+    fn in_flight(&self) -> Option<&Arc<Semaphore>>;
+
+    /// Hand one message to the broker. Messages sent one after another reach
+    /// the broker in that order *while [`Sink::session`] stays the same*;
+    /// await the returned [`Ack`] for durability.
+    async fn send(&self, m: Outgoing<'_>, permit: Permit) -> Result<Ack, PublishError>;
+
+    /// The broker session messages are sent on now: changes when the sink
+    /// reconnects or replaces its producer. A message sent in an earlier
+    /// session may be lost while a later one is stored, so the pipeline
+    /// waits for an aggregate's earlier acks before sending it on a new
+    /// session.
+    fn session(&self) -> u64 {
+        0
     }
 
+    /// Is the broker reachable right now (for `/readyz`)?
+    async fn connected(&self) -> bool;
+
+    /// Wait (bounded) for queued messages to leave, on shutdown.
+    async fn flush(&self);
+}
+
+impl dyn Sink {
     /// A slot for one more message if one is free right now.
     pub fn try_reserve(&self) -> Option<Permit> {
         match self.in_flight() {
@@ -117,43 +135,15 @@ impl Sink {
         }
     }
 
-    /// Hand one message to the broker. Messages sent one after another reach
-    /// the broker in that order; await the returned [`Ack`] for durability.
-    pub async fn send(&self, m: Outgoing<'_>, permit: Permit) -> Result<Ack, PublishError> {
-        match self {
-            Sink::Kafka(s) => s.send(m, permit).await.map(Ack::Kafka),
-            Sink::Nats(s) => s.send(m, permit).await,
-            Sink::File(s) => s.send(m).map(|()| Ack::Done),
-        }
-    }
-
     /// Reserve, send and wait for the acknowledgement.
     pub async fn publish(&self, m: Outgoing<'_>) -> Result<(), PublishError> {
         let permit = self.reserve().await?;
         self.send(m, permit).await?.wait().await
     }
-
-    /// Is the broker reachable right now (for `/readyz`)?
-    pub async fn connected(&self) -> bool {
-        match self {
-            Sink::Kafka(s) => s.connected().await,
-            Sink::Nats(s) => s.connected(),
-            Sink::File(_) => true,
-        }
-    }
-
-    /// Wait (bounded) for queued messages to leave, on shutdown.
-    pub async fn flush(&self) {
-        match self {
-            Sink::Kafka(s) => s.flush().await,
-            Sink::Nats(s) => s.flush().await,
-            Sink::File(s) => s.flush(),
-        }
-    }
 }
 
 /// All sinks by name.
-pub type Sinks = Arc<BTreeMap<String, Sink>>;
+pub type Sinks = Arc<BTreeMap<String, Arc<dyn Sink>>>;
 
 /// Build every configured sink. Configuration errors (a bad librdkafka
 /// option, a JetStream subject no stream captures) refuse start-up; a broker
@@ -164,17 +154,15 @@ pub async fn build_all(
     base_dir: &std::path::Path,
     publish_timeout: std::time::Duration,
 ) -> Result<Sinks> {
-    let mut sinks = BTreeMap::new();
+    let mut sinks: BTreeMap<String, Arc<dyn Sink>> = BTreeMap::new();
     for (name, cfg) in configs {
-        let sink = match cfg {
-            SinkConfig::Kafka(k) => Sink::Kafka(kafka::KafkaSink::build(name, k, publish_timeout)?),
+        let sink: Arc<dyn Sink> = match cfg {
+            SinkConfig::Kafka(k) => Arc::new(kafka::KafkaSink::build(name, k, publish_timeout)?),
             SinkConfig::Nats(n) => {
                 let patterns = routes.patterns_for_sink(name);
-                Sink::Nats(Box::new(
-                    nats::NatsSink::build(name, n, &patterns, publish_timeout).await?,
-                ))
+                Arc::new(nats::NatsSink::build(name, n, &patterns, publish_timeout).await?)
             }
-            SinkConfig::File(f) => Sink::File(file::FileSink::build(name, f, base_dir)?),
+            SinkConfig::File(f) => Arc::new(file::FileSink::build(name, f, base_dir)?),
         };
         sinks.insert(name.clone(), sink);
     }

@@ -1,7 +1,19 @@
 //! NATS sink (async-nats). JetStream mode (default) waits for the stream's
 //! PubAck and sets `Nats-Msg-Id` so the server drops re-sent duplicates
-//! within the stream's duplicate window. Core mode is fire-and-forget
-//! (at-most-once) and only used when configured explicitly.
+//! within the stream's duplicate window.
+//!
+//! Core mode has no acknowledgement: a message counts as delivered once a
+//! server round trip issued after it came back (a request nobody answers;
+//! the server's "no responders" reply proves it processed everything sent
+//! before on the connection). One round trip covers every message sent
+//! before it. Beyond the server, core NATS is at-most-once: a subscriber
+//! that is not connected never sees the message.
+//!
+//! Ordering: one connection delivers in send order. After a reconnect
+//! ([`Sink::session`] changes) a message written to the dead socket may be
+//! lost while later ones are stored; the pipeline then waits for an
+//! aggregate's earlier acks before sending its next message, and counts any
+//! inversion it could not prevent.
 
 use std::time::Duration;
 
@@ -14,9 +26,10 @@ use async_nats::jetstream::{self, context::PublishErrorKind, message::PublishMes
 use std::sync::Arc;
 
 use async_nats::jetstream::context::PublishAckFuture;
+use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::{Outgoing, PublishError};
+use super::{Ack, Outgoing, Permit, PublishError, Sink};
 use crate::config::{NatsMode, NatsSinkConfig};
 
 pub struct NatsSink {
@@ -24,6 +37,55 @@ pub struct NatsSink {
     client: async_nats::Client,
     js: Option<jetstream::Context>,
     in_flight: Arc<Semaphore>,
+    /// Core mode: messages sent, and messages a server round trip confirmed.
+    barrier: Arc<Barrier>,
+    timeout: Duration,
+}
+
+/// Core NATS delivery confirmation: one round trip at a time, each covering
+/// every message sent before it started.
+#[derive(Default)]
+struct Barrier {
+    sent: AtomicU64,
+    confirmed: AtomicU64,
+    lock: tokio::sync::Mutex<()>,
+}
+
+impl Barrier {
+    /// Resolve once the server has processed message number `seq`.
+    async fn after(
+        &self,
+        seq: u64,
+        client: &async_nats::Client,
+        timeout: Duration,
+        sink: &str,
+    ) -> Result<(), PublishError> {
+        let _one_at_a_time = self.lock.lock().await;
+        if self.confirmed.load(Ordering::Acquire) >= seq {
+            return Ok(());
+        }
+        let upto = self.sent.load(Ordering::Acquire);
+        let ping = client.new_inbox();
+        let reply = tokio::time::timeout(timeout, client.request(ping, bytes::Bytes::new())).await;
+        use async_nats::RequestErrorKind as K;
+        match reply {
+            // "No responders" or an answer: either way the server got here.
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) if e.kind() == K::NoResponders => {}
+            Ok(Err(e)) => {
+                return Err(PublishError::Unavailable(format!(
+                    "nats sink `{sink}`: no server round trip after publishing: {e}"
+                )));
+            }
+            Err(_) => {
+                return Err(PublishError::Unavailable(format!(
+                    "nats sink `{sink}`: no server round trip within {timeout:?}"
+                )));
+            }
+        }
+        self.confirmed.fetch_max(upto, Ordering::AcqRel);
+        Ok(())
+    }
 }
 
 /// A JetStream publish sent, awaiting its PubAck.
@@ -119,15 +181,25 @@ impl NatsSink {
             client,
             js,
             in_flight: Arc::new(Semaphore::new(c.max_in_flight.max(1))),
+            barrier: Arc::new(Barrier::default()),
+            timeout: publish_timeout,
         })
     }
+}
 
-    /// Send one message; JetStream's PubAck comes later (core NATS has none).
-    pub async fn send(
-        &self,
-        m: Outgoing<'_>,
-        permit: Option<OwnedSemaphorePermit>,
-    ) -> Result<super::Ack, PublishError> {
+#[async_trait::async_trait]
+impl Sink for NatsSink {
+    fn in_flight(&self) -> Option<&Arc<Semaphore>> {
+        Some(&self.in_flight)
+    }
+
+    fn session(&self) -> u64 {
+        self.client.statistics().connects.load(Ordering::Relaxed)
+    }
+
+    /// Send one message; the acknowledgement (JetStream PubAck, or a core
+    /// round trip) comes later.
+    async fn send(&self, m: Outgoing<'_>, permit: Permit) -> Result<Ack, PublishError> {
         // Header names and values come from event rows and plugins: check
         // them here (async-nats panics on invalid ones).
         let bad = |what: &str, e: &dyn std::fmt::Display| {
@@ -157,36 +229,46 @@ impl NatsSink {
                     .send_publish(subject, publish)
                     .await
                     .map_err(|e| classify(&self.name, m.topic, &e))?;
-                Ok(super::Ack::Nats(PendingAck {
-                    ack,
-                    sink: self.name.clone(),
-                    subject: m.topic.to_string(),
-                    _permit: permit,
+                Ok(Ack::new(
+                    PendingAck {
+                        ack,
+                        sink: self.name.clone(),
+                        subject: m.topic.to_string(),
+                        _permit: permit,
+                    }
+                    .wait(),
+                ))
+            }
+            None => {
+                self.client
+                    .publish_with_headers(subject, headers, payload)
+                    .await
+                    .map_err(|e| {
+                        PublishError::Unavailable(format!(
+                            "nats sink `{}`, subject `{}`: {e}",
+                            self.name, m.topic
+                        ))
+                    })?;
+                let seq = self.barrier.sent.fetch_add(1, Ordering::AcqRel) + 1;
+                let (barrier, client, timeout, sink) = (
+                    self.barrier.clone(),
+                    self.client.clone(),
+                    self.timeout,
+                    self.name.clone(),
+                );
+                Ok(Ack::new(async move {
+                    let _permit = permit;
+                    barrier.after(seq, &client, timeout, &sink).await
                 }))
             }
-            None => self
-                .client
-                .publish_with_headers(subject, headers, payload)
-                .await
-                .map(|()| super::Ack::Done)
-                .map_err(|e| {
-                    PublishError::Unavailable(format!(
-                        "nats sink `{}`, subject `{}`: {e}",
-                        self.name, m.topic
-                    ))
-                }),
         }
     }
 
-    pub fn in_flight(&self) -> &Arc<Semaphore> {
-        &self.in_flight
-    }
-
-    pub fn connected(&self) -> bool {
+    async fn connected(&self) -> bool {
         self.client.connection_state() == async_nats::connection::State::Connected
     }
 
-    pub async fn flush(&self) {
+    async fn flush(&self) {
         let _ = tokio::time::timeout(Duration::from_secs(5), self.client.flush()).await;
     }
 }

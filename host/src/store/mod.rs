@@ -122,6 +122,27 @@ pub struct FailedEvent {
     pub holds_aggregate: bool,
 }
 
+/// Where a page of published events ended: its last (order key, id).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cursor {
+    pub seq: i64,
+    pub id: String,
+}
+
+impl Cursor {
+    /// The cursor after this claim.
+    pub fn after(c: &Claim) -> Self {
+        let seq = match &c.row {
+            Ok(e) => e.sequence,
+            Err(m) => m.sequence,
+        };
+        Cursor {
+            seq,
+            id: c.id().to_string(),
+        }
+    }
+}
+
 /// Filters for `failed list|retry|discard` and `replay`.
 #[derive(Debug, Clone, Default)]
 pub struct Filter {
@@ -279,14 +300,16 @@ impl Store {
         dispatch!(self, s => s.failed_discard(f).await)
     }
 
-    /// Published events matching `f`, in outbox order, after `after_seq`.
+    /// Published events matching `f`, in outbox order (order key, then id),
+    /// after `after`: keyset pagination that never skips rows sharing an
+    /// order key (tied `created_at`) across a page boundary.
     pub async fn published(
         &self,
         f: &Filter,
-        after_seq: i64,
+        after: Option<&Cursor>,
         limit: i64,
     ) -> anyhow::Result<Vec<Claim>> {
-        dispatch!(self, s => s.published(f, after_seq, limit).await)
+        dispatch!(self, s => s.published(f, after, limit).await)
     }
 
     /// Count of published events matching `f` (replay progress).

@@ -48,7 +48,9 @@ use anyhow::{Context, Result, anyhow, bail};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{ConnectOptions, Row};
 
-use super::{Claim, FailedEvent, Failure, FailureKind, Filter, Leases, RelayStatus, Status};
+use super::{
+    Claim, Cursor, FailedEvent, Failure, FailureKind, Filter, Leases, RelayStatus, Status,
+};
 use crate::config::{Config, Marking, Ordering, TableConfig};
 use crate::event::RawRow;
 
@@ -239,7 +241,7 @@ impl TableSql {
             id = self.id
         );
         let hold = match ordering {
-            Ordering::Aggregate => format!(
+            Ordering::Aggregate | Ordering::Strict => format!(
                 " AND NOT EXISTS (SELECT 1 FROM outroute_event_state b WHERE b.source = $1 \
                    AND b.aggregate_type = {at} AND b.aggregate_id = {ai} AND b.seq <= {seq} \
                    AND b.event_id <> {id}::text AND b.blocks_until > now() OFFSET 0)",
@@ -445,7 +447,7 @@ impl PgStore {
         {
             bail!("store.table.id: unsupported id column type `{id_type}`");
         }
-        if t.sequence.is_none() && self.ordering == Ordering::Aggregate {
+        if t.sequence.is_none() && self.ordering != Ordering::None {
             tracing::warn!(
                 table = %t.name,
                 "store.table.sequence is unset: events are ordered by created_at; events of one aggregate \
@@ -1180,13 +1182,20 @@ impl PgStore {
         )
     }
 
-    pub async fn published(&self, f: &Filter, after_seq: i64, limit: i64) -> Result<Vec<Claim>> {
+    pub async fn published(
+        &self,
+        f: &Filter,
+        after: Option<&Cursor>,
+        limit: i64,
+    ) -> Result<Vec<Claim>> {
         let s = self.sql()?;
         if matches!(s.cfg.marking, Marking::Delete) {
             bail!("replay: marking style `delete` keeps no published events to replay");
         }
+        // Ids compare as text on both sides, so the cursor works for any id type.
         let q = format!(
-            "SELECT {cols}, NULL::text AS tid, NULL::int AS state_attempts FROM {table} o WHERE {w} AND {seq} > $6 ORDER BY {seq}, {id} LIMIT $7",
+            "SELECT {cols}, NULL::text AS tid, NULL::int AS state_attempts FROM {table} o WHERE {w} \
+               AND ({seq} > $6 OR ({seq} = $6 AND {id}::text > $8)) ORDER BY {seq}, {id}::text LIMIT $7",
             cols = s.select_cols,
             table = s.table,
             w = self.published_where(s),
@@ -1199,8 +1208,9 @@ impl PgStore {
             .bind(&f.aggregate_type)
             .bind(&f.aggregate_id)
             .bind(&f.event_type)
-            .bind(after_seq)
+            .bind(after.map(|c| c.seq).unwrap_or(i64::MIN))
             .bind(limit)
+            .bind(after.map(|c| c.id.as_str()).unwrap_or(""))
             .fetch_all(&self.pool)
             .await?;
         rows.iter().map(to_claim).collect()

@@ -13,7 +13,7 @@ use sqlx::sqlite::{
 };
 use sqlx::{QueryBuilder, Row, Sqlite};
 
-use super::{Claim, FailedEvent, Failure, FailureKind, Filter, Leases, Status};
+use super::{Claim, Cursor, FailedEvent, Failure, FailureKind, Filter, Leases, Status};
 use crate::config::{StoreConfig, TableConfig};
 use crate::event::RawRow;
 
@@ -352,12 +352,24 @@ impl SqliteStore {
         qb
     }
 
-    pub async fn published(&self, f: &Filter, after_seq: i64, limit: i64) -> Result<Vec<Claim>> {
+    pub async fn published(
+        &self,
+        f: &Filter,
+        after: Option<&Cursor>,
+        limit: i64,
+    ) -> Result<Vec<Claim>> {
         let mut qb =
             Self::published_query(&format!("SELECT {COLS}, 0 AS attempts FROM outbox o"), f);
-        qb.push(" AND o.seq > ")
-            .push_bind(after_seq)
-            .push(" ORDER BY o.seq LIMIT ")
+        let (seq, id) = after
+            .map(|c| (c.seq, c.id.clone()))
+            .unwrap_or((i64::MIN, String::new()));
+        qb.push(" AND (o.seq > ")
+            .push_bind(seq)
+            .push(" OR (o.seq = ")
+            .push_bind(seq)
+            .push(" AND o.id > ")
+            .push_bind(id)
+            .push(")) ORDER BY o.seq, o.id LIMIT ")
             .push_bind(limit);
         let rows = qb.build().fetch_all(&self.pool).await?;
         rows.iter().map(to_claim).collect()

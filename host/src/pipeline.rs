@@ -1,0 +1,938 @@
+//! The batch pipeline: planned events → messages handed to sinks → broker
+//! acknowledgements → what becomes of each event (mark, hold, retry, fail).
+//!
+//! This is where the ordering promise of `../shared/DESIGN.md` is kept. For
+//! one aggregate, under `relay.ordering`:
+//!
+//! | what happens to an earlier event X1        | `aggregate`                        | `strict`                  | `none`        |
+//! |--------------------------------------------|------------------------------------|---------------------------|---------------|
+//! | refused before sending (plugin, allow-list)| later events held                  | later events held         | others go     |
+//! | refused when handed to the client (send)   | later events of the batch not sent | not sent                  | others go     |
+//! | fails at ack time after X2 was sent        | X2 not marked (re-sent after X1); counted as an order risk | cannot happen: X2 is sent only after X1's ack | others go |
+//! | sink reconnected since X1 was sent         | X1's ack awaited before X2 is sent | (already so)              | others go     |
+//!
+//! "Held" events stay pending with no attempt counted and come back in the
+//! next batch. Whatever inversion could not be prevented is counted
+//! (`outroute_order_risk_total{sink}`) and logged with both event ids, never
+//! silent. The pipeline never touches the store: `relay.rs` claims before it
+//! and marks/records after it, so it is unit-tested below with a scripted
+//! sink that fails chosen messages at send or at ack time.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tracing::Instrument;
+
+use crate::config::{DefaultKey, OnFailure, Ordering};
+use crate::event::{Rejection, envelope};
+use crate::failpoint;
+use crate::metrics as m;
+use crate::routing::Routes;
+use crate::sink::{Ack, Outgoing, PublishError, Sinks};
+use crate::store::{Claim, FailureKind};
+
+/// What happens to one event of a batch, decided before publishing.
+#[derive(Debug)]
+pub enum Plan {
+    /// Publish these messages, then mark.
+    Publish {
+        route: usize,
+        messages: Vec<crate::event::Message>,
+    },
+    /// An earlier event of the same aggregate did not go through: leave this
+    /// one pending (it is claimed again once the earlier one is resolved).
+    Held,
+    /// Record a failed attempt (retry or failed state).
+    Fail {
+        route: Option<usize>,
+        rejection: Rejection,
+    },
+}
+
+/// What became of one event once its messages were sent and acknowledged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fate {
+    /// Every message acknowledged: mark it published.
+    Publish,
+    /// Not sent, or sent but an earlier event of its aggregate failed: stays
+    /// pending, no attempt counted.
+    Held,
+    /// A failed attempt: retry with backoff or the failed state.
+    Fail {
+        route: Option<usize>,
+        rejection: Rejection,
+        /// The broker was unreachable: wait for it, never use up attempts.
+        broker_retry: bool,
+    },
+}
+
+/// How one batch went through the sinks.
+#[derive(Debug, Default)]
+pub struct Delivery {
+    /// Same index as the batch.
+    pub fates: Vec<Fate>,
+    /// Every publish failed with "unavailable": the broker is likely down.
+    pub outage: Option<String>,
+    /// Events acknowledged after an earlier event of their aggregate failed
+    /// at ack time (their first delivery is out of order).
+    pub order_risks: usize,
+}
+
+/// The lanes a batch was claimed from, checked before every event is sent
+/// and bounding how long acknowledgements are awaited: a relay never sends
+/// for lanes it no longer holds.
+pub struct LeaseGuard {
+    view: watch::Receiver<LeaseView>,
+    lanes: Vec<i32>,
+    /// The claimed lanes are all in the current view.
+    lanes_held: bool,
+}
+
+/// The lanes a relay may claim from, and until when that is safe.
+#[derive(Debug, Clone)]
+pub struct LeaseView {
+    pub lanes: Vec<i32>,
+    pub valid_until: Instant,
+}
+
+impl LeaseGuard {
+    pub fn new(view: watch::Receiver<LeaseView>, lanes: Vec<i32>) -> Self {
+        let mut g = LeaseGuard {
+            view,
+            lanes,
+            lanes_held: false,
+        };
+        g.refresh();
+        g
+    }
+
+    fn refresh(&mut self) {
+        let v = self.view.borrow_and_update();
+        self.lanes_held = self.lanes.iter().all(|l| v.lanes.contains(l));
+    }
+
+    /// Every claimed lane is still in the current, unexpired lease view
+    /// (lanes released over the fair share or lost leave the view at once).
+    pub fn held(&mut self) -> bool {
+        if self.view.has_changed().unwrap_or(true) {
+            self.refresh();
+        }
+        self.lanes_held && Instant::now() < self.view.borrow().valid_until
+    }
+
+    fn valid_until(&self) -> Instant {
+        self.view.borrow().valid_until
+    }
+}
+
+/// Retry or fail, decided in one place.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Verdict {
+    pub kind: FailureKind,
+    /// Attempts including this one.
+    pub attempts: u32,
+}
+
+impl Verdict {
+    /// Does this failure hold back later events of its aggregate?
+    pub fn holds_aggregate(&self) -> bool {
+        matches!(
+            self.kind,
+            FailureKind::Retry { .. } | FailureKind::Failed { hold: true }
+        )
+    }
+}
+
+/// The sinks and rules a batch is delivered with.
+pub struct Pipeline {
+    pub routes: Arc<Routes>,
+    pub sinks: Sinks,
+    pub ordering: Ordering,
+    /// How long a broker may take to acknowledge.
+    pub publish_timeout: Duration,
+    /// CloudEvents `source` attribute.
+    pub source: String,
+}
+
+type Aggregate<'a> = (&'a str, &'a str);
+
+fn aggregate_of(c: &Claim) -> Aggregate<'_> {
+    match &c.row {
+        Ok(e) => (&e.aggregate_type, &e.aggregate_id),
+        Err(b) => (&b.aggregate_type, &b.aggregate_id),
+    }
+}
+
+fn attempts_so_far(c: &Claim) -> u32 {
+    c.row.as_ref().map(|e| e.attempts).unwrap_or(0)
+}
+
+impl Pipeline {
+    fn ordered(&self) -> bool {
+        self.ordering != Ordering::None
+    }
+
+    /// Retry (with its backoff) or fail (holding the aggregate or not) for
+    /// a failed attempt of an event with `prior` failed attempts. A broker
+    /// that is unreachable is an infrastructure problem, not the event's: it
+    /// waits with backoff for as long as it takes and never uses attempts.
+    pub fn verdict(
+        &self,
+        route: Option<usize>,
+        rejection: &Rejection,
+        prior: u32,
+        broker_retry: bool,
+    ) -> Verdict {
+        let r = route.map(|i| &self.routes.0[i].config);
+        let attempts = if broker_retry { prior } else { prior + 1 };
+        let max_attempts = r.map(|r| r.max_attempts).unwrap_or(1);
+        let kind = match rejection {
+            Rejection::Retryable(_) if broker_retry || attempts < max_attempts => {
+                let (min, max) = r
+                    .map(|r| (r.backoff_min, r.backoff_max))
+                    .unwrap_or_default();
+                let exponent = if broker_retry {
+                    3
+                } else {
+                    attempts.saturating_sub(1).min(20)
+                };
+                FailureKind::Retry {
+                    delay: jitter(min.saturating_mul(1 << exponent).min(max)),
+                }
+            }
+            _ => FailureKind::Failed {
+                hold: self.ordered()
+                    && r.map(|r| r.on_failure).unwrap_or(OnFailure::Block) == OnFailure::Block,
+            },
+        };
+        Verdict { kind, attempts }
+    }
+
+    /// Deliver a planned batch: hold what an earlier failure blocks, send,
+    /// await acks, and decide each event's fate.
+    pub async fn deliver(
+        &self,
+        events: &mut [(Claim, Plan)],
+        lease: Option<&mut LeaseGuard>,
+    ) -> Delivery {
+        // Refused before sending: later events of that aggregate wait.
+        if self.ordered() {
+            let mut blocked: HashSet<(String, String)> = HashSet::new();
+            for (claim, plan) in events.iter_mut() {
+                let (t, i) = aggregate_of(claim);
+                let key = (t.to_string(), i.to_string());
+                if blocked.contains(&key) {
+                    *plan = Plan::Held;
+                } else if let Plan::Fail { route, rejection } = plan
+                    && self
+                        .verdict(*route, rejection, attempts_so_far(claim), false)
+                        .holds_aggregate()
+                {
+                    blocked.insert(key);
+                }
+            }
+        }
+        let sent = self.send_all(events, None, lease).await;
+        let outage = (!sent.acks.is_empty()
+            && sent
+                .acks
+                .values()
+                .all(|r| matches!(r, Err(PublishError::Unavailable(_)))))
+        .then(|| {
+            sent.acks
+                .values()
+                .find_map(|r| r.as_ref().err().map(|e| e.to_string()))
+                .unwrap_or_default()
+        });
+        let fates = self.decide(events, &sent.acks);
+        Delivery {
+            fates,
+            outage,
+            order_risks: sent.order_risks,
+        }
+    }
+
+    /// Acks → fates. An event is marked only when every message of it was
+    /// acknowledged and no earlier event of its aggregate failed.
+    fn decide(
+        &self,
+        events: &[(Claim, Plan)],
+        acks: &HashMap<usize, Result<(), PublishError>>,
+    ) -> Vec<Fate> {
+        let ordered = self.ordered();
+        let mut blocked: HashSet<Aggregate<'_>> = HashSet::new();
+        let mut fates = Vec::with_capacity(events.len());
+        for (i, (claim, plan)) in events.iter().enumerate() {
+            let agg = aggregate_of(claim);
+            if ordered && blocked.contains(&agg) {
+                fates.push(Fate::Held);
+                continue;
+            }
+            let fate = match plan {
+                Plan::Held => Fate::Held,
+                Plan::Publish { route, .. } => match acks.get(&i) {
+                    // Never sent (held back, or publishing stopped early).
+                    None => Fate::Held,
+                    Some(Ok(())) => Fate::Publish,
+                    Some(Err(e)) => {
+                        let rejection = match e {
+                            PublishError::Unavailable(r) | PublishError::Retryable(r) => {
+                                Rejection::Retryable(r.clone())
+                            }
+                            PublishError::Permanent(r) => Rejection::Invalid(r.clone()),
+                        };
+                        Fate::Fail {
+                            route: Some(*route),
+                            rejection,
+                            broker_retry: matches!(e, PublishError::Unavailable(_)),
+                        }
+                    }
+                },
+                Plan::Fail { route, rejection } => Fate::Fail {
+                    route: *route,
+                    rejection: rejection.clone(),
+                    broker_retry: false,
+                },
+            };
+            let holds = match &fate {
+                Fate::Publish => false,
+                Fate::Held => true,
+                Fate::Fail {
+                    route,
+                    rejection,
+                    broker_retry,
+                } => self
+                    .verdict(*route, rejection, attempts_so_far(claim), *broker_retry)
+                    .holds_aggregate(),
+            };
+            if ordered && holds {
+                blocked.insert(agg);
+            }
+            fates.push(fate);
+        }
+        fates
+    }
+
+    /// Hand every message of every `Plan::Publish` to its sink, in batch
+    /// order, then await the acknowledgements; result per event index (no
+    /// entry: not sent). `replay` tags broker-side dedup ids (JetStream
+    /// `Nats-Msg-Id`) so a deliberate re-publish is not dropped as a
+    /// duplicate; consumers still see the same `ce_id`.
+    pub async fn send_all(
+        &self,
+        events: &[(Claim, Plan)],
+        replay: Option<&str>,
+        mut lease: Option<&mut LeaseGuard>,
+    ) -> Sent {
+        let mut s = Sending::default();
+        let ordered = self.ordered() && replay.is_none();
+        let strict = ordered && self.ordering == Ordering::Strict;
+        'events: for (i, (claim, plan)) in events.iter().enumerate() {
+            let (Plan::Publish { messages, route }, Ok(ev)) = (plan, &claim.row) else {
+                continue;
+            };
+            let agg = aggregate_of(claim);
+            if ordered && s.stopped.contains(&agg) {
+                continue;
+            }
+            if let Some(l) = lease.as_deref_mut()
+                && !l.held()
+            {
+                tracing::warn!(
+                    unsent = events.len() - i,
+                    "lane lease lapsed while publishing; the rest of the batch is left to the next owner"
+                );
+                break;
+            }
+            if ordered && s.unsettled.contains(&agg) {
+                // Strict: the aggregate's previous event must be acknowledged
+                // first. Aggregate: only if a sink this event uses
+                // reconnected since the aggregate last sent on it.
+                let reconnected = || {
+                    messages.iter().any(|msg| {
+                        let now = self.sinks.get(&msg.sink).map(|k| k.session());
+                        s.session_of
+                            .get(&(agg, msg.sink.as_str()))
+                            .is_some_and(|then| Some(*then) != now)
+                    })
+                };
+                if strict || reconnected() {
+                    self.settle(&mut s, lease.as_deref()).await;
+                    if s.stopped.contains(&agg) {
+                        continue;
+                    }
+                }
+            }
+            s.acks.insert(i, Ok(()));
+            s.sent_by_aggregate.entry(agg).or_default().push(i);
+            // One span per event: event id, aggregate, route and the trace id
+            // from its `traceparent`, on everything logged while publishing it.
+            let span = tracing::debug_span!(
+                "event",
+                event_id = %ev.id,
+                aggregate = %format_args!("{}/{}", ev.aggregate_type, ev.aggregate_id),
+                route = self.routes.0[*route].name(),
+                trace_id = ev.traceparent().and_then(|t| t.split('-').nth(1)).unwrap_or(""),
+            );
+            let default_key = self.routes.0[*route].config.default_key;
+            let mut seen: HashMap<(&str, &str), usize> = HashMap::new();
+            for msg in messages {
+                let Some(sink) = self.sinks.get(&msg.sink) else {
+                    s.record(
+                        i,
+                        &msg.sink,
+                        PublishError::Permanent(format!("no sink `{}`", msg.sink)),
+                    );
+                    if ordered {
+                        s.stopped.insert(agg);
+                    }
+                    continue 'events;
+                };
+                let headers = envelope(ev, &self.source, &msg.headers);
+                // Broker-side dedup id (JetStream `Nats-Msg-Id`): event id and
+                // subject (plus a count for repeats), so the same message
+                // re-sent after a crash is dropped, while a plugin that changes
+                // its fan-out between attempts can never reuse an id.
+                let n = seen
+                    .entry((msg.sink.as_str(), msg.topic.as_str()))
+                    .or_insert(0);
+                let mut dedup = match *n {
+                    0 => format!("{}:{}", ev.id, msg.topic),
+                    n => format!("{}:{}:{n}", ev.id, msg.topic),
+                };
+                *n += 1;
+                if let Some(tag) = replay {
+                    dedup = format!("{dedup}:replay-{tag}");
+                }
+                // Kafka: a message without key or partition is keyed by its
+                // aggregate so the aggregate stays on one partition.
+                let key = match (&msg.key, msg.partition, default_key) {
+                    (Some(k), _, _) => Some(k.as_slice()),
+                    (None, None, DefaultKey::AggregateId) => Some(ev.aggregate_id.as_bytes()),
+                    (None, _, _) => None,
+                };
+                let out = Outgoing {
+                    topic: &msg.topic,
+                    key,
+                    partition: msg.partition,
+                    headers: &headers,
+                    payload: &msg.payload,
+                    dedup_id: &dedup,
+                };
+                // An in-flight slot; if none is free, our own unacknowledged
+                // messages may be holding them: settle those first.
+                let permit = match sink.try_reserve() {
+                    Some(p) => p,
+                    None => {
+                        self.settle(&mut s, lease.as_deref()).await;
+                        let reserved = sink.reserve().await;
+                        // That may have taken a while: stop if the lanes
+                        // moved to another relay meanwhile, or if an earlier
+                        // event of this aggregate failed.
+                        if lease.as_deref_mut().is_some_and(|l| !l.held()) {
+                            s.acks.remove(&i);
+                            break 'events;
+                        }
+                        if ordered && s.failed_earlier(agg, i) {
+                            s.acks.remove(&i);
+                            continue 'events;
+                        }
+                        match reserved {
+                            Ok(p) => p,
+                            Err(e) => {
+                                s.record(i, &msg.sink, e);
+                                continue 'events;
+                            }
+                        }
+                    }
+                };
+                let session = sink.session();
+                match sink.send(out, permit).instrument(span.clone()).await {
+                    Ok(ack) => {
+                        s.pending.push((i, msg.sink.as_str(), ack));
+                        s.session_of.insert((agg, msg.sink.as_str()), session);
+                        s.unsettled.insert(agg);
+                    }
+                    // Refused at send time: the event's other messages and
+                    // the aggregate's later events are not sent.
+                    Err(e) => {
+                        s.record(i, &msg.sink, e);
+                        if ordered {
+                            s.stopped.insert(agg);
+                        }
+                        continue 'events;
+                    }
+                }
+            }
+        }
+        failpoint::hit("before-ack");
+        self.settle(&mut s, lease.as_deref()).await;
+        let order_risks = if ordered {
+            self.count_order_risks(events, &s)
+        } else {
+            0
+        };
+        Sent {
+            acks: s.acks,
+            order_risks,
+        }
+    }
+
+    /// Wait for every pending acknowledgement (bounded by `publish_timeout`
+    /// and by the lease's validity) and note every failure against its
+    /// event; aggregates with a failed event stop sending.
+    async fn settle<'e>(&self, s: &mut Sending<'e>, lease: Option<&LeaseGuard>) {
+        let pending = std::mem::take(&mut s.pending);
+        if pending.is_empty() {
+            return;
+        }
+        let mut deadline = Instant::now() + self.publish_timeout + Duration::from_secs(5);
+        if let Some(l) = lease {
+            deadline = deadline.min(l.valid_until());
+        }
+        let waits = pending.into_iter().map(|(i, sink, ack)| async move {
+            let r = match tokio::time::timeout_at(deadline.into(), ack.wait()).await {
+                Ok(r) => r,
+                Err(_) => Err(PublishError::Unavailable(
+                    "no acknowledgement before the publish deadline (publish_timeout, or the lane lease's end)"
+                        .into(),
+                )),
+            };
+            (i, sink, r)
+        });
+        for (i, sink, r) in futures::future::join_all(waits).await {
+            if let Err(e) = r {
+                s.record(i, sink, e);
+            }
+        }
+        for agg in std::mem::take(&mut s.unsettled) {
+            if s.sent_by_aggregate
+                .get(&agg)
+                .is_some_and(|evs| evs.iter().any(|i| matches!(s.acks.get(i), Some(Err(_)))))
+            {
+                s.stopped.insert(agg);
+            }
+        }
+    }
+
+    /// An event acknowledged after an earlier event of its aggregate failed
+    /// was delivered out of order the first time: count it per sink.
+    fn count_order_risks(&self, events: &[(Claim, Plan)], s: &Sending<'_>) -> usize {
+        let mut risks = 0;
+        for evs in s.sent_by_aggregate.values() {
+            let Some(first_failed) = evs
+                .iter()
+                .position(|i| matches!(s.acks.get(i), Some(Err(_))))
+            else {
+                continue;
+            };
+            for later in &evs[first_failed + 1..] {
+                if !matches!(s.acks.get(later), Some(Ok(()))) {
+                    continue;
+                }
+                risks += 1;
+                let earlier = events[evs[first_failed]].0.id();
+                let (claim, plan) = &events[*later];
+                if let Plan::Publish { messages, .. } = plan {
+                    for sink in messages.iter().map(|m| m.sink.as_str()) {
+                        metrics::counter!(m::ORDER_RISK, "sink" => sink.to_string()).increment(1);
+                    }
+                }
+                tracing::warn!(
+                    event_id = %claim.id(),
+                    earlier_event_id = %earlier,
+                    "order risk: acknowledged after an earlier event of its aggregate failed; it stays pending and is re-sent after it"
+                );
+            }
+        }
+        risks
+    }
+}
+
+/// The outcome of [`Pipeline::send_all`].
+pub struct Sent {
+    /// Per event index: every message acknowledged, or the (worst) error.
+    pub acks: HashMap<usize, Result<(), PublishError>>,
+    pub order_risks: usize,
+}
+
+/// Book-keeping while a batch is being sent.
+#[derive(Default)]
+struct Sending<'e> {
+    acks: HashMap<usize, Result<(), PublishError>>,
+    pending: Vec<(usize, &'e str, Ack)>,
+    /// Aggregates that send nothing more in this batch.
+    stopped: HashSet<Aggregate<'e>>,
+    /// Aggregates with messages sent since the last settle.
+    unsettled: HashSet<Aggregate<'e>>,
+    /// Events sent per aggregate, in order.
+    sent_by_aggregate: HashMap<Aggregate<'e>, Vec<usize>>,
+    /// The sink session an aggregate's last message on a sink went out on.
+    session_of: HashMap<(Aggregate<'e>, &'e str), u64>,
+}
+
+impl<'e> Sending<'e> {
+    /// Note a failed message of event `i` (permanent beats retryable).
+    fn record(&mut self, i: usize, sink: &str, e: PublishError) {
+        let kind = match e {
+            PublishError::Permanent(_) => "permanent",
+            PublishError::Retryable(_) => "retryable",
+            PublishError::Unavailable(_) => "unavailable",
+        };
+        metrics::counter!(m::PUBLISH_ERRORS, "sink" => sink.to_string(), "kind" => kind)
+            .increment(1);
+        tracing::debug!(sink, "publish failed: {e}");
+        let slot = self.acks.entry(i).or_insert(Ok(()));
+        if !matches!(slot, Err(PublishError::Permanent(_))) {
+            *slot = Err(e);
+        }
+    }
+
+    /// Did an event of `agg` sent before event `i` fail?
+    fn failed_earlier(&self, agg: Aggregate<'e>, i: usize) -> bool {
+        self.sent_by_aggregate.get(&agg).is_some_and(|evs| {
+            evs.iter()
+                .take_while(|j| **j < i)
+                .any(|j| matches!(self.acks.get(j), Some(Err(_))))
+        })
+    }
+}
+
+/// Between 50% and 100% of `d` ("equal jitter"), so retries spread out.
+pub fn jitter(d: Duration) -> Duration {
+    use rand::Rng;
+    let f: f64 = rand::rng().random_range(0.5..=1.0);
+    d.mul_f64(f)
+}
+
+#[cfg(test)]
+mod tests {
+    //! The ordering table above, case by case, through a scripted sink.
+    use super::*;
+    use crate::config::Config;
+    use crate::event::{Event, Message};
+    use crate::sink::Sink;
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
+
+    /// What the scripted sink does with a message (by payload).
+    #[derive(Clone)]
+    enum Script {
+        FailSend(PublishError),
+        FailAck(PublishError),
+    }
+
+    /// A sink that stores what it acknowledges, in acknowledgement order,
+    /// and fails the messages it is told to.
+    #[derive(Default)]
+    struct ScriptedSink {
+        script: Mutex<HashMap<String, Script>>,
+        /// Payloads on the "topic", in the order the broker stored them.
+        stored: Arc<Mutex<Vec<String>>>,
+        sent: Mutex<Vec<String>>,
+        session: AtomicU64,
+        /// Reconnect (new session) after this many sends.
+        reconnect_after: Option<usize>,
+    }
+
+    #[async_trait::async_trait]
+    impl Sink for ScriptedSink {
+        fn in_flight(&self) -> Option<&Arc<tokio::sync::Semaphore>> {
+            None
+        }
+        async fn send(
+            &self,
+            m: Outgoing<'_>,
+            _permit: crate::sink::Permit,
+        ) -> Result<Ack, PublishError> {
+            let payload = String::from_utf8_lossy(m.payload).into_owned();
+            let script = self.script.lock().unwrap().get(&payload).cloned();
+            if let Some(Script::FailSend(e)) = script {
+                return Err(e);
+            }
+            let n = {
+                let mut sent = self.sent.lock().unwrap();
+                sent.push(payload.clone());
+                sent.len()
+            };
+            if self.reconnect_after == Some(n) {
+                self.session.fetch_add(1, AtomicOrdering::SeqCst);
+            }
+            let stored = self.stored.clone();
+            Ok(Ack::new(async move {
+                // Acks resolve later than sends, all together (as brokers do).
+                tokio::task::yield_now().await;
+                match script {
+                    Some(Script::FailAck(e)) => Err(e),
+                    _ => {
+                        stored.lock().unwrap().push(payload);
+                        Ok(())
+                    }
+                }
+            }))
+        }
+        fn session(&self) -> u64 {
+            self.session.load(AtomicOrdering::SeqCst)
+        }
+        async fn connected(&self) -> bool {
+            true
+        }
+        async fn flush(&self) {}
+    }
+
+    fn pipeline(ordering: Ordering, sink: Arc<ScriptedSink>) -> Pipeline {
+        let toml = r#"
+            [store]
+            url = "postgres://x/y"
+            [sinks.k]
+            kind = "kafka"
+            brokers = "b:9092"
+            [plugins.p]
+            path = "p.wasm"
+            [[routes]]
+            name = "r"
+            plugin = "p"
+            allow = { k = ["t"] }
+        "#;
+        let config: Config = toml::from_str(toml).unwrap();
+        let routes = Routes::compile(&config).unwrap();
+        let mut sinks: BTreeMap<String, Arc<dyn Sink>> = BTreeMap::new();
+        sinks.insert("k".into(), sink);
+        Pipeline {
+            routes: Arc::new(routes),
+            sinks: Arc::new(sinks),
+            ordering,
+            publish_timeout: Duration::from_secs(5),
+            source: "/test".into(),
+        }
+    }
+
+    /// Events `X1..Xn` of aggregate `a`, each one message with payload `Xi`.
+    fn batch(names: &[&str]) -> Vec<(Claim, Plan)> {
+        names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let ev = Event {
+                    id: format!("id-{name}"),
+                    sequence: i as i64,
+                    aggregate_type: "order".into(),
+                    aggregate_id: "a".into(),
+                    event_type: "e".into(),
+                    event_version: 1,
+                    payload: b"{}".to_vec(),
+                    headers: vec![],
+                    created_at: chrono::Utc::now(),
+                    attempts: 0,
+                };
+                let claim = Claim {
+                    lane: 0,
+                    tid: None,
+                    has_state: false,
+                    row: Ok(ev),
+                };
+                let plan = Plan::Publish {
+                    route: 0,
+                    messages: vec![Message {
+                        sink: "k".into(),
+                        topic: "t".into(),
+                        key: None,
+                        partition: None,
+                        headers: vec![],
+                        payload: name.as_bytes().to_vec(),
+                    }],
+                };
+                (claim, plan)
+            })
+            .collect()
+    }
+
+    struct Run {
+        fates: Vec<Fate>,
+        stored: Vec<String>,
+        sent: Vec<String>,
+        order_risks: usize,
+    }
+
+    async fn run(ordering: Ordering, fail: (&str, Script), reconnect_after: Option<usize>) -> Run {
+        let sink = Arc::new(ScriptedSink {
+            reconnect_after,
+            ..Default::default()
+        });
+        sink.script
+            .lock()
+            .unwrap()
+            .insert(fail.0.to_string(), fail.1);
+        let p = pipeline(ordering, sink.clone());
+        let mut events = batch(&["X1", "X2", "X3"]);
+        let d = p.deliver(&mut events, None).await;
+        let stored = sink.stored.lock().unwrap().clone();
+        let sent = sink.sent.lock().unwrap().clone();
+        Run {
+            fates: d.fates,
+            stored,
+            sent,
+            order_risks: d.order_risks,
+        }
+    }
+
+    fn retry() -> PublishError {
+        PublishError::Retryable("refused".into())
+    }
+
+    fn failed(f: &Fate) -> bool {
+        matches!(f, Fate::Fail { .. })
+    }
+
+    #[tokio::test]
+    async fn send_time_failure_of_an_earlier_event() {
+        for ordering in [Ordering::Aggregate, Ordering::Strict] {
+            let r = run(ordering, ("X1", Script::FailSend(retry())), None).await;
+            assert!(failed(&r.fates[0]), "{ordering:?}: {:?}", r.fates);
+            assert_eq!(r.fates[1..], [Fate::Held, Fate::Held], "{ordering:?}");
+            assert!(
+                r.sent.is_empty(),
+                "{ordering:?}: later events sent: {:?}",
+                r.sent
+            );
+            assert_eq!(r.order_risks, 0);
+        }
+        let r = run(Ordering::None, ("X1", Script::FailSend(retry())), None).await;
+        assert!(failed(&r.fates[0]));
+        assert_eq!(r.fates[1..], [Fate::Publish, Fate::Publish]);
+        assert_eq!(r.stored, ["X2", "X3"]);
+    }
+
+    #[tokio::test]
+    async fn send_time_failure_of_a_later_event() {
+        for ordering in [Ordering::Aggregate, Ordering::Strict, Ordering::None] {
+            let r = run(ordering, ("X2", Script::FailSend(retry())), None).await;
+            assert_eq!(r.fates[0], Fate::Publish, "{ordering:?}");
+            assert!(failed(&r.fates[1]), "{ordering:?}");
+            let third = if ordering == Ordering::None {
+                Fate::Publish
+            } else {
+                Fate::Held
+            };
+            assert_eq!(r.fates[2], third, "{ordering:?}");
+            assert_eq!(r.stored[0], "X1");
+            assert_eq!(r.order_risks, 0);
+        }
+    }
+
+    #[tokio::test]
+    async fn ack_time_failure_of_an_earlier_event() {
+        // Aggregate: X2 and X3 were already on their way and are stored
+        // before X1 is retried: not marked (re-sent after X1), and counted.
+        let r = run(Ordering::Aggregate, ("X1", Script::FailAck(retry())), None).await;
+        assert!(failed(&r.fates[0]));
+        assert_eq!(r.fates[1..], [Fate::Held, Fate::Held]);
+        assert_eq!(r.stored, ["X2", "X3"]);
+        assert_eq!(r.order_risks, 2);
+        // Strict: X2 waits for X1's ack, so nothing overtakes it.
+        let r = run(Ordering::Strict, ("X1", Script::FailAck(retry())), None).await;
+        assert!(failed(&r.fates[0]));
+        assert_eq!(r.fates[1..], [Fate::Held, Fate::Held]);
+        assert_eq!(r.sent, ["X1"]);
+        assert!(r.stored.is_empty());
+        assert_eq!(r.order_risks, 0);
+        // None: independent events.
+        let r = run(Ordering::None, ("X1", Script::FailAck(retry())), None).await;
+        assert_eq!(r.fates[1..], [Fate::Publish, Fate::Publish]);
+        assert_eq!(r.order_risks, 0);
+    }
+
+    #[tokio::test]
+    async fn ack_time_failure_of_a_later_event() {
+        for ordering in [Ordering::Aggregate, Ordering::Strict, Ordering::None] {
+            let r = run(ordering, ("X2", Script::FailAck(retry())), None).await;
+            assert_eq!(r.fates[0], Fate::Publish, "{ordering:?}");
+            assert!(failed(&r.fates[1]), "{ordering:?}");
+            match ordering {
+                // X3 was sent before X2's ack failed; it is not marked.
+                Ordering::Aggregate => {
+                    assert_eq!(r.fates[2], Fate::Held);
+                    assert_eq!(r.order_risks, 1);
+                }
+                Ordering::Strict => {
+                    assert_eq!(r.fates[2], Fate::Held);
+                    assert_eq!(r.sent, ["X1", "X2"]);
+                    assert_eq!(r.order_risks, 0);
+                }
+                Ordering::None => assert_eq!(r.fates[2], Fate::Publish),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_reconnect_makes_the_aggregate_wait_for_its_earlier_ack() {
+        // X1 is lost with the old connection; X2 would go out on the new
+        // one. The pipeline awaits X1's ack first and sends nothing more.
+        let r = run(
+            Ordering::Aggregate,
+            ("X1", Script::FailAck(retry())),
+            Some(1),
+        )
+        .await;
+        assert!(failed(&r.fates[0]));
+        assert_eq!(r.fates[1..], [Fate::Held, Fate::Held]);
+        assert_eq!(r.sent, ["X1"]);
+        assert_eq!(r.order_risks, 0);
+    }
+
+    #[tokio::test]
+    async fn unavailable_everywhere_is_an_outage() {
+        let sink = Arc::new(ScriptedSink::default());
+        for x in ["X1", "X2"] {
+            sink.script.lock().unwrap().insert(
+                x.into(),
+                Script::FailAck(PublishError::Unavailable("down".into())),
+            );
+        }
+        let p = pipeline(Ordering::None, sink);
+        let mut events = batch(&["X1", "X2"]);
+        let d = p.deliver(&mut events, None).await;
+        assert_eq!(d.outage.as_deref(), Some("down"));
+    }
+
+    #[tokio::test]
+    async fn messages_without_a_key_are_keyed_by_aggregate() {
+        #[derive(Default)]
+        struct Keys(Mutex<Vec<Option<Vec<u8>>>>);
+        #[async_trait::async_trait]
+        impl Sink for Keys {
+            fn in_flight(&self) -> Option<&Arc<tokio::sync::Semaphore>> {
+                None
+            }
+            async fn send(
+                &self,
+                m: Outgoing<'_>,
+                _p: crate::sink::Permit,
+            ) -> Result<Ack, PublishError> {
+                self.0.lock().unwrap().push(m.key.map(|k| k.to_vec()));
+                Ok(Ack::done())
+            }
+            async fn connected(&self) -> bool {
+                true
+            }
+            async fn flush(&self) {}
+        }
+        let keys = Arc::new(Keys::default());
+        let mut p = pipeline(Ordering::Aggregate, Arc::new(ScriptedSink::default()));
+        let mut sinks: BTreeMap<String, Arc<dyn Sink>> = BTreeMap::new();
+        sinks.insert("k".into(), keys.clone());
+        p.sinks = Arc::new(sinks);
+        let mut events = batch(&["X1", "X2"]);
+        if let Plan::Publish { messages, .. } = &mut events[1].1 {
+            messages[0].key = Some(b"mine".to_vec());
+        }
+        p.deliver(&mut events, None).await;
+        assert_eq!(
+            *keys.0.lock().unwrap(),
+            [Some(b"a".to_vec()), Some(b"mine".to_vec())]
+        );
+    }
+}
