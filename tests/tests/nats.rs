@@ -101,7 +101,10 @@ async fn fanout_reaches_kafka_and_jetstream_and_replay_republishes_the_selection
     let (code, out, err) = cli(&["replay", "--aggregate-id", "agg-3", "-c", cfg])?;
     assert_eq!(code, 0, "{out}{err}");
     assert!(
-        out.contains(&format!("re-published {} event(s)", selected.len())),
+        out.contains(&format!(
+            "selected {n} published event(s); re-published {n};",
+            n = selected.len()
+        )),
         "{out}"
     );
     let kafka2 = consume_kafka(&topic, 3, usize::MAX, Duration::from_secs(5))?;
