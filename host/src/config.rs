@@ -302,7 +302,11 @@ pub struct KafkaSinkConfig {
     /// Messages awaiting acknowledgement before publishing waits.
     #[serde(default = "default_max_in_flight")]
     pub max_in_flight: usize,
-    /// Any other librdkafka producer setting, passed through verbatim.
+    /// Any other librdkafka producer setting (TLS, SASL, tuning), passed
+    /// through verbatim. Settings that make an acknowledgement mean "stored,
+    /// in order" are refused: `enable.idempotence`, `enable.gapless.guarantee`,
+    /// `acks`, `max.in.flight*`, `retries`, `message.timeout.ms`,
+    /// `bootstrap.servers`, `partitioner` and their aliases.
     #[serde(default)]
     pub options: BTreeMap<String, String>,
 }
@@ -313,8 +317,11 @@ pub enum NatsMode {
     /// JetStream: every publish waits for the stream's PubAck.
     #[default]
     Jetstream,
-    /// Core NATS: fire and forget, **at-most-once**. Only for subjects
-    /// nobody needs to see reliably.
+    /// Core NATS: no acknowledgement. An event is marked once a server
+    /// round trip after its messages came back (the server has them); a
+    /// subscriber that is not connected then never sees them:
+    /// **at-most-once** beyond the server. Only for subjects nobody needs
+    /// to see reliably.
     Core,
 }
 

@@ -3,8 +3,11 @@
 //!
 //! `OUTROUTE_FAILPOINT=<name>` aborts the process (no destructors, no
 //! flush — like `kill -9`) the `OUTROUTE_FAILPOINT_HIT`-th time (default 1)
-//! the relay passes that point. Points, in the order an event meets them:
-//! `after-claim`, `before-ack`, `after-ack`, `mid-mark`.
+//! the relay passes that point. With `OUTROUTE_FAILPOINT_ACTION=stop` the
+//! process stops itself (SIGSTOP, like a long GC pause or a frozen VM) and
+//! carries on where it was when it gets SIGCONT. Points, in the order an
+//! event meets them: `after-claim`, `mid-publish` (after the batch's first
+//! event was handed to its sinks), `before-ack`, `after-ack`, `mid-mark`.
 
 #[cfg(feature = "failpoints")]
 mod imp {
@@ -32,8 +35,23 @@ mod imp {
     pub fn hit(name: &str) {
         if let Some((n, at)) = config()
             && n == name
-            && HITS.fetch_add(1, Ordering::SeqCst) + 1 >= *at
         {
+            let hits = HITS.fetch_add(1, Ordering::SeqCst) + 1;
+            if hits < *at {
+                return;
+            }
+            if std::env::var("OUTROUTE_FAILPOINT_ACTION").as_deref() == Ok("stop") {
+                if hits > *at {
+                    return; // stops once
+                }
+                eprintln!("outroute: failpoint `{name}` reached, stopping (SIGSTOP)");
+                // SAFETY: raise(3) on our own process; it resumes on SIGCONT.
+                unsafe {
+                    libc::raise(libc::SIGSTOP);
+                }
+                eprintln!("outroute: failpoint `{name}`: resumed");
+                return;
+            }
             eprintln!("outroute: failpoint `{name}` reached, aborting");
             std::process::abort();
         }

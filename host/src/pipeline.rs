@@ -466,6 +466,9 @@ impl Pipeline {
                     }
                 }
             }
+            if replay.is_none() && s.acks.len() == 1 {
+                failpoint::hit("mid-publish");
+            }
         }
         failpoint::hit("before-ack");
         self.settle(&mut s, lease.as_deref()).await;
@@ -491,6 +494,18 @@ impl Pipeline {
         let mut deadline = Instant::now() + self.publish_timeout + Duration::from_secs(5);
         if let Some(l) = lease {
             deadline = deadline.min(l.valid_until());
+            // The lanes may belong to another relay by now: take back what
+            // has not left yet.
+            if Instant::now() >= deadline {
+                let mut sinks: Vec<&str> = pending.iter().map(|(_, sink, _)| *sink).collect();
+                sinks.sort_unstable();
+                sinks.dedup();
+                for name in sinks {
+                    if let Some(sink) = self.sinks.get(name) {
+                        sink.abandon().await;
+                    }
+                }
+            }
         }
         let waits = pending.into_iter().map(|(i, sink, ack)| async move {
             let r = match tokio::time::timeout_at(deadline.into(), ack.wait()).await {

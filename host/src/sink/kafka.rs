@@ -257,6 +257,17 @@ impl Sink for KafkaSink {
         self.generation.load(Ordering::Relaxed)
     }
 
+    /// Purge librdkafka's queues (not what is already in flight). This
+    /// affects every batch queued on the producer: their purged messages
+    /// fail as unavailable and are retried.
+    async fn abandon(&self) {
+        let p = self.healthy_producer();
+        let _ = tokio::task::spawn_blocking(move || {
+            p.purge(rdkafka::producer::PurgeConfig::default().queue())
+        })
+        .await;
+    }
+
     async fn connected(&self) -> bool {
         let p = self.healthy_producer();
         tokio::task::spawn_blocking(move || {

@@ -105,6 +105,12 @@ pub trait Sink: Send + Sync {
         0
     }
 
+    /// Drop messages handed over but not yet on the wire (their acks fail
+    /// as unavailable). Called when a batch's lane lease lapsed, so a relay
+    /// that lost its lanes sends no more than it already had. Default:
+    /// nothing can be taken back.
+    async fn abandon(&self) {}
+
     /// Is the broker reachable right now (for `/readyz`)?
     async fn connected(&self) -> bool;
 
