@@ -10,6 +10,13 @@
 //! | refused when handed to the client (send)   | later events of the batch not sent | not sent                  | others go     |
 //! | fails at ack time after X2 was sent        | X2 not marked (re-sent after X1); counted as an order risk | cannot happen: X2 is sent only after X1's ack | others go |
 //! | sink reconnected since X1 was sent         | X1's ack awaited before X2 is sent | (already so)              | others go     |
+//! | (NATS) X1 unacknowledged when X2 is due     | X1's ack awaited before X2 is sent | (already so)              | others go     |
+//!
+//! The NATS row is there because a NATS client may write X1 to a connection
+//! that dies and X2, still buffered, to the next one: the fault proxy test
+//! (`tests/tests/network_faults.rs`) saw exactly that. Kafka's idempotent
+//! producer re-sends in sequence, so on Kafka many events of one aggregate
+//! are in flight at once.
 //!
 //! "Held" events stay pending with no attempt counted and come back in the
 //! next batch. Whatever inversion could not be prevented is counted
@@ -348,17 +355,21 @@ impl Pipeline {
             }
             if ordered && s.unsettled.contains(&agg) {
                 // Strict: the aggregate's previous event must be acknowledged
-                // first. Aggregate: only if a sink this event uses
-                // reconnected since the aggregate last sent on it.
-                let reconnected = || {
+                // first. Aggregate: only on a sink that may reorder messages
+                // in flight (NATS), or one that reconnected since the
+                // aggregate last sent on it.
+                let must_wait = || {
                     messages.iter().any(|msg| {
-                        let now = self.sinks.get(&msg.sink).map(|k| k.session());
-                        s.session_of
-                            .get(&(agg, msg.sink.as_str()))
-                            .is_some_and(|then| Some(*then) != now)
+                        let Some(sink) = self.sinks.get(&msg.sink) else {
+                            return false;
+                        };
+                        let sent_on = s.session_of.get(&(agg, msg.sink.as_str()));
+                        sent_on.is_some()
+                            && (!sink.keeps_order_in_flight()
+                                || sent_on.is_some_and(|then| *then != sink.session()))
                     })
                 };
-                if strict || reconnected() {
+                if strict || must_wait() {
                     self.settle(&mut s, lease.as_deref()).await;
                     if s.stopped.contains(&agg) {
                         continue;
@@ -651,6 +662,8 @@ mod tests {
         session: AtomicU64,
         /// Reconnect (new session) after this many sends.
         reconnect_after: Option<usize>,
+        /// Like NATS: messages in flight may be reordered by a reconnect.
+        reorders_in_flight: bool,
     }
 
     #[async_trait::async_trait]
@@ -691,6 +704,9 @@ mod tests {
         }
         fn session(&self) -> u64 {
             self.session.load(AtomicOrdering::SeqCst)
+        }
+        fn keeps_order_in_flight(&self) -> bool {
+            !self.reorders_in_flight
         }
         async fn connected(&self) -> bool {
             true
@@ -896,6 +912,25 @@ mod tests {
         assert_eq!(r.fates[1..], [Fate::Held, Fate::Held]);
         assert_eq!(r.sent, ["X1"]);
         assert_eq!(r.order_risks, 0);
+    }
+
+    #[tokio::test]
+    async fn on_a_sink_that_may_reorder_in_flight_an_aggregate_has_one_event_in_flight() {
+        let sink = Arc::new(ScriptedSink {
+            reorders_in_flight: true,
+            ..Default::default()
+        });
+        sink.script
+            .lock()
+            .unwrap()
+            .insert("X1".into(), Script::FailAck(retry()));
+        let p = pipeline(Ordering::Aggregate, sink.clone());
+        let mut events = batch(&["X1", "X2", "X3"]);
+        let d = p.deliver(&mut events, None).await;
+        assert!(failed(&d.fates[0]));
+        assert_eq!(d.fates[1..], [Fate::Held, Fate::Held]);
+        assert_eq!(*sink.sent.lock().unwrap(), ["X1"]);
+        assert_eq!(d.order_risks, 0);
     }
 
     #[tokio::test]

