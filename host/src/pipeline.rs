@@ -72,6 +72,9 @@ pub enum Fate {
         rejection: Rejection,
         /// The broker was unreachable: wait for it, never use up attempts.
         broker_retry: bool,
+        /// Fan-out legs acknowledged so far (this attempt and earlier ones):
+        /// the retry sends only the others.
+        done_legs: Vec<String>,
     },
 }
 
@@ -242,7 +245,10 @@ impl Pipeline {
             }
         }
         let sent = self.send_all(events, None, lease).await;
+        // An outage: nothing at all got through (had a fan-out leg been
+        // acknowledged, its event's failure must be recorded with it).
         let outage = (!sent.acks.is_empty()
+            && sent.acked_legs.is_empty()
             && sent
                 .acks
                 .values()
@@ -253,7 +259,7 @@ impl Pipeline {
                 .find_map(|r| r.as_ref().err().map(|e| e.to_string()))
                 .unwrap_or_default()
         });
-        let fates = self.decide(events, &sent.acks);
+        let fates = self.decide(events, &sent);
         Delivery {
             fates,
             outage,
@@ -263,11 +269,8 @@ impl Pipeline {
 
     /// Acks → fates. An event is marked only when every message of it was
     /// acknowledged and no earlier event of its aggregate failed.
-    fn decide(
-        &self,
-        events: &[(Claim, Plan)],
-        acks: &HashMap<usize, Result<(), PublishError>>,
-    ) -> Vec<Fate> {
+    fn decide(&self, events: &[(Claim, Plan)], sent: &Sent) -> Vec<Fate> {
+        let acks = &sent.acks;
         let ordered = self.ordered();
         let mut blocked: HashSet<Aggregate<'_>> = HashSet::new();
         let mut fates = Vec::with_capacity(events.len());
@@ -290,10 +293,15 @@ impl Pipeline {
                             }
                             PublishError::Permanent(r) => Rejection::Invalid(r.clone()),
                         };
+                        let mut done_legs = claim.done_legs.clone();
+                        if let Some(legs) = sent.acked_legs.get(&i) {
+                            done_legs.extend(legs.iter().cloned());
+                        }
                         Fate::Fail {
                             route: Some(*route),
                             rejection,
                             broker_retry: matches!(e, PublishError::Unavailable(_)),
+                            done_legs,
                         }
                     }
                 },
@@ -301,6 +309,7 @@ impl Pipeline {
                     route: *route,
                     rejection: rejection.clone(),
                     broker_retry: false,
+                    done_legs: claim.done_legs.clone(),
                 },
             };
             let holds = match &fate {
@@ -310,6 +319,7 @@ impl Pipeline {
                     route,
                     rejection,
                     broker_retry,
+                    ..
                 } => self
                     .verdict(*route, rejection, attempts_so_far(claim), *broker_retry)
                     .holds_aggregate(),
@@ -413,7 +423,13 @@ impl Pipeline {
                     0 => format!("{}:{}", ev.id, msg.topic),
                     n => format!("{}:{}:{n}", ev.id, msg.topic),
                 };
+                let leg = format!("{}/{}#{}", msg.sink, msg.topic, *n);
                 *n += 1;
+                // Acknowledged by an earlier attempt (its sibling leg's
+                // broker was down): not sent again.
+                if replay.is_none() && claim.done_legs.contains(&leg) {
+                    continue;
+                }
                 if let Some(tag) = replay {
                     dedup = format!("{dedup}:replay-{tag}");
                 }
@@ -462,7 +478,7 @@ impl Pipeline {
                 let session = sink.session();
                 match sink.send(out, permit).instrument(span.clone()).await {
                     Ok(ack) => {
-                        s.pending.push((i, msg.sink.as_str(), ack));
+                        s.pending.push((i, msg.sink.as_str(), leg, ack));
                         s.session_of.insert((agg, msg.sink.as_str()), session);
                         s.unsettled.insert(agg);
                     }
@@ -490,6 +506,7 @@ impl Pipeline {
         };
         Sent {
             acks: s.acks,
+            acked_legs: s.acked_legs,
             order_risks,
         }
     }
@@ -508,7 +525,7 @@ impl Pipeline {
             // The lanes may belong to another relay by now: take back what
             // has not left yet.
             if Instant::now() >= deadline {
-                let mut sinks: Vec<&str> = pending.iter().map(|(_, sink, _)| *sink).collect();
+                let mut sinks: Vec<&str> = pending.iter().map(|(_, sink, _, _)| *sink).collect();
                 sinks.sort_unstable();
                 sinks.dedup();
                 for name in sinks {
@@ -518,7 +535,7 @@ impl Pipeline {
                 }
             }
         }
-        let waits = pending.into_iter().map(|(i, sink, ack)| async move {
+        let waits = pending.into_iter().map(|(i, sink, leg, ack)| async move {
             let r = match tokio::time::timeout_at(deadline.into(), ack.wait()).await {
                 Ok(r) => r,
                 Err(_) => Err(PublishError::Unavailable(
@@ -526,11 +543,12 @@ impl Pipeline {
                         .into(),
                 )),
             };
-            (i, sink, r)
+            (i, sink, leg, r)
         });
-        for (i, sink, r) in futures::future::join_all(waits).await {
-            if let Err(e) = r {
-                s.record(i, sink, e);
+        for (i, sink, leg, r) in futures::future::join_all(waits).await {
+            match r {
+                Ok(()) => s.acked_legs.entry(i).or_default().push(leg),
+                Err(e) => s.record(i, sink, e),
             }
         }
         for agg in std::mem::take(&mut s.unsettled) {
@@ -581,6 +599,8 @@ impl Pipeline {
 pub struct Sent {
     /// Per event index: every message acknowledged, or the (worst) error.
     pub acks: HashMap<usize, Result<(), PublishError>>,
+    /// Per event index: the legs (`sink/topic#n`) acknowledged.
+    pub acked_legs: HashMap<usize, Vec<String>>,
     pub order_risks: usize,
 }
 
@@ -588,7 +608,9 @@ pub struct Sent {
 #[derive(Default)]
 struct Sending<'e> {
     acks: HashMap<usize, Result<(), PublishError>>,
-    pending: Vec<(usize, &'e str, Ack)>,
+    /// (event index, sink, leg, acknowledgement)
+    pending: Vec<(usize, &'e str, String, Ack)>,
+    acked_legs: HashMap<usize, Vec<String>>,
     /// Aggregates that send nothing more in this batch.
     stopped: HashSet<Aggregate<'e>>,
     /// Aggregates with messages sent since the last settle.
@@ -721,12 +743,15 @@ mod tests {
             [sinks.k]
             kind = "kafka"
             brokers = "b:9092"
+            [sinks.m]
+            kind = "kafka"
+            brokers = "b:9092"
             [plugins.p]
             path = "p.wasm"
             [[routes]]
             name = "r"
             plugin = "p"
-            allow = { k = ["t"] }
+            allow = { k = ["t"], m = ["t"] }
         "#;
         let config: Config = toml::from_str(toml).unwrap();
         let routes = Routes::compile(&config).unwrap();
@@ -763,6 +788,7 @@ mod tests {
                     lane: 0,
                     tid: None,
                     has_state: false,
+                    done_legs: Vec::new(),
                     row: Ok(ev),
                 };
                 let plan = Plan::Publish {
@@ -931,6 +957,48 @@ mod tests {
         assert_eq!(d.fates[1..], [Fate::Held, Fate::Held]);
         assert_eq!(*sink.sent.lock().unwrap(), ["X1"]);
         assert_eq!(d.order_risks, 0);
+    }
+
+    #[tokio::test]
+    async fn a_fan_out_leg_acknowledged_once_is_not_sent_again() {
+        let k = Arc::new(ScriptedSink::default());
+        let m = Arc::new(ScriptedSink::default());
+        m.script.lock().unwrap().insert(
+            "X1".into(),
+            Script::FailAck(PublishError::Unavailable("m is down".into())),
+        );
+        let mut p = pipeline(Ordering::Aggregate, k.clone());
+        let mut sinks: BTreeMap<String, Arc<dyn Sink>> = BTreeMap::new();
+        sinks.insert("k".into(), k.clone());
+        sinks.insert("m".into(), m.clone());
+        p.sinks = Arc::new(sinks);
+        let fan_out = |done_legs: Vec<String>| {
+            let mut events = batch(&["X1"]);
+            events[0].0.done_legs = done_legs;
+            if let Plan::Publish { messages, .. } = &mut events[0].1 {
+                let mut other = messages[0].clone();
+                other.sink = "m".into();
+                messages.push(other);
+            }
+            events
+        };
+        // First attempt: k acknowledges, m is down.
+        let d = p.deliver(&mut fan_out(vec![]), None).await;
+        let Fate::Fail {
+            done_legs,
+            broker_retry: true,
+            ..
+        } = &d.fates[0]
+        else {
+            panic!("{:?}", d.fates);
+        };
+        assert_eq!(done_legs, &["k/t#0".to_string()]);
+        // The retry sends only m's leg.
+        m.script.lock().unwrap().clear();
+        let d = p.deliver(&mut fan_out(done_legs.clone()), None).await;
+        assert_eq!(d.fates, [Fate::Publish]);
+        assert_eq!(*k.sent.lock().unwrap(), ["X1"]);
+        assert_eq!(*m.sent.lock().unwrap(), ["X1", "X1"]);
     }
 
     #[tokio::test]

@@ -380,13 +380,12 @@ impl Relay {
                     route,
                     rejection,
                     broker_retry,
-                } => failures.push(self.failure(
-                    claim,
-                    *route,
-                    rejection,
-                    &mut report,
-                    *broker_retry,
-                )),
+                    done_legs,
+                } => {
+                    let mut f = self.failure(claim, *route, rejection, &mut report, *broker_retry);
+                    f.done_legs = done_legs.clone();
+                    failures.push(f);
+                }
             }
         }
         let marked = self.mark(&to_mark).await?;
@@ -582,6 +581,7 @@ impl Relay {
             plugin: plugin.as_ref().map(|p| p.name.clone()),
             plugin_version: plugin.map(|p| p.version),
             kind,
+            done_legs: Vec::new(),
         }
     }
 

@@ -33,6 +33,9 @@ pub struct Claim {
     pub tid: Option<String>,
     /// The event has a retry/failure state row (cleared when marked).
     pub has_state: bool,
+    /// Fan-out legs already acknowledged by an earlier attempt (see
+    /// [`Failure::done_legs`]): not sent again.
+    pub done_legs: Vec<String>,
     pub row: Result<Event, Malformed>,
 }
 
@@ -90,6 +93,10 @@ pub struct Failure {
     pub plugin: Option<String>,
     pub plugin_version: Option<String>,
     pub kind: FailureKind,
+    /// Legs (`sink/topic#n`) of a fan-out that were acknowledged: while
+    /// one sink is down, the legs that reached the others are not re-sent
+    /// on every retry.
+    pub done_legs: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]

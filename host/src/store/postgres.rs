@@ -699,7 +699,34 @@ impl PgStore {
             .fetch_all(&self.pool)
             .await
             .context("claiming events")?;
-        rows.iter().map(to_claim).collect()
+        let mut claims: Vec<Claim> = rows.iter().map(to_claim).collect::<Result<_>>()?;
+        // Retried events only (rare): which fan-out legs already went.
+        let retried: Vec<&str> = claims
+            .iter()
+            .filter(|c| c.has_state)
+            .map(|c| c.id())
+            .collect();
+        if !retried.is_empty() {
+            let legs: Vec<(String, Vec<String>)> = sqlx::query_as(
+                "SELECT event_id, done_legs FROM outroute_event_state \
+                 WHERE source = $1 AND event_id = ANY($2) AND cardinality(done_legs) > 0",
+            )
+            .bind(&self.source)
+            .bind(&retried)
+            .fetch_all(&self.pool)
+            .await
+            .context("reading acknowledged fan-out legs")?;
+            if !legs.is_empty() {
+                let legs: std::collections::HashMap<String, Vec<String>> =
+                    legs.into_iter().collect();
+                for c in claims.iter_mut() {
+                    if let Some(l) = legs.get(c.id()) {
+                        c.done_legs = l.clone();
+                    }
+                }
+            }
+        }
+        Ok(claims)
     }
 
     /// Mark these claimed rows published. Each row is found by where the
@@ -820,14 +847,14 @@ impl PgStore {
             );
             let q = format!(
                 "INSERT INTO outroute_event_state AS st (source, event_id, aggregate_type, aggregate_id, seq, event_type, \
-                   attempts, next_attempt_at, blocks_until, last_error, route, plugin, plugin_version, failed_at) \
-                 SELECT $1, $3, $4, $5, $6, $7, $9, {next}, {blocks_sql}, $11, $12, $13, $14, CASE WHEN $15 THEN now() END \
+                   attempts, next_attempt_at, blocks_until, last_error, route, plugin, plugin_version, failed_at, done_legs) \
+                 SELECT $1, $3, $4, $5, $6, $7, $9, {next}, {blocks_sql}, $11, $12, $13, $14, CASE WHEN $15 THEN now() END, $17 \
                  WHERE EXISTS (SELECT 1 FROM outroute_lanes WHERE source = $1 AND owner = $2 AND lane = $16 AND lease_until > now()) \
                  ON CONFLICT (source, event_id) DO UPDATE SET attempts = EXCLUDED.attempts, \
                    next_attempt_at = EXCLUDED.next_attempt_at, blocks_until = EXCLUDED.blocks_until, \
                    last_error = EXCLUDED.last_error, route = EXCLUDED.route, plugin = EXCLUDED.plugin, \
                    plugin_version = EXCLUDED.plugin_version, failed_at = EXCLUDED.failed_at, \
-                   discarded_at = NULL, updated_at = now()"
+                   discarded_at = NULL, updated_at = now(), done_legs = EXCLUDED.done_legs"
             );
             let done = sqlx::query(&q)
                 .bind(&self.source)
@@ -846,6 +873,7 @@ impl PgStore {
                 .bind(&f.plugin_version)
                 .bind(failed)
                 .bind(f.lane)
+                .bind(&f.done_legs)
                 .execute(&self.pool)
                 .await
                 .context("recording a failed attempt")?
@@ -1349,6 +1377,7 @@ fn to_claim(r: &PgRow) -> Result<Claim> {
         lane,
         tid: r.try_get("tid")?,
         has_state: state_attempts.is_some(),
+        done_legs: Vec::new(),
         row,
     })
 }

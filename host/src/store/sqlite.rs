@@ -94,7 +94,7 @@ impl SqliteStore {
 
     pub async fn claim(&self, _lanes: &[i32], limit: u32) -> Result<Vec<Claim>> {
         let q = format!(
-            "SELECT {COLS}, COALESCE(st.attempts, 0) AS attempts FROM outbox o \
+            "SELECT {COLS}, COALESCE(st.attempts, 0) AS attempts, COALESCE(st.done_legs, '[]') AS done_legs FROM outbox o \
              LEFT JOIN outroute_event_state st ON st.source = ?1 AND st.event_id = o.id \
              WHERE o.published_at IS NULL AND o.failed_at IS NULL \
                AND (st.event_id IS NULL OR (st.failed_at IS NULL AND st.next_attempt_at <= ?2)) \
@@ -156,12 +156,12 @@ impl SqliteStore {
             };
             sqlx::query(
                 "INSERT INTO outroute_event_state (source, event_id, aggregate_type, aggregate_id, seq, event_type, attempts, \
-                   next_attempt_at, blocks_until, last_error, route, plugin, plugin_version, first_error_at, updated_at, failed_at) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?14, ?15) \
+                   next_attempt_at, blocks_until, last_error, route, plugin, plugin_version, first_error_at, updated_at, failed_at, done_legs) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?14, ?15, ?16) \
                  ON CONFLICT (source, event_id) DO UPDATE SET attempts = excluded.attempts, next_attempt_at = excluded.next_attempt_at, \
                    blocks_until = excluded.blocks_until, last_error = excluded.last_error, route = excluded.route, \
                    plugin = excluded.plugin, plugin_version = excluded.plugin_version, updated_at = excluded.updated_at, \
-                   failed_at = excluded.failed_at, discarded_at = NULL",
+                   failed_at = excluded.failed_at, discarded_at = NULL, done_legs = excluded.done_legs",
             )
             .bind(SOURCE)
             .bind(&f.id)
@@ -178,6 +178,7 @@ impl SqliteStore {
             .bind(&f.plugin_version)
             .bind(now)
             .bind(failed_at)
+            .bind(serde_json::to_string(&f.done_legs).unwrap_or_else(|_| "[]".into()))
             .execute(&mut *tx)
             .await?;
             sqlx::query(
@@ -419,10 +420,17 @@ fn to_claim(r: &SqliteRow) -> Result<Claim> {
         Ok(raw) => raw.validate(),
         Err(e) => Err(super::unreadable(r, id.clone(), e)),
     };
+    // Only claims carry done legs (replay's published rows have none).
+    let done_legs = r
+        .try_get::<String, _>("done_legs")
+        .ok()
+        .and_then(|j| serde_json::from_str(&j).ok())
+        .unwrap_or_default();
     Ok(Claim {
         lane: 0,
         tid: None,
         has_state: true,
+        done_legs,
         row,
     })
 }
