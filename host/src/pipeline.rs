@@ -95,8 +95,9 @@ pub struct Delivery {
 /// for lanes it no longer holds.
 pub struct LeaseGuard {
     view: watch::Receiver<LeaseView>,
-    lanes: Vec<i32>,
-    /// The claimed lanes are all in the current view.
+    /// The claimed lanes, each with its lease epoch at claim time.
+    lanes: Vec<(i32, i64)>,
+    /// The claimed lanes are all in the current view, same epochs.
     lanes_held: bool,
 }
 
@@ -104,11 +105,30 @@ pub struct LeaseGuard {
 #[derive(Debug, Clone)]
 pub struct LeaseView {
     pub lanes: Vec<i32>,
+    /// Each lane's lease epoch (same order as `lanes`).
+    pub epochs: Vec<i64>,
     pub valid_until: Instant,
 }
 
+impl LeaseView {
+    fn epoch_of(&self, lane: i32) -> Option<i64> {
+        self.lanes
+            .iter()
+            .position(|l| *l == lane)
+            .and_then(|i| self.epochs.get(i).copied())
+    }
+}
+
 impl LeaseGuard {
+    /// Guard a batch claimed from `lanes` (epochs as the view has them now).
     pub fn new(view: watch::Receiver<LeaseView>, lanes: Vec<i32>) -> Self {
+        let lanes = {
+            let v = view.borrow();
+            lanes
+                .into_iter()
+                .filter_map(|l| v.epoch_of(l).map(|e| (l, e)))
+                .collect()
+        };
         let mut g = LeaseGuard {
             view,
             lanes,
@@ -120,7 +140,18 @@ impl LeaseGuard {
 
     fn refresh(&mut self) {
         let v = self.view.borrow_and_update();
-        self.lanes_held = self.lanes.iter().all(|l| v.lanes.contains(l));
+        self.lanes_held = self.lanes.iter().all(|(l, e)| v.epoch_of(*l) == Some(*e));
+    }
+
+    /// Stamp each claim with its lane's epoch, for the mark's fencing.
+    pub fn stamp(&self, claims: &mut [Claim]) {
+        for c in claims {
+            c.epoch = self
+                .lanes
+                .iter()
+                .find(|(l, _)| *l == c.lane)
+                .map(|(_, e)| *e);
+        }
     }
 
     /// Every claimed lane is still in the current, unexpired lease view
@@ -789,6 +820,7 @@ mod tests {
                     tid: None,
                     has_state: false,
                     done_legs: Vec::new(),
+                    epoch: None,
                     row: Ok(ev),
                 };
                 let plan = Plan::Publish {

@@ -129,6 +129,7 @@ impl Relay {
         let wake = Arc::new(Notify::new());
         let (lease_tx, lease_rx) = watch::channel(LeaseView {
             lanes: Vec::new(),
+            epochs: Vec::new(),
             valid_until: Instant::now(),
         });
         let stop_leasing = CancellationToken::new();
@@ -289,6 +290,8 @@ impl Relay {
             }
             failpoint::hit("after-claim");
             let mut lease = LeaseGuard::new(leases.clone(), lanes);
+            let mut claims = claims;
+            lease.stamp(&mut claims);
             let span = tracing::info_span!("batch", worker = index, events = claims.len());
             match self
                 .process(claims, Some(&mut lease))
@@ -615,6 +618,7 @@ impl Relay {
                         round_started + ttl - every.min(Duration::from_secs(2)).max(ttl / 10);
                     let _ = tx.send(LeaseView {
                         lanes: l.lanes,
+                        epochs: l.epochs,
                         valid_until,
                     });
                 }

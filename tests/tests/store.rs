@@ -105,6 +105,70 @@ async fn expired_lease_is_taken_over_and_the_old_owner_cannot_mark() -> anyhow::
     Ok(())
 }
 
+/// ABA: relay A claims, stalls, B takes the lanes over and lets them go, A
+/// gets them back. A is the owner again with a valid lease, but the lanes
+/// changed hands in between (B may have published the same rows, and later
+/// ones): A's old batch must not be marked. The lane epoch says so.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_from_before_a_lane_changed_hands_and_came_back_is_not_marked() -> anyhow::Result<()>
+{
+    let db = TestDb::new().await?;
+    let dir = test_dir("epoch");
+    let config = write_config(
+        &dir,
+        &db.url,
+        "lanes = 2\nlease_ttl = \"5s\"",
+        &file_sink_body(&dir, ""),
+    )?;
+    db.migrate(&config)?;
+    produce(&db.pool, "agg", 10, 1, 0).await?;
+    let stamp = |claims: &mut Vec<Claim>, lanes: &[i32], epochs: &[i64]| {
+        for c in claims.iter_mut() {
+            c.epoch = lanes.iter().position(|l| *l == c.lane).map(|i| epochs[i]);
+        }
+    };
+
+    let a = open_store(&config, "relay-a").await?;
+    let before = a.lease_round().await?;
+    let mut old = a.claim(&before.lanes, 100).await?;
+    assert_eq!(old.len(), 10);
+    stamp(&mut old, &before.lanes, &before.epochs);
+
+    // A stalls; B takes both lanes, then shuts down and gives them back.
+    sqlx::query("UPDATE outroute_lanes SET lease_until = now() - interval '1 second'")
+        .execute(&db.pool)
+        .await?;
+    sqlx::query("UPDATE outroute_relays SET heartbeat_at = now() - interval '1 hour' WHERE relay_id = 'relay-a'")
+        .execute(&db.pool)
+        .await?;
+    let b = open_store(&config, "relay-b").await?;
+    assert_eq!(b.lease_round().await?.acquired, 2);
+    b.release_all().await?;
+
+    // A wakes up and takes its lanes again: owner and lease are fine.
+    let after = a.lease_round().await?;
+    assert_eq!(after.lanes, before.lanes);
+    assert!(
+        after.epochs.iter().zip(&before.epochs).all(|(n, o)| n > o),
+        "epochs did not move: {:?} → {:?}",
+        before.epochs,
+        after.epochs
+    );
+    let refs: Vec<&Claim> = old.iter().collect();
+    assert_eq!(
+        a.mark_published(&refs).await?,
+        0,
+        "a batch claimed under an earlier epoch was marked"
+    );
+    // Claimed again under the current epochs, it is marked.
+    let mut fresh = a.claim(&after.lanes, 100).await?;
+    stamp(&mut fresh, &after.lanes, &after.epochs);
+    let refs: Vec<&Claim> = fresh.iter().collect();
+    assert_eq!(a.mark_published(&refs).await?, 10);
+    db.drop_db().await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn retention_deletes_only_published_rows_past_the_window() -> anyhow::Result<()> {
     let db = TestDb::new().await?;

@@ -36,6 +36,10 @@ pub struct Claim {
     /// Fan-out legs already acknowledged by an earlier attempt (see
     /// [`Failure::done_legs`]): not sent again.
     pub done_legs: Vec<String>,
+    /// The lane's lease epoch when the row was claimed (set by the relay):
+    /// the mark refuses the row if the lane changed hands since, even if it
+    /// came back to this relay.
+    pub epoch: Option<i64>,
     pub row: Result<Event, Malformed>,
 }
 
@@ -189,6 +193,9 @@ pub struct RelayStatus {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Leases {
     pub lanes: Vec<i32>,
+    /// Each lane's lease epoch (same order as `lanes`): bumped on every
+    /// hand-over, so a relay that lost a lane and got it back can tell.
+    pub epochs: Vec<i64>,
     /// Lanes newly taken over this round (metric: lease hand-overs).
     pub acquired: usize,
     /// Live relays sharing the lanes.

@@ -625,9 +625,9 @@ impl PgStore {
         let fair = (self.lanes as i64 + relays_alive - 1) / relays_alive;
 
         // Renew what we hold (lanes already lapsed are lost).
-        let mut held: Vec<i32> = sqlx::query_scalar(
+        let mut held: Vec<(i32, i64)> = sqlx::query_as(
             "UPDATE outroute_lanes SET lease_until = now() + make_interval(secs => $3) \
-             WHERE source = $1 AND owner = $2 AND lease_until > now() RETURNING lane",
+             WHERE source = $1 AND owner = $2 AND lease_until > now() RETURNING lane, epoch",
         )
         .bind(&self.source)
         .bind(&self.relay_id)
@@ -638,11 +638,11 @@ impl PgStore {
         let mut acquired = 0;
         if (held.len() as i64) < fair {
             let want = fair - held.len() as i64;
-            let got: Vec<i32> = sqlx::query_scalar(
+            let got: Vec<(i32, i64)> = sqlx::query_as(
                 "UPDATE outroute_lanes l SET owner = $2, lease_until = now() + make_interval(secs => $3), epoch = l.epoch + 1 \
                  FROM (SELECT lane FROM outroute_lanes WHERE source = $1 AND (owner IS NULL OR lease_until <= now()) \
                        ORDER BY lane LIMIT $4 FOR UPDATE SKIP LOCKED) free \
-                 WHERE l.source = $1 AND l.lane = free.lane RETURNING l.lane",
+                 WHERE l.source = $1 AND l.lane = free.lane RETURNING l.lane, l.epoch",
             )
             .bind(&self.source)
             .bind(&self.relay_id)
@@ -657,7 +657,11 @@ impl PgStore {
             // Over our share: stop claiming from the extra lanes now and let
             // their leases lapse so another relay can take them after one TTL
             // (in-flight batches finish well within it).
-            let extra = held.split_off(fair as usize);
+            let extra: Vec<i32> = held
+                .split_off(fair as usize)
+                .into_iter()
+                .map(|(lane, _)| lane)
+                .collect();
             tracing::info!(lanes = ?extra, "releasing lanes over the fair share");
             sqlx::query("UPDATE outroute_lanes SET lease_until = now() + make_interval(secs => $3) WHERE source = $1 AND owner = $2 AND lane = ANY($4) AND lease_until > now() + make_interval(secs => $3)")
                 .bind(&self.source)
@@ -667,8 +671,10 @@ impl PgStore {
                 .execute(&self.pool)
                 .await?;
         }
+        let (lanes, epochs) = held.into_iter().unzip();
         Ok(Leases {
-            lanes: held,
+            lanes,
+            epochs,
             acquired,
             relays,
         })
@@ -746,6 +752,7 @@ impl PgStore {
             .filter(|c| c.has_state)
             .map(|c| c.id())
             .collect();
+        let epochs: Vec<Option<i64>> = claims.iter().map(|c| c.epoch).collect();
         let q = self.mark_sql(!with_state.is_empty())?;
         let marked: Vec<String> = sqlx::query_scalar(&q)
             .bind(&self.source)
@@ -753,6 +760,7 @@ impl PgStore {
             .bind(&ids)
             .bind(&with_state)
             .bind(&tids)
+            .bind(&epochs)
             .fetch_all(&self.pool)
             .await
             .context("marking events published")?;
@@ -760,10 +768,11 @@ impl PgStore {
     }
 
     /// The mark statement; parameters: $1 source, $2 relay id, $3 ids,
-    /// $4 ids with a state row, $5 ctids.
+    /// $4 ids with a state row, $5 ctids, $6 lane epochs at claim time
+    /// (NULL: owner and expiry only).
     fn mark_sql(&self, clear_state: bool) -> Result<String> {
         let s = self.sql()?;
-        let rows = "unnest($5::text[]::tid[], $3::text[]) AS m(tid, id)";
+        let rows = "unnest($5::text[]::tid[], $3::text[], $6::bigint[]) AS m(tid, id, epoch)";
         let change = match &s.cfg.marking {
             Marking::PublishedAt { column } => {
                 format!(
@@ -799,7 +808,8 @@ impl PgStore {
             "WITH marked AS ({change} WHERE o.ctid = m.tid \
                AND CASE WHEN {id}::text = m.id AND {pending} \
                  THEN EXISTS (SELECT 1 FROM outroute_lanes l WHERE l.source = $1 AND l.lane = {lane} \
-                   AND l.owner = $2 AND l.lease_until > now() OFFSET 0) \
+                   AND l.owner = $2 AND l.lease_until > now() \
+                   AND (m.epoch IS NULL OR l.epoch = m.epoch) OFFSET 0) \
                  ELSE FALSE END \
                RETURNING {id}::text AS id){clear} \
              SELECT id FROM marked",
@@ -823,6 +833,7 @@ impl PgStore {
                 .bind(&ids)
                 .bind(Vec::<&str>::new())
                 .bind(&tids)
+                .bind(claims.iter().map(|c| c.epoch).collect::<Vec<_>>())
                 .fetch_one(&mut *tx)
                 .await
                 .context("planning the mark")?;
@@ -1378,6 +1389,7 @@ fn to_claim(r: &PgRow) -> Result<Claim> {
         tid: r.try_get("tid")?,
         has_state: state_attempts.is_some(),
         done_legs: Vec::new(),
+        epoch: None,
         row,
     })
 }

@@ -83,6 +83,7 @@ impl SqliteStore {
     pub async fn lease_round(&self) -> Result<Leases> {
         Ok(Leases {
             lanes: vec![0],
+            epochs: vec![0],
             acquired: 0,
             relays: 1,
         })
@@ -431,6 +432,7 @@ fn to_claim(r: &SqliteRow) -> Result<Claim> {
         tid: None,
         has_state: true,
         done_legs,
+        epoch: None,
         row,
     })
 }
