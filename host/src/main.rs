@@ -33,6 +33,12 @@ enum Command {
         /// table: its lane index, built CONCURRENTLY (producers keep writing).
         #[arg(long)]
         table: bool,
+        /// With --table, for a table without a sequence column: add one
+        /// (`outroute_seq`, an identity column) so events written in one
+        /// transaction have a defined order. Rewrites the table under an
+        /// ACCESS EXCLUSIVE lock: producers wait for the whole rewrite.
+        #[arg(long, requires = "table")]
+        add_sequence: bool,
     },
     /// Backlog, oldest pending age, failed count, relays and their lanes.
     Status {
@@ -109,7 +115,8 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             config,
             coordination_only,
             table,
-        } => ops::migrate(&config.config, !coordination_only, table).await,
+            add_sequence,
+        } => ops::migrate(&config.config, !coordination_only, table, add_sequence).await,
         Command::Status { config, json } => ops::status(&config.config, json).await,
         Command::Failed { action } => ops::failed(action).await,
         Command::Replay(args) => ops::replay(args).await,

@@ -160,3 +160,143 @@ async fn a_relay_frozen_past_its_lease_publishes_nothing_for_lost_lanes_after_it
     }
     Ok(())
 }
+
+/// `t_outbox` with `DEFAULT now()`: two events of one aggregate written in
+/// one transaction share their timestamp. As documented, they go out in id
+/// order, and `ce_sequence` (the timestamp) never decreases; after
+/// `migrate --table --add-sequence` and `sequence = "outroute_seq"`, they go
+/// out in insert order with increasing `ce_sequence`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_table_without_a_sequence_orders_same_transaction_events_as_documented()
+-> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    sqlx::query(&seed::T_OUTBOX_DDL.replace("clock_timestamp()", "now()"))
+        .execute(&db.pool)
+        .await?;
+    let dir = test_dir("same-tx");
+    let out = dir.join("out.jsonl");
+    let body = |mapping: &str| {
+        format!(
+            "{mapping}\n{}",
+            relay_body(
+                "",
+                &[TestSink::File(&out)],
+                "order-router",
+                "r",
+                "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }",
+            )
+        )
+    };
+    let config = write_config(&dir, &db.url, "lanes = 4", &body(seed::T_OUTBOX_MAPPING))?;
+    let c = config.to_string_lossy().to_string();
+    db.migrate(&config)?;
+    let (code, stdout, stderr) = cli(&["migrate", "--table", "-c", &c])?;
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    let (code, stdout, stderr) = cli(&["config", "check", "-c", &c])?;
+    assert!(
+        code == 0
+            && stdout.contains("store.table.sequence is unset")
+            && stdout.contains("--add-sequence"),
+        "{stdout}{stderr}"
+    );
+
+    // Per aggregate, one transaction: `z-…` first, then `a-…`.
+    let write = |first: &'static str, second: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            for n in 0..10 {
+                let mut tx = pool.begin().await?;
+                for (id, ty) in [(first, "order-created"), (second, "order-updated")] {
+                    sqlx::query(
+                        "INSERT INTO t_outbox (event_id, aggregate_type, aggregate_id, event_type, payload) \
+                         VALUES ($1, 'order', $2, $3, '{}')",
+                    )
+                    .bind(format!("{id}-{n}"))
+                    .bind(format!("o-{n}"))
+                    .bind(ty)
+                    .execute(&mut *tx)
+                    .await?;
+                }
+                tx.commit().await?;
+            }
+            anyhow::Ok(())
+        }
+    };
+    // What the relay wrote for the ids starting with `prefix`, per aggregate
+    // in output order: (id, ce_sequence).
+    let run_and_read = |config: std::path::PathBuf| {
+        let db = &db;
+        let out = out.clone();
+        async move {
+            let mut relay = Relay::start(&config, &[])?;
+            let done = eventually(Duration::from_secs(30), || async {
+                db.count("SELECT count(*) FROM t_outbox WHERE status = 'PENDING'")
+                    .await
+                    == 0
+            })
+            .await;
+            relay.terminate(Duration::from_secs(15));
+            assert!(done, "not relayed:\n{}", relay.log_text());
+            let mut by_aggregate: std::collections::BTreeMap<String, Vec<(String, i64)>> =
+                Default::default();
+            for line in std::fs::read_to_string(&out)?.lines() {
+                let v: serde_json::Value = serde_json::from_str(line)?;
+                let h = &v["headers"];
+                let s = |k: &str| h[k].as_str().unwrap_or_default().to_string();
+                by_aggregate
+                    .entry(s("ce_aggregateid"))
+                    .or_default()
+                    .push((s("ce_id"), s("ce_sequence").parse().unwrap_or(-1)));
+            }
+            anyhow::Ok(by_aggregate)
+        }
+    };
+
+    write("z", "a").await?;
+    let seen = run_and_read(config.clone()).await?;
+    assert_eq!(seen.len(), 10);
+    for (agg, evs) in &seen {
+        let ids: Vec<&str> = evs.iter().map(|(id, _)| &id[..1]).collect();
+        assert_eq!(
+            ids,
+            ["a", "z"],
+            "{agg}: same timestamp goes out in id order"
+        );
+        assert!(
+            evs[0].1 <= evs[1].1,
+            "{agg}: ce_sequence decreased: {evs:?}"
+        );
+    }
+
+    // Add a sequence column, map it, rebuild the lane index on it.
+    let (code, stdout, stderr) = cli(&["migrate", "--table", "--add-sequence", "-c", &c])?;
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    assert!(stdout.contains("ACCESS EXCLUSIVE"), "{stdout}");
+    let mapping = seed::T_OUTBOX_MAPPING.replace(
+        "created_at = \"create_time\"",
+        "created_at = \"create_time\"\nsequence = \"outroute_seq\"",
+    );
+    let config = write_config(&dir, &db.url, "lanes = 4", &body(&mapping))?;
+    let (code, stdout, stderr) = cli(&["migrate", "--table", "-c", &c])?;
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    let (_, stdout, _) = cli(&["config", "check", "-c", &c])?;
+    assert!(!stdout.contains("sequence is unset"), "{stdout}");
+    std::fs::remove_file(&out)?;
+    write("y", "b").await?;
+    let seen = run_and_read(config).await?;
+    assert_eq!(seen.len(), 10);
+    for (agg, evs) in &seen {
+        let ids: Vec<&str> = evs.iter().map(|(id, _)| &id[..1]).collect();
+        assert_eq!(
+            ids,
+            ["y", "b"],
+            "{agg}: insert order with a sequence column"
+        );
+        assert!(
+            evs[0].1 < evs[1].1,
+            "{agg}: ce_sequence not increasing: {evs:?}"
+        );
+    }
+    db.drop_db().await;
+    Ok(())
+}
