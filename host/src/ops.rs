@@ -239,6 +239,12 @@ pub async fn status(path: &Path, json: bool) -> Result<ExitCode> {
             println!("  {t:<20} {n}");
         }
     }
+    if !s.events_without_messages.is_empty() {
+        println!("published without messages (the plugin returned none), by route:");
+        for (r, n) in &s.events_without_messages {
+            println!("  {r:<20} {n}");
+        }
+    }
     println!("relays           {}", s.relays.len());
     for r in &s.relays {
         println!(

@@ -355,6 +355,7 @@ impl Relay {
         // 7. Acked events → mark; failures → retry later or the failed state.
         let mut to_mark: Vec<&Claim> = Vec::new();
         let mut failures: Vec<Failure> = Vec::new();
+        let mut without_messages: HashMap<String, u64> = HashMap::new();
         let now = Utc::now();
         for ((claim, plan), fate) in events.iter().zip(&delivery.fates) {
             match fate {
@@ -372,6 +373,7 @@ impl Relay {
                         if messages.is_empty() {
                             metrics::counter!(m::EVENTS_WITHOUT_MESSAGES, "route" => r.clone())
                                 .increment(1);
+                            *without_messages.entry(r.clone()).or_default() += 1;
                         }
                         for msg in messages {
                             metrics::counter!(m::MESSAGES_PUBLISHED, "route" => r.clone(), "sink" => msg.sink.clone())
@@ -403,6 +405,12 @@ impl Relay {
         }
         if marked > 0 {
             self.health.progressed();
+        }
+        if !without_messages.is_empty() {
+            let counts: Vec<(String, u64)> = without_messages.into_iter().collect();
+            if let Err(e) = self.store.count_without_messages(&counts).await {
+                tracing::warn!("could not count events published without messages: {e:#}");
+            }
         }
         if !failures.is_empty() {
             self.store.record_failures(&failures).await?;

@@ -193,3 +193,64 @@ fn services_start_detached_without_the_callers_descriptors() -> anyhow::Result<(
     );
     Ok(())
 }
+
+/// An event a plugin answers with no messages is marked published (nothing
+/// to send) and counted per route where an operator sees it: `status`.
+#[tokio::test(flavor = "multi_thread")]
+async fn events_published_without_messages_are_counted_per_route_in_status() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("no-messages");
+    let out = dir.join("out.jsonl");
+    let config = write_config(
+        &dir,
+        &db.url,
+        "",
+        &relay_body(
+            "",
+            &[TestSink::File(&out)],
+            "hostile",
+            "quiet",
+            "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }",
+        ),
+    )?;
+    db.migrate(&config)?;
+    for (i, payload) in [
+        r#"{"hostile":"nothing"}"#,
+        "{}",
+        r#"{"hostile":"nothing"}"#,
+        r#"{"hostile":"nothing"}"#,
+    ]
+    .iter()
+    .enumerate()
+    {
+        sqlx::query(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+             VALUES (gen_random_uuid(), 'order', $1, 'order-created', $2::jsonb)",
+        )
+        .bind(format!("o-{i}"))
+        .bind(payload)
+        .execute(&db.pool)
+        .await?;
+    }
+    let mut relay = Relay::start(&config, &[])?;
+    let done = eventually(Duration::from_secs(30), || async {
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            .await
+            == 0
+    })
+    .await;
+    relay.terminate(Duration::from_secs(15));
+    assert!(done, "{}", relay.log_text());
+    assert_eq!(std::fs::read_to_string(&out)?.lines().count(), 1);
+    let (code, stdout, stderr) = cli(&["status", "-c", &config.to_string_lossy()])?;
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stdout.contains("published without messages")
+            && stdout
+                .lines()
+                .any(|l| l.trim_start().starts_with("quiet") && l.trim_end().ends_with(" 3")),
+        "{stdout}"
+    );
+    db.drop_db().await;
+    Ok(())
+}

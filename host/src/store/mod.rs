@@ -177,6 +177,9 @@ pub struct Status {
     pub retrying: i64,
     pub failed: i64,
     pub backlog_by_aggregate_type: Vec<(String, i64)>,
+    /// Per route: events its plugin answered with no messages (marked
+    /// published, nothing sent), since the table was migrated.
+    pub events_without_messages: Vec<(String, i64)>,
     pub relays: Vec<RelayStatus>,
 }
 
@@ -284,6 +287,11 @@ impl Store {
     /// (rows in lanes this relay no longer owns are not).
     pub async fn mark_published(&self, claims: &[&Claim]) -> anyhow::Result<u64> {
         dispatch!(self, s => s.mark_published(claims).await)
+    }
+
+    /// Add to the per-route counts of events published without messages.
+    pub async fn count_without_messages(&self, by_route: &[(String, u64)]) -> anyhow::Result<()> {
+        dispatch!(self, s => s.count_without_messages(by_route).await)
     }
 
     /// Record retries and failures; returns how many were recorded.

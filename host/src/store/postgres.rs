@@ -1100,6 +1100,13 @@ impl PgStore {
             })
         })
         .collect::<Result<Vec<_>>>()?;
+        let events_without_messages: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT route, events_without_messages FROM outroute_route_counts \
+             WHERE source = $1 AND events_without_messages > 0 ORDER BY route",
+        )
+        .bind(&self.source)
+        .fetch_all(&self.pool)
+        .await?;
         Ok(Status {
             table: self.source.clone(),
             backlog,
@@ -1107,8 +1114,29 @@ impl PgStore {
             retrying: counts.try_get(0)?,
             failed: counts.try_get(1)?,
             backlog_by_aggregate_type: by_type,
+            events_without_messages,
             relays,
         })
+    }
+
+    pub async fn count_without_messages(&self, by_route: &[(String, u64)]) -> Result<()> {
+        let (routes, counts): (Vec<&str>, Vec<i64>) = by_route
+            .iter()
+            .map(|(r, n)| (r.as_str(), *n as i64))
+            .unzip();
+        sqlx::query(
+            "INSERT INTO outroute_route_counts AS c (source, route, events_without_messages) \
+             SELECT $1, r, n FROM unnest($2::text[], $3::bigint[]) AS u(r, n) \
+             ON CONFLICT (source, route) DO UPDATE SET \
+               events_without_messages = c.events_without_messages + EXCLUDED.events_without_messages, \
+               updated_at = now()",
+        )
+        .bind(&self.source)
+        .bind(&routes)
+        .bind(&counts)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 
     /// WHERE clause over `outroute_event_state st` for a failed-event

@@ -225,6 +225,13 @@ impl SqliteStore {
         .iter()
         .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
         .collect::<Result<Vec<_>>>()?;
+        let events_without_messages: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT route, events_without_messages FROM outroute_route_counts \
+             WHERE source = ?1 AND events_without_messages > 0 ORDER BY route",
+        )
+        .bind(SOURCE)
+        .fetch_all(&self.pool)
+        .await?;
         Ok(Status {
             table: SOURCE.into(),
             backlog,
@@ -232,8 +239,25 @@ impl SqliteStore {
             retrying: row.try_get(0)?,
             failed: row.try_get(1)?,
             backlog_by_aggregate_type: by_type,
+            events_without_messages,
             relays: Vec::new(),
         })
+    }
+
+    pub async fn count_without_messages(&self, by_route: &[(String, u64)]) -> Result<()> {
+        for (route, n) in by_route {
+            sqlx::query(
+                "INSERT INTO outroute_route_counts (source, route, events_without_messages) VALUES (?1, ?2, ?3) \
+                 ON CONFLICT (source, route) DO UPDATE SET \
+                   events_without_messages = events_without_messages + excluded.events_without_messages",
+            )
+            .bind(SOURCE)
+            .bind(route)
+            .bind(*n as i64)
+            .execute(&self.pool)
+            .await?;
+        }
+        Ok(())
     }
 
     fn failed_query<'a>(head: &str, f: &'a Filter) -> QueryBuilder<'a, Sqlite> {

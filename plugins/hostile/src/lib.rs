@@ -5,7 +5,8 @@
 //!
 //! Modes: `loop` (never returns), `oom` (allocates 1 GiB), `trap` (panics),
 //! `forbidden-topic`, `unknown-sink`, `oversize` (2 MiB payload),
-//! `retry` (always retryable), `reject` (always invalid).
+//! `retry` (always retryable), `reject` (always invalid), `nothing` (no
+//! messages at all).
 
 use outroute_guest::{Event, Message, Outcome, Rejection, Router, parse_config};
 use serde::Deserialize;
@@ -79,6 +80,7 @@ impl Router for Hostile {
                     .payload(event.payload.clone()),
             ]),
             "oversize" => Ok(vec![good.payload(vec![b'x'; 2 << 20])]),
+            "nothing" => Ok(vec![]),
             "retry" => Err(Rejection::retryable("hostile plugin asks for a retry")),
             "reject" => Err(Rejection::invalid("hostile plugin rejects this event")),
             _ => Ok(vec![good]),
