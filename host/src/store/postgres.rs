@@ -24,9 +24,14 @@
 //! `EXPLAIN` at start-up; a table without a usable index is claimed by a
 //! scan, with a warning naming the `CREATE INDEX`). Marking goes straight to
 //! each row by the `ctid` the claim saw, re-checking id, pending state and
-//! lane ownership in the same statement, so a relay whose lease lapsed (GC
-//! pause, network cut) marks nothing. The ownership check is a plain read:
-//! lease renewal never waits behind a mark. Worst case after a lapse is a
+//! lane ownership — owner, unexpired lease and the lane's epoch at claim
+//! time — in the same statement, so a relay whose lease lapsed (GC pause,
+//! network cut) marks nothing, even if the lane came back to it since. A
+//! lapsed lane is taken over by the next lease round of another relay
+//! (`FOR UPDATE SKIP LOCKED`: it never waits for the old owner; the old
+//! owner's sends are cut off by its own lease deadline, see `pipeline.rs`).
+//! The ownership check is a plain read: lease renewal never waits behind a
+//! mark. Worst case after a lapse is a
 //! duplicate publish carrying the same event id, never a loss or a reorder of
 //! first deliveries.
 //!

@@ -1,0 +1,175 @@
+//! The relay's background tasks, beside the batch workers: the lease keeper
+//! (which lanes this relay owns, renewed every `lease_ttl / 3`), the
+//! backlog gauge, plugin hot reload, the retention purge (one relay at a
+//! time) and the opt-in LISTEN wake-up. Each runs until shutdown.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{Notify, watch};
+use tokio_util::sync::CancellationToken;
+
+use super::{Relay, sleep_or_cancel};
+use crate::metrics as m;
+use crate::pipeline::LeaseView;
+use crate::store::Store;
+
+impl Relay {
+    /// Renew leases every `lease_ttl / 3`; publish the owned lanes.
+    pub(super) async fn keep_leases(
+        self: Arc<Self>,
+        tx: watch::Sender<LeaseView>,
+        stop: CancellationToken,
+        wake: Arc<Notify>,
+    ) {
+        let ttl = self.config.lease_ttl;
+        let every = ttl / 3;
+        loop {
+            let round_started = Instant::now();
+            match self.store.lease_round().await {
+                Ok(l) => {
+                    self.health.set_store_ok(true);
+                    if l.acquired > 0 {
+                        metrics::counter!(m::LEASE_HANDOVERS).increment(l.acquired as u64);
+                        tracing::info!(
+                            acquired = l.acquired,
+                            owned = l.lanes.len(),
+                            relays = l.relays,
+                            "acquired lanes"
+                        );
+                        wake.notify_waiters();
+                    }
+                    metrics::gauge!(m::LANES_OWNED).set(l.lanes.len() as f64);
+                    // Stop using the lease a safety margin before it lapses.
+                    let valid_until =
+                        round_started + ttl - every.min(Duration::from_secs(2)).max(ttl / 10);
+                    let _ = tx.send(LeaseView {
+                        lanes: l.lanes,
+                        epochs: l.epochs,
+                        valid_until,
+                    });
+                }
+                Err(e) => {
+                    self.health.set_store_ok(false);
+                    tracing::warn!("lease renewal failed: {e:#}");
+                }
+            }
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = tokio::time::sleep(every) => {},
+            }
+        }
+    }
+
+    pub(super) async fn watch_backlog(self: Arc<Self>, shutdown: CancellationToken) {
+        while !shutdown.is_cancelled() {
+            match self.store.backlog().await {
+                Ok((n, oldest)) => {
+                    metrics::gauge!(m::BACKLOG).set(n as f64);
+                    metrics::gauge!(m::OLDEST_PENDING_AGE).set(oldest.unwrap_or(0.0));
+                    self.health.set_backlog(n);
+                    self.health.set_store_ok(true);
+                }
+                Err(e) => {
+                    self.health.set_store_ok(false);
+                    tracing::debug!("backlog query failed: {e:#}");
+                }
+            }
+            sleep_or_cancel(Duration::from_secs(1), &shutdown).await;
+        }
+    }
+
+    pub(super) async fn reload_plugins(self: Arc<Self>, shutdown: CancellationToken) {
+        let Some(every) = self.reload.iter().flatten().min().copied() else {
+            return;
+        };
+        let mut next: Vec<Instant> = self
+            .reload
+            .iter()
+            .map(|r| Instant::now() + r.unwrap_or_default())
+            .collect();
+        while !shutdown.is_cancelled() {
+            sleep_or_cancel(every.min(Duration::from_secs(1)), &shutdown).await;
+            for (i, handle) in self.plugins.iter().enumerate() {
+                let Some(interval) = self.reload[i] else {
+                    continue;
+                };
+                if Instant::now() < next[i] {
+                    continue;
+                }
+                next[i] = Instant::now() + interval;
+                let h = handle.clone();
+                let route = self.routes.0[i].name().to_string();
+                match tokio::task::spawn_blocking(move || h.reload_if_changed()).await {
+                    Ok(Ok(Some(info))) => {
+                        metrics::counter!(m::PLUGIN_RELOADS, "route" => route.clone(), "result" => "ok").increment(1);
+                        tracing::info!(%route, plugin = %info.name, version = %info.version, "plugin reloaded");
+                    }
+                    Ok(Ok(None)) => {}
+                    Ok(Err(e)) => {
+                        metrics::counter!(m::PLUGIN_RELOADS, "route" => route.clone(), "result" => "error").increment(1);
+                        tracing::error!(%route, "plugin reload failed, the previous version keeps running: {e:#}");
+                    }
+                    Err(e) => tracing::error!(%route, "plugin reload panicked: {e}"),
+                }
+            }
+        }
+    }
+
+    pub(super) async fn purge(self: Arc<Self>, retention: Duration, shutdown: CancellationToken) {
+        while !shutdown.is_cancelled() {
+            loop {
+                match self.store.purge_published(retention, 1000).await {
+                    Ok(n) => {
+                        metrics::counter!(m::PURGED).increment(n);
+                        if n < 1000 {
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!("retention purge failed: {e:#}");
+                        break;
+                    }
+                }
+                tokio::task::yield_now().await;
+            }
+            sleep_or_cancel(Duration::from_secs(60), &shutdown).await;
+        }
+    }
+
+    /// Opt-in LISTEN wake-up (PostgreSQL only).
+    pub(super) async fn listen(
+        self: Arc<Self>,
+        channel: String,
+        wake: Arc<Notify>,
+        shutdown: CancellationToken,
+    ) {
+        let Store::Postgres(pg) = self.store.as_ref() else {
+            return;
+        };
+        while !shutdown.is_cancelled() {
+            let mut listener = match sqlx::postgres::PgListener::connect_with(pg.pool()).await {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::warn!("LISTEN connection failed: {e:#}");
+                    sleep_or_cancel(Duration::from_secs(1), &shutdown).await;
+                    continue;
+                }
+            };
+            if let Err(e) = listener.listen(&channel).await {
+                tracing::warn!("LISTEN {channel} failed: {e:#}");
+                sleep_or_cancel(Duration::from_secs(1), &shutdown).await;
+                continue;
+            }
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    n = listener.recv() => match n {
+                        Ok(_) => wake.notify_waiters(),
+                        Err(_) => break,
+                    }
+                }
+            }
+        }
+    }
+}
