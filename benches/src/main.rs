@@ -364,7 +364,7 @@ fn event(i: usize, version: u32) -> Event {
 
 /// Per-event cost on a warm instance, single calls and batches of 100.
 fn bench_plugins() -> Result<Value> {
-    let rt = Runtime::new(std::env::temp_dir().join("outroute-bench-cache"))?;
+    let rt = Runtime::new(Some(std::env::temp_dir().join("outroute-bench-cache")))?;
     let limits = Limits {
         cpu_budget: Duration::from_millis(100),
         memory_bytes: 64 << 20,

@@ -112,8 +112,13 @@ pub struct RelayConfig {
     #[serde(default, with = "humantime_serde")]
     #[schemars(with = "Option<String>")]
     pub retention: Option<Duration>,
-    /// Directory for compiled plugin artifacts.
+    /// Directory for compiled plugin artifacts (native code, verified by a
+    /// MAC before use; must be private to the relay's user). Default:
+    /// `$HOME/.cache/outroute/plugins`.
     pub cache_dir: Option<PathBuf>,
+    /// Keep compiled plugins on disk. `false`: compile in memory at every
+    /// start (slower starts, nothing on disk).
+    pub plugin_cache: bool,
 }
 
 impl Default for RelayConfig {
@@ -133,6 +138,7 @@ impl Default for RelayConfig {
             stall_after: Duration::from_secs(60),
             retention: None,
             cache_dir: None,
+            plugin_cache: true,
         }
     }
 }
@@ -572,15 +578,29 @@ impl Loaded {
         }
     }
 
-    pub fn cache_dir(&self) -> PathBuf {
+    /// Where compiled plugins are cached; `None`: not on disk (disabled, or
+    /// no `HOME` — never a shared temporary directory).
+    pub fn cache_dir(&self) -> Option<PathBuf> {
+        if !self.config.relay.plugin_cache {
+            return None;
+        }
         match &self.config.relay.cache_dir {
-            Some(d) => self.resolve(d),
-            None => std::env::var_os("HOME")
-                .map(PathBuf::from)
-                .unwrap_or_else(std::env::temp_dir)
-                .join(".cache/outroute/plugins"),
+            Some(d) => Some(self.resolve(d)),
+            None => default_plugin_cache(),
         }
     }
+}
+
+/// `$HOME/.cache/outroute/plugins`, or `None` without `HOME` (plugins are
+/// then compiled in memory; a shared `/tmp` would let others plant code).
+pub fn default_plugin_cache() -> Option<PathBuf> {
+    let dir = std::env::var_os("HOME")
+        .filter(|h| !h.is_empty())
+        .map(|h| PathBuf::from(h).join(".cache/outroute/plugins"));
+    if dir.is_none() {
+        tracing::warn!("HOME is not set: compiled plugins are not cached on disk");
+    }
+    dir
 }
 
 /// Read `file`, apply `OUTROUTE_*` environment overrides, validate.

@@ -532,11 +532,7 @@ pub enum PluginAction {
 }
 
 fn plugin_runtime() -> Result<Runtime> {
-    let dir = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir)
-        .join(".cache/outroute/plugins");
-    Runtime::new(dir)
+    Runtime::new(config::default_plugin_cache())
 }
 
 /// A sample event as `plugin test` reads it; everything but the type and

@@ -3,8 +3,10 @@
 //!
 //! * **Compile once.** Components are compiled by Cranelift once and the
 //!   artifact is cached on disk, keyed by the component's SHA-256, the
-//!   wasmtime version and the engine settings. Only files this runtime wrote
-//!   are ever loaded back (loading a compiled artifact is `unsafe`).
+//!   wasmtime version and the engine settings. An artifact is native code:
+//!   it is loaded back only after its MAC under this installation's secret
+//!   key checks out, from a directory only the relay's user can write
+//!   (`plugin/cache.rs`).
 //! * **Reuse instances.** Each route keeps a small pool of initialised
 //!   instances; an event is routed on a warm instance (~µs, not the cost of a
 //!   fresh instantiation).
@@ -39,6 +41,9 @@ use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use crate::event::{Event, Message, Outcome, Rejection};
 
+mod cache;
+pub use cache::ArtifactCache;
+
 mod bindings {
     wasmtime::component::bindgen!({
         path: "../wit",
@@ -57,12 +62,26 @@ const TICK: Duration = Duration::from_millis(1);
 /// for.
 const ENGINE_FINGERPRINT: &str = "epoch-interruption;component-model;opt=speed;v1";
 
+/// The cache key of a component: its hash, the wasmtime version and the
+/// engine settings that change generated code.
+fn cache_key(component: &[u8]) -> String {
+    let hash = hex(&Sha256::digest(component));
+    hex(&Sha256::digest(
+        format!(
+            "{hash};wasmtime-{};{ENGINE_FINGERPRINT}",
+            wasmtime_version()
+        )
+        .as_bytes(),
+    ))
+}
+
 /// Shared compilation engine with its epoch ticker.
 #[derive(Clone)]
 pub struct Runtime {
     engine: Engine,
     linker: Arc<Linker<HostState>>,
-    cache_dir: PathBuf,
+    /// `None`: compile in memory every time (`relay.plugin_cache = false`).
+    cache: Option<Arc<ArtifactCache>>,
     _ticker: Arc<Ticker>,
 }
 
@@ -132,7 +151,19 @@ impl Host for HostState {
 }
 
 impl Runtime {
-    pub fn new(cache_dir: PathBuf) -> Result<Self> {
+    /// A runtime caching compiled plugins in `cache_dir` (`None`: no disk
+    /// cache). A cache directory that is not private to this user is
+    /// refused with the reason.
+    pub fn new(cache_dir: Option<PathBuf>) -> Result<Self> {
+        let cache = match cache_dir {
+            Some(d) => Some(Arc::new(ArtifactCache::open(&d).with_context(|| {
+                format!(
+                    "relay.cache_dir: cannot use {} for compiled plugins",
+                    d.display()
+                )
+            })?)),
+            None => None,
+        };
         let mut cfg = wasmtime::Config::new();
         cfg.wasm_component_model(true);
         cfg.epoch_interruption(true);
@@ -159,7 +190,7 @@ impl Runtime {
         Ok(Runtime {
             engine,
             linker: Arc::new(linker),
-            cache_dir,
+            cache,
             _ticker: Arc::new(Ticker { stop }),
         })
     }
@@ -169,26 +200,26 @@ impl Runtime {
         let bytes =
             std::fs::read(path).with_context(|| format!("reading plugin {}", path.display()))?;
         let hash = hex(&Sha256::digest(&bytes));
-        let key = hex(&Sha256::digest(
-            format!(
-                "{hash};wasmtime-{};{ENGINE_FINGERPRINT}",
-                wasmtime_version()
-            )
-            .as_bytes(),
-        ));
-        let cached = self.cache_dir.join(format!("{key}.cwasm"));
-        let component = match self.load_cached(&cached) {
-            Some(c) => c,
+        let key = cache_key(&bytes);
+        let (component, from_cache) = match self.load_cached(&key) {
+            Some(c) => (c, true),
             None => {
                 let started = Instant::now();
                 let artifact = self
                     .engine
                     .precompile_component(&bytes)
                     .map_err(|e| anyhow!("{} is not a valid component: {e:#}", path.display()))?;
-                self.store_cached(&cached, &artifact);
+                if let Some(cache) = &self.cache
+                    && let Err(e) = cache.store(&key, &artifact)
+                {
+                    tracing::warn!(file = %cache.path(&key).display(), "cannot cache compiled plugin: {e:#}");
+                }
                 tracing::info!(plugin = %path.display(), ms = started.elapsed().as_millis() as u64, "compiled plugin");
                 // SAFETY: `artifact` was produced just now by this engine.
-                unsafe { Component::deserialize(&self.engine, &artifact) }?
+                (
+                    unsafe { Component::deserialize(&self.engine, &artifact) }?,
+                    false,
+                )
             }
         };
         let pre = self.linker.instantiate_pre(&component).map_err(|e| {
@@ -208,33 +239,29 @@ impl Runtime {
             pre,
             hash,
             path: path.to_path_buf(),
+            from_cache,
         })
     }
 
-    fn load_cached(&self, path: &Path) -> Option<Component> {
-        if !path.is_file() {
-            return None;
-        }
-        // SAFETY: the cache directory only holds artifacts this runtime wrote
-        // (atomically, via rename) under a key that includes the engine
-        // settings; a stale or corrupt file fails deserialization and is
-        // recompiled.
-        match unsafe { Component::deserialize_file(&self.engine, path) } {
-            Ok(c) => Some(c),
-            Err(e) => {
-                tracing::warn!(file = %path.display(), "ignoring unusable cached plugin artifact: {e:#}");
-                None
-            }
-        }
+    /// Where the compiled artifact of the component at `path` is cached
+    /// (for operators and tests); `None` without a disk cache.
+    pub fn artifact_path(&self, path: &Path) -> Result<Option<PathBuf>> {
+        let bytes =
+            std::fs::read(path).with_context(|| format!("reading plugin {}", path.display()))?;
+        Ok(self.cache.as_ref().map(|c| c.path(&cache_key(&bytes))))
     }
 
-    fn store_cached(&self, path: &Path, artifact: &[u8]) {
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        let write = std::fs::create_dir_all(&self.cache_dir)
-            .and_then(|_| std::fs::write(&tmp, artifact))
-            .and_then(|_| std::fs::rename(&tmp, path));
-        if let Err(e) = write {
-            tracing::warn!(dir = %self.cache_dir.display(), "cannot cache compiled plugin: {e}");
+    fn load_cached(&self, key: &str) -> Option<Component> {
+        let artifact = self.cache.as_ref()?.load(key)?;
+        // SAFETY: the bytes carry a valid MAC under this installation's
+        // private key over (cache key, artifact): this runtime's engine
+        // compiled them from this exact component with these settings.
+        match unsafe { Component::deserialize(&self.engine, &artifact) } {
+            Ok(c) => Some(c),
+            Err(e) => {
+                tracing::warn!(key, "ignoring unusable cached plugin artifact: {e:#}");
+                None
+            }
         }
     }
 
@@ -286,6 +313,8 @@ pub struct Compiled {
     pre: bindings::RouterPre<HostState>,
     pub hash: String,
     pub path: PathBuf,
+    /// Loaded from the verified disk cache rather than compiled now.
+    pub from_cache: bool,
 }
 
 /// Name and version a plugin reports about itself.

@@ -244,7 +244,7 @@ fn hot_reload_switches_versions_and_survives_a_bad_file() -> anyhow::Result<()> 
     let dir = test_dir("reload");
     let file = dir.join("plugin.wasm");
     std::fs::copy(plugin("order-router"), &file)?;
-    let rt = Runtime::new(dir.join("cache"))?;
+    let rt = Runtime::new(Some(dir.join("cache")))?;
     let limits = Limits {
         cpu_budget: Duration::from_millis(100),
         memory_bytes: 64 << 20,
@@ -282,7 +282,7 @@ fn hot_reload_switches_versions_and_survives_a_bad_file() -> anyhow::Result<()> 
 #[test]
 fn a_plugin_whose_init_refuses_its_config_is_refused_at_start() -> anyhow::Result<()> {
     let dir = test_dir("init");
-    let rt = Runtime::new(dir.join("cache"))?;
+    let rt = Runtime::new(Some(dir.join("cache")))?;
     let limits = Limits {
         cpu_budget: Duration::from_millis(100),
         memory_bytes: 64 << 20,
@@ -300,5 +300,84 @@ fn a_plugin_whose_init_refuses_its_config_is_refused_at_start() -> anyhow::Resul
         text.contains("refused its route config") && text.contains("topik"),
         "{text}"
     );
+    Ok(())
+}
+
+/// The compiled-plugin cache holds native code: a garbage, a foreign
+/// (another plugin's, validly cached) and a bit-flipped artifact planted at
+/// a plugin's cache key are each detected, deleted and recompiled — the
+/// plugin that runs is always the one compiled from its own file.
+#[test]
+fn planted_cache_artifacts_are_recompiled_never_run() -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = test_dir("cache-tamper");
+    let cache = dir.join("cache");
+    let rt = Runtime::new(Some(cache.clone()))?;
+    let mine = plugin("order-router");
+    let theirs = plugin("hostile");
+    let at = rt
+        .artifact_path(&mine)?
+        .ok_or_else(|| anyhow::anyhow!("no disk cache"))?;
+    let routes_as_itself = |rt: &Runtime| -> anyhow::Result<bool> {
+        let c = rt.compile(&mine)?;
+        let limits = Limits {
+            cpu_budget: Duration::from_millis(100),
+            memory_bytes: 64 << 20,
+        };
+        let h = PluginHandle::load(rt, &mine, serde_json::Value::Null, limits)?;
+        let name = h.current().map(|p| p.info.name.clone()).unwrap_or_default();
+        assert_eq!(name, "order-router", "another plugin ran in its place");
+        Ok(c.from_cache)
+    };
+    assert!(!rt.compile(&mine)?.from_cache, "first compile");
+    assert!(routes_as_itself(&rt)?, "a clean cached artifact is used");
+    let good = std::fs::read(&at)?;
+
+    // Garbage.
+    std::fs::write(&at, vec![0xCC; 4096])?;
+    assert!(!routes_as_itself(&rt)?, "garbage artifact was loaded");
+    assert_eq!(std::fs::read(&at)?, good, "recompiled and cached again");
+
+    // Foreign: another plugin's artifact, with that plugin's valid MAC.
+    rt.compile(&theirs)?;
+    let foreign = rt
+        .artifact_path(&theirs)?
+        .ok_or_else(|| anyhow::anyhow!("no disk cache"))?;
+    std::fs::copy(&foreign, &at)?;
+    assert!(!routes_as_itself(&rt)?, "foreign artifact was loaded");
+
+    // One flipped bit in the code.
+    let mut flipped = good.clone();
+    let i = flipped.len() / 2;
+    flipped[i] ^= 0x01;
+    std::fs::write(&at, &flipped)?;
+    assert!(!routes_as_itself(&rt)?, "bit-flipped artifact was loaded");
+
+    // Another installation (another key) cannot plant artifacts either.
+    let other = dir.join("other-cache");
+    let rt2 = Runtime::new(Some(other.clone()))?;
+    rt2.compile(&mine)?;
+    let theirs_at = rt2
+        .artifact_path(&mine)?
+        .ok_or_else(|| anyhow::anyhow!("no disk cache"))?;
+    std::fs::copy(&theirs_at, &at)?;
+    assert!(
+        !routes_as_itself(&rt)?,
+        "another installation's artifact was loaded"
+    );
+
+    // A cache directory others can write to is refused, with the reason.
+    let open = dir.join("open-cache");
+    std::fs::create_dir_all(&open)?;
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777))?;
+    let err = Runtime::new(Some(open))
+        .err()
+        .expect("world-writable cache accepted");
+    assert!(
+        format!("{err:#}").contains("writable by other users"),
+        "{err:#}"
+    );
+    // And none at all is fine: compiled in memory.
+    assert!(!Runtime::new(None)?.compile(&mine)?.from_cache);
     Ok(())
 }
