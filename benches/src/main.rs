@@ -61,6 +61,10 @@ struct Args {
     /// hardest case for ordering bookkeeping, and the default).
     #[arg(long, default_value_t = 0)]
     aggregates: usize,
+    /// `relay.ordering` of the drain runs: aggregate, strict or none (what
+    /// strict ordering costs shows with `--aggregates`).
+    #[arg(long, default_value = "aggregate")]
+    ordering: String,
     /// ANALYZE pre-filled tables. Off by default: a backlog that just built
     /// up (burst, broker outage) has no planner statistics yet, and this
     /// machine's PostgreSQL runs with autovacuum off.
@@ -82,6 +86,7 @@ struct Args {
 struct Fill {
     aggregates: usize,
     analyse: bool,
+    ordering: &'static str,
 }
 
 static FILL: std::sync::OnceLock<Fill> = std::sync::OnceLock::new();
@@ -97,9 +102,16 @@ fn payload(i: usize) -> Value {
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
+    let ordering: &'static str = match args.ordering.as_str() {
+        "aggregate" => "aggregate",
+        "strict" => "strict",
+        "none" => "none",
+        other => anyhow::bail!("--ordering: `{other}` is not aggregate, strict or none"),
+    };
     let _ = FILL.set(Fill {
         aggregates: args.aggregates,
         analyse: args.analyse,
+        ordering,
     });
     let want = |s: &str| args.only.is_empty() || args.only.iter().any(|o| o == s);
     let mut results = serde_json::Map::new();
@@ -425,6 +437,7 @@ async fn fill(pool: &PgPool, n: usize) -> Result<()> {
     let how = FILL.get().copied().unwrap_or(Fill {
         aggregates: 0,
         analyse: false,
+        ordering: "aggregate",
     });
     let per = n.div_ceil(4);
     let mut tasks = Vec::new();
@@ -819,7 +832,10 @@ async fn drain_table(n: usize, sink: &str, concurrency: u32, shape: Shape) -> Re
     let config = write_config(
         &dir,
         &db.url,
-        &format!("batch_size = 1000\nconcurrency = {concurrency}\nlanes = 64"),
+        &format!(
+            "batch_size = 1000\nconcurrency = {concurrency}\nlanes = 64\nordering = \"{}\"",
+            FILL.get().map(|f| f.ordering).unwrap_or("aggregate")
+        ),
         &format!("{}{}", shape.mapping(), relay_body(sink, &t, &http)),
     )?;
     db.migrate(&config)?;

@@ -451,6 +451,13 @@ pub struct RouteConfig {
     /// `block` (default) or `skip`.
     #[serde(default)]
     pub on_failure: OnFailure,
+    /// Most messages one event may produce (a fan-out bomb fails its event
+    /// with the reason instead of flooding the sinks).
+    #[serde(default = "default_max_messages_per_event")]
+    pub max_messages_per_event: u32,
+    /// Most payload bytes all messages of one event may carry together.
+    #[serde(default = "default_max_bytes_per_event")]
+    pub max_bytes_per_event: u64,
     /// Kafka key of a message whose plugin set neither key nor partition:
     /// `aggregate-id` (default; one aggregate stays on one partition, so in
     /// order) or `none` (spread over partitions; no per-aggregate order).
@@ -469,6 +476,12 @@ pub enum DefaultKey {
     None,
 }
 
+fn default_max_messages_per_event() -> u32 {
+    100
+}
+fn default_max_bytes_per_event() -> u64 {
+    16 << 20
+}
 fn match_all() -> Vec<String> {
     vec!["*".into()]
 }

@@ -472,16 +472,19 @@ impl Plugin {
                 outcomes.into_iter().map(from_wit).collect()
             }
             Ok(outcomes) => {
+                // A plugin bug in `route-batch`; `route` may still be right:
+                // route one event at a time instead of failing them all.
                 self.checkin(inst);
-                let reason = format!(
-                    "plugin {} returned {} outcomes for {} events",
-                    self.info.name,
+                tracing::error!(
+                    plugin = %self.info.name,
+                    version = %self.info.version,
+                    "plugin bug: route-batch returned {} outcomes for {} events; routing them one at a time",
                     outcomes.len(),
                     events.len()
                 );
                 events
                     .iter()
-                    .map(|_| Err(Rejection::Invalid(reason.clone())))
+                    .flat_map(|e| self.route_batch(std::slice::from_ref(e)))
                     .collect()
             }
             Err(e) if events.len() == 1 => {

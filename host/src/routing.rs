@@ -45,8 +45,103 @@ fn topic_key(topic: &str) -> String {
 #[derive(Debug)]
 struct Allowed {
     sink: String,
+    kind: SinkKind,
     max_message_bytes: usize,
     patterns: Vec<(String, GlobMatcher)>,
+}
+
+/// What a sink accepts as a topic/subject name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SinkKind {
+    Kafka,
+    Nats,
+    File,
+}
+
+/// Longest header name and value a plugin may set.
+const MAX_HEADER_NAME: usize = 256;
+const MAX_HEADER_VALUE: usize = 8 * 1024;
+
+/// A topic/subject the sink would refuse or misread, and why. Checked
+/// before anything is sent, so a plugin's bad name fails only its event.
+fn check_name(kind: SinkKind, topic: &str) -> Result<(), String> {
+    if topic.chars().any(|c| c.is_control()) {
+        return Err(format!("topic {topic:?} contains control characters"));
+    }
+    match kind {
+        SinkKind::Kafka => {
+            if topic.len() > 249 {
+                return Err(format!("Kafka topic is {} bytes, over 249", topic.len()));
+            }
+            if topic == "." || topic == ".." {
+                return Err(format!("`{topic}` is not a valid Kafka topic"));
+            }
+            if let Some(c) = topic
+                .chars()
+                .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+            {
+                return Err(format!(
+                    "Kafka topic `{topic}` has `{c}` (allowed: letters, digits, `.`, `_`, `-`)"
+                ));
+            }
+        }
+        SinkKind::Nats => {
+            if topic.len() > 1024 {
+                return Err(format!("NATS subject is {} bytes, over 1024", topic.len()));
+            }
+            if topic.chars().any(char::is_whitespace) {
+                return Err(format!("NATS subject {topic:?} contains whitespace"));
+            }
+            for token in topic.split('.') {
+                if token.is_empty() {
+                    return Err(format!("NATS subject `{topic}` has an empty token"));
+                }
+                if token == "*" || token == ">" {
+                    return Err(format!(
+                        "NATS subject `{topic}` has the wildcard `{token}` (publishing needs a concrete subject)"
+                    ));
+                }
+            }
+        }
+        SinkKind::File => {
+            if topic.len() > 1024 {
+                return Err(format!("topic is {} bytes, over 1024", topic.len()));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Headers a plugin may not set, or could not send.
+fn check_headers(headers: &[(String, String)]) -> Result<(), String> {
+    for (k, v) in headers {
+        if k.is_empty() {
+            return Err("a header has an empty name".into());
+        }
+        if k.len() > MAX_HEADER_NAME || v.len() > MAX_HEADER_VALUE {
+            return Err(format!(
+                "header `{}` is too long (names up to {MAX_HEADER_NAME} bytes, values up to {MAX_HEADER_VALUE})",
+                k.chars().take(64).collect::<String>()
+            ));
+        }
+        if k.chars()
+            .any(|c| c.is_control() || c.is_whitespace() || c == ':')
+        {
+            return Err(format!(
+                "header name {k:?} has a control character, whitespace or `:`"
+            ));
+        }
+        if v.chars().any(|c| matches!(c, '\r' | '\n' | '\0')) {
+            return Err(format!("the value of header `{k}` contains CR, LF or NUL"));
+        }
+        let lower = k.to_ascii_lowercase();
+        if lower.starts_with("ce_") || lower.starts_with("nats-") {
+            return Err(format!(
+                "header `{k}` is reserved: `ce_*` and `Nats-*` headers are set by the relay only"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// A compiled route.
@@ -86,6 +181,8 @@ impl Route {
         if m.topic.is_empty() {
             return Err(format!("message for sink `{}` has an empty topic", m.sink));
         }
+        check_name(a.kind, &m.topic).map_err(|e| format!("sink `{}`: {e}", m.sink))?;
+        check_headers(&m.headers).map_err(|e| format!("message to `{}`: {e}", m.topic))?;
         let key = topic_key(&m.topic);
         if !a.patterns.iter().any(|(_, g)| g.is_match(&key)) {
             let pats: Vec<&str> = a.patterns.iter().map(|(p, _)| p.as_str()).collect();
@@ -130,6 +227,11 @@ impl Routes {
                     .ok_or_else(|| format!("route `{}`: no sink named `{sink}`", r.name))?;
                 allowed.push(Allowed {
                     sink: sink.clone(),
+                    kind: match sink_cfg {
+                        crate::config::SinkConfig::Kafka(_) => SinkKind::Kafka,
+                        crate::config::SinkConfig::Nats(_) => SinkKind::Nats,
+                        crate::config::SinkConfig::File(_) => SinkKind::File,
+                    },
                     max_message_bytes: sink_cfg.max_message_bytes(),
                     patterns: pats
                         .iter()
@@ -207,6 +309,37 @@ mod tests {
         "#;
         let config: Config = toml::from_str(toml).unwrap();
         Routes::compile(&config).unwrap()
+    }
+
+    #[test]
+    fn names_and_headers_are_checked_per_sink() {
+        let r = routes();
+        let orders = r.select("order", "x").unwrap();
+        let e = orders.check(&m("nats", "orders.>", 1)).unwrap_err();
+        assert!(e.contains("wildcard"), "{e}");
+        let e = orders.check(&m("nats", "orders..x", 1)).unwrap_err();
+        assert!(e.contains("empty token"), "{e}");
+        let e = orders.check(&m("nats", "orders.a b", 1)).unwrap_err();
+        assert!(
+            e.contains("whitespace") || e.contains("may not publish"),
+            "{e}"
+        );
+        let e = orders.check(&m("kafka", "orders.a\nb", 1)).unwrap_err();
+        assert!(e.contains("control characters"), "{e}");
+        let mut msg = m("kafka", "orders.created", 1);
+        for (k, v, needle) in [
+            ("", "v", "empty name"),
+            ("Nats-Msg-Id", "x", "reserved"),
+            ("ce_id", "x", "reserved"),
+            ("x-bad", "a\r\nb", "CR, LF or NUL"),
+            ("bad name", "v", "whitespace"),
+        ] {
+            msg.headers = vec![(k.into(), v.into())];
+            let e = orders.check(&msg).unwrap_err();
+            assert!(e.contains(needle), "{k}: {e}");
+        }
+        msg.headers = vec![("x-team".into(), "payments".into())];
+        assert!(orders.check(&msg).is_ok());
     }
 
     #[test]

@@ -61,6 +61,7 @@ async fn hostile_plugins_fail_only_their_event_and_poison_holds_only_its_aggrega
         "unknown-sink",
         "oversize",
         "reject",
+        "fan-out-bomb",
     ];
     let mut hostile_ids = Vec::new();
     for m in modes {
@@ -132,6 +133,10 @@ async fn hostile_plugins_fail_only_their_event_and_poison_holds_only_its_aggrega
         ("unknown-sink", "may not publish to sink `nowhere`"),
         ("oversize", "over the sink's max_message_bytes"),
         ("reject", "hostile plugin rejects this event"),
+        (
+            "fan-out-bomb",
+            "returned 10000 messages for one event (routes[].max_messages_per_event = 100)",
+        ),
     ];
     for ((mode, id), (m2, needle)) in hostile_ids.iter().zip(expect) {
         assert_eq!(*mode, m2);

@@ -601,7 +601,25 @@ impl Relay {
     }
 }
 
+/// The route's limits and allow-list, checked before anything is sent.
 fn check_messages(route: &Route, messages: Vec<Message>) -> Result<Vec<Message>, Rejection> {
+    let c = &route.config;
+    if messages.len() > c.max_messages_per_event as usize {
+        return Err(Rejection::Invalid(format!(
+            "route `{}`: the plugin returned {} messages for one event (routes[].max_messages_per_event = {})",
+            route.name(),
+            messages.len(),
+            c.max_messages_per_event
+        )));
+    }
+    let bytes: u64 = messages.iter().map(|m| m.payload.len() as u64).sum();
+    if bytes > c.max_bytes_per_event {
+        return Err(Rejection::Invalid(format!(
+            "route `{}`: the plugin returned {bytes} payload bytes for one event (routes[].max_bytes_per_event = {})",
+            route.name(),
+            c.max_bytes_per_event
+        )));
+    }
     for m in &messages {
         route.check(m).map_err(Rejection::Invalid)?;
     }

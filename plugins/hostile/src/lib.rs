@@ -6,7 +6,7 @@
 //! Modes: `loop` (never returns), `oom` (allocates 1 GiB), `trap` (panics),
 //! `forbidden-topic`, `unknown-sink`, `oversize` (2 MiB payload),
 //! `retry` (always retryable), `reject` (always invalid), `nothing` (no
-//! messages at all).
+//! messages at all), `fan-out-bomb` (10,000 messages for one event).
 
 use outroute_guest::{Event, Message, Outcome, Rejection, Router, parse_config};
 use serde::Deserialize;
@@ -81,6 +81,7 @@ impl Router for Hostile {
             ]),
             "oversize" => Ok(vec![good.payload(vec![b'x'; 2 << 20])]),
             "nothing" => Ok(vec![]),
+            "fan-out-bomb" => Ok(vec![good; 10_000]),
             "retry" => Err(Rejection::retryable("hostile plugin asks for a retry")),
             "reject" => Err(Rejection::invalid("hostile plugin rejects this event")),
             _ => Ok(vec![good]),
