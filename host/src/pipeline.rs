@@ -120,21 +120,26 @@ impl LeaseView {
 }
 
 impl LeaseGuard {
-    /// Guard a batch claimed from `lanes` (epochs as the view has them now).
-    pub fn new(view: watch::Receiver<LeaseView>, lanes: Vec<i32>) -> Self {
-        let lanes = {
-            let v = view.borrow();
-            lanes
-                .into_iter()
-                .filter_map(|l| v.epoch_of(l).map(|e| (l, e)))
-                .collect()
-        };
+    /// Guard a batch claimed from `lanes` under `claimed_under` (the view
+    /// the claim was made with: its epochs are the ones the batch may use).
+    /// A lane missing from that view makes the guard not held.
+    pub fn new(
+        view: watch::Receiver<LeaseView>,
+        claimed_under: &LeaseView,
+        lanes: Vec<i32>,
+    ) -> Self {
+        let missing = lanes.iter().any(|l| claimed_under.epoch_of(*l).is_none());
+        let lanes = lanes
+            .into_iter()
+            .map(|l| (l, claimed_under.epoch_of(l).unwrap_or(-1)))
+            .collect();
         let mut g = LeaseGuard {
             view,
             lanes,
             lanes_held: false,
         };
         g.refresh();
+        g.lanes_held &= !missing;
         g
     }
 
@@ -553,18 +558,15 @@ impl Pipeline {
         let mut deadline = Instant::now() + self.publish_timeout + Duration::from_secs(5);
         if let Some(l) = lease {
             deadline = deadline.min(l.valid_until());
-            // The lanes may belong to another relay by now: take back what
-            // has not left yet.
-            if Instant::now() >= deadline {
-                let mut sinks: Vec<&str> = pending.iter().map(|(_, sink, _, _)| *sink).collect();
-                sinks.sort_unstable();
-                sinks.dedup();
-                for name in sinks {
-                    if let Some(sink) = self.sinks.get(name) {
-                        sink.abandon().await;
-                    }
-                }
-            }
+        }
+        let mut sinks: Vec<&str> = pending.iter().map(|(_, sink, _, _)| *sink).collect();
+        sinks.sort_unstable();
+        sinks.dedup();
+        // The lanes may belong to another relay by now: take back what has
+        // not left yet, before waiting and again after a wait the lease cut.
+        let lapsed = || lease.is_some_and(|l| Instant::now() >= l.valid_until());
+        if lapsed() {
+            self.abandon(&sinks).await;
         }
         let waits = pending.into_iter().map(|(i, sink, leg, ack)| async move {
             let r = match tokio::time::timeout_at(deadline.into(), ack.wait()).await {
@@ -582,12 +584,23 @@ impl Pipeline {
                 Err(e) => s.record(i, sink, e),
             }
         }
+        if lapsed() {
+            self.abandon(&sinks).await;
+        }
         for agg in std::mem::take(&mut s.unsettled) {
             if s.sent_by_aggregate
                 .get(&agg)
                 .is_some_and(|evs| evs.iter().any(|i| matches!(s.acks.get(i), Some(Err(_)))))
             {
                 s.stopped.insert(agg);
+            }
+        }
+    }
+
+    async fn abandon(&self, sinks: &[&str]) {
+        for name in sinks {
+            if let Some(sink) = self.sinks.get(*name) {
+                sink.abandon().await;
             }
         }
     }

@@ -10,9 +10,9 @@
 //! check, is logged, deleted and recompiled — never run.
 //!
 //! The directory itself must be private: it is created 0700, and one that
-//! is group- or world-writable, or owned by another user, is refused (the
-//! relay then compiles in memory every start and says why). There is no
-//! fallback to a shared temporary directory.
+//! is group- or world-writable, or owned by another user, refuses start-up
+//! with the reason (`relay.plugin_cache = false` compiles in memory instead).
+//! There is no fallback to a shared temporary directory.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
@@ -112,12 +112,11 @@ impl ArtifactCache {
     /// Store an artifact (atomically: written beside, then renamed).
     pub fn store(&self, cache_key: &str, artifact: &[u8]) -> Result<()> {
         let path = self.path(cache_key);
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        let tmp = temp_beside(&path);
         let tag = self.mac(cache_key, artifact).finalize().into_bytes();
         let mut f = OpenOptions::new()
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
             .mode(0o600)
             .open(&tmp)?;
         f.write_all(&tag)?;
@@ -139,9 +138,18 @@ fn probe_uid(dir: &Path) -> Result<u32> {
     Ok(uid)
 }
 
+/// A fresh name beside `path` for writing before an atomic rename/link
+/// (random, so relays sharing a volume never share a temporary file).
+fn temp_beside(path: &Path) -> PathBuf {
+    path.with_extension(format!("tmp{:016x}", rand::rng().next_u64()))
+}
+
 fn load_or_create_key(path: &Path, me: u32) -> Result<[u8; 32]> {
-    match fs::metadata(path) {
+    match fs::symlink_metadata(path) {
         Ok(meta) => {
+            if !meta.is_file() {
+                bail!("{} is not a regular file", path.display());
+            }
             if meta.mode() & 0o077 != 0 || meta.uid() != me {
                 bail!(
                     "{} must be private to the relay's user (mode 600)",
@@ -153,16 +161,15 @@ fn load_or_create_key(path: &Path, me: u32) -> Result<[u8; 32]> {
                 .try_into()
                 .map_err(|_| anyhow::anyhow!("{} is not a 32-byte key", path.display()))
         }
-        Err(_) => {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let mut key = [0u8; 32];
             rand::rng().fill_bytes(&mut key);
             // Written beside and linked into place: a relay starting at the
             // same moment either wins or reads the winner's whole key.
-            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+            let tmp = temp_beside(path);
             let mut f = OpenOptions::new()
                 .write(true)
-                .create(true)
-                .truncate(true)
+                .create_new(true)
                 .mode(0o600)
                 .open(&tmp)
                 .with_context(|| format!("creating {}", tmp.display()))?;
@@ -178,5 +185,6 @@ fn load_or_create_key(path: &Path, me: u32) -> Result<[u8; 32]> {
                 Err(e) => Err(e).with_context(|| format!("creating {}", path.display())),
             }
         }
+        Err(e) => Err(e).with_context(|| format!("reading {}", path.display())),
     }
 }

@@ -293,7 +293,8 @@ impl Relay {
                 }
             }
             failpoint::hit("after-claim");
-            let mut lease = LeaseGuard::new(leases.clone(), lanes);
+            // The lanes with the epochs of the view the claim was made under.
+            let mut lease = LeaseGuard::new(leases.clone(), &view, lanes);
             let mut claims = claims;
             lease.stamp(&mut claims);
             let span = tracing::info_span!("batch", worker = index, events = claims.len());

@@ -20,7 +20,10 @@ use crate::config::FileSinkConfig;
 
 pub struct FileSink {
     name: String,
-    out: Arc<Mutex<Output>>,
+    /// `None` once a write or sync failed: after a failed fsync, Linux
+    /// reports the error once and a later sync "succeeds" without the lost
+    /// pages, so nothing written after that is ever acknowledged.
+    out: Arc<Mutex<Option<Output>>>,
     /// Lines written so far, and lines known to be on disk.
     written: Arc<AtomicU64>,
     synced: Arc<AtomicU64>,
@@ -32,14 +35,15 @@ enum Output {
 }
 
 impl Output {
+    /// One `write` of the whole line, newline included.
     fn write_line(&mut self, line: &str) -> std::io::Result<()> {
         match self {
             Output::Stdout => {
                 let mut o = std::io::stdout().lock();
-                writeln!(o, "{line}")?;
+                o.write_all(line.as_bytes())?;
                 o.flush()
             }
-            Output::File(f) => writeln!(f, "{line}"),
+            Output::File(f) => f.write_all(line.as_bytes()),
         }
     }
 
@@ -76,7 +80,7 @@ impl FileSink {
         };
         Ok(FileSink {
             name: name.to_string(),
-            out: Arc::new(Mutex::new(out)),
+            out: Arc::new(Mutex::new(Some(out))),
             written: Arc::new(AtomicU64::new(0)),
             synced: Arc::new(AtomicU64::new(0)),
         })
@@ -112,11 +116,18 @@ impl Sink for FileSink {
             "headers": headers,
             "payload": payload,
         })
-        .to_string();
+        .to_string()
+            + "\n";
         let seq = {
-            let mut out = self.out.lock().map_err(|_| self.poisoned())?;
-            out.write_line(&line)
-                .map_err(|e| PublishError::Retryable(format!("file sink `{}`: {e}", self.name)))?;
+            let mut guard = self.out.lock().map_err(|_| self.poisoned())?;
+            let out = guard.as_mut().ok_or_else(|| broken(&self.name))?;
+            if let Err(e) = out.write_line(&line) {
+                *guard = None;
+                return Err(PublishError::Unavailable(format!(
+                    "file sink `{}`: {e}; no longer written (restart the relay)",
+                    self.name
+                )));
+            }
             self.written.fetch_add(1, Ordering::AcqRel) + 1
         };
         let (out, written, synced, name) = (
@@ -130,16 +141,20 @@ impl Sink for FileSink {
                 return Ok(());
             }
             let done = tokio::task::spawn_blocking(move || {
-                let mut out = out.lock().map_err(|_| {
+                let mut guard = out.lock().map_err(|_| {
                     PublishError::Retryable(format!("file sink `{name}` is poisoned"))
                 })?;
                 if synced.load(Ordering::Acquire) >= seq {
                     return Ok(());
                 }
+                let file = guard.as_mut().ok_or_else(|| broken(&name))?;
                 let upto = written.load(Ordering::Acquire);
-                out.sync().map_err(|e| {
-                    PublishError::Retryable(format!("file sink `{name}`: fsync: {e}"))
-                })?;
+                if let Err(e) = file.sync() {
+                    *guard = None;
+                    return Err(PublishError::Unavailable(format!(
+                        "file sink `{name}`: fsync: {e}; no longer written (restart the relay)"
+                    )));
+                }
                 synced.fetch_max(upto, Ordering::AcqRel);
                 Ok(())
             })
@@ -148,13 +163,22 @@ impl Sink for FileSink {
         }))
     }
 
+    /// Not after a write or fsync error (`/readyz` says so).
     async fn connected(&self) -> bool {
-        true
+        self.out.lock().map(|o| o.is_some()).unwrap_or(false)
     }
 
     async fn flush(&self) {
-        if let Ok(mut o) = self.out.lock() {
+        if let Ok(mut o) = self.out.lock()
+            && let Some(o) = o.as_mut()
+        {
             let _ = o.sync();
         }
     }
+}
+
+fn broken(name: &str) -> PublishError {
+    PublishError::Unavailable(format!(
+        "file sink `{name}` stopped after a write or fsync error (restart the relay)"
+    ))
 }

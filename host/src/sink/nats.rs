@@ -53,16 +53,21 @@ struct Barrier {
 }
 
 impl Barrier {
-    /// Resolve once the server has processed message number `seq`.
+    /// Resolve once the server has processed message number `seq`, sent
+    /// on connection number `connection`. A round trip on a later
+    /// connection proves nothing about it (it may have died with the old
+    /// socket): that fails as unavailable and the event is sent again.
     async fn after(
         &self,
         seq: u64,
+        connection: u64,
         client: &async_nats::Client,
         timeout: Duration,
         sink: &str,
     ) -> Result<(), PublishError> {
         let _one_at_a_time = self.lock.lock().await;
-        if self.confirmed.load(Ordering::Acquire) >= seq {
+        let reconnected = || client.statistics().connects.load(Ordering::Acquire) != connection;
+        if self.confirmed.load(Ordering::Acquire) >= seq && !reconnected() {
             return Ok(());
         }
         let upto = self.sent.load(Ordering::Acquire);
@@ -83,6 +88,11 @@ impl Barrier {
                     "nats sink `{sink}`: no server round trip within {timeout:?}"
                 )));
             }
+        }
+        if reconnected() {
+            return Err(PublishError::Unavailable(format!(
+                "nats sink `{sink}`: the connection was replaced after publishing; the message may be lost"
+            )));
         }
         self.confirmed.fetch_max(upto, Ordering::AcqRel);
         Ok(())
@@ -248,6 +258,7 @@ impl Sink for NatsSink {
                 ))
             }
             None => {
+                let connection = self.client.statistics().connects.load(Ordering::Acquire);
                 self.client
                     .publish_with_headers(subject, headers, payload)
                     .await
@@ -266,7 +277,9 @@ impl Sink for NatsSink {
                 );
                 Ok(Ack::new(async move {
                     let _permit = permit;
-                    barrier.after(seq, &client, timeout, &sink).await
+                    barrier
+                        .after(seq, connection, &client, timeout, &sink)
+                        .await
                 }))
             }
         }
