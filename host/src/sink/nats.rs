@@ -124,9 +124,12 @@ fn classify(
     let reason = format!("nats sink `{sink}`, subject `{subject}`: {e}");
     match e.kind() {
         PublishErrorKind::MaxPayloadExceeded => PublishError::Permanent(reason),
-        PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe => {
-            PublishError::Unavailable(reason)
-        }
+        // No stream (being created or re-elected) and back-pressure are the
+        // infrastructure's state, not the event's: wait, do not use attempts.
+        PublishErrorKind::TimedOut
+        | PublishErrorKind::BrokenPipe
+        | PublishErrorKind::StreamNotFound
+        | PublishErrorKind::MaxAckPending => PublishError::Unavailable(reason),
         _ => PublishError::Retryable(reason),
     }
 }
