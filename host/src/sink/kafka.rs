@@ -217,6 +217,7 @@ impl KafkaSink {
 
     /// The current producer, replaced first if librdkafka declared it dead.
     fn healthy_producer(&self) -> FutureProducer {
+        let generation = self.generation.load(Ordering::Acquire);
         let current = match self.producer.read() {
             Ok(p) => p.clone(),
             Err(poisoned) => poisoned.into_inner().clone(),
@@ -225,13 +226,29 @@ impl KafkaSink {
         if fatal.is_none() && !self.reset.swap(false, Ordering::Relaxed) {
             return current;
         }
+        let mut slot = match self.producer.write() {
+            Ok(p) => p,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        // Another worker saw the same fatal error and replaced it already.
+        if self.generation.load(Ordering::Acquire) != generation {
+            return slot.clone();
+        }
         tracing::warn!(sink = %self.name, ?fatal, "the broker no longer accepts this Kafka producer; creating a new one");
         match self.client_config.create::<FutureProducer>() {
             Ok(fresh) => {
-                if let Ok(mut p) = self.producer.write() {
-                    *p = fresh.clone();
+                let old = std::mem::replace(&mut *slot, fresh.clone());
+                self.generation.fetch_add(1, Ordering::AcqRel);
+                drop(slot);
+                // Dropping the last handle flushes (blocking): not on a
+                // runtime thread, not under the lock.
+                let old = (old, current);
+                match tokio::runtime::Handle::try_current() {
+                    Ok(h) => {
+                        h.spawn_blocking(move || drop(old));
+                    }
+                    Err(_) => drop(old),
                 }
-                self.generation.fetch_add(1, Ordering::Relaxed);
                 fresh
             }
             Err(e) => {
