@@ -96,6 +96,42 @@ async fn inject(proxy: &FaultProxy, rng: &mut Rng, n: usize) -> [usize; 4] {
     kinds
 }
 
+/// Producers commit while `inject` runs its faults; then wait (bounded)
+/// until the relay has marked everything. Returns what was committed, the
+/// faults by kind, and whether the outbox drained.
+async fn faults_while_producing(
+    db: &TestDb,
+    proxy: &FaultProxy,
+    rng: &mut Rng,
+) -> anyhow::Result<(Workload, [usize; 4], bool)> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let producing = keep_producing(db.pool.clone(), stop.clone());
+    let kinds = inject(proxy, rng, faults_per_sink()).await;
+    stop.store(true, Ordering::SeqCst);
+    let w = producing.await??;
+    let drained = eventually(Duration::from_secs(120), || async {
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            .await
+            == 0
+    })
+    .await;
+    Ok((w, kinds, drained))
+}
+
+/// Print the figures; nothing pending, nothing lost, no order violation.
+fn conclude(sink: &str, kinds: [usize; 4], drained: bool, report: &Report, relay: &Relay) {
+    println!(
+        "{sink}: {} faults (cut {}, delay {}, black hole {}, refuse {}): {report}",
+        kinds.iter().sum::<usize>(),
+        kinds[0],
+        kinds[1],
+        kinds[2],
+        kinds[3]
+    );
+    assert!(drained, "rows left pending:\n{}", relay.log_text());
+    report.assert_clean();
+}
+
 fn relay_settings() -> &'static str {
     // Short publish deadline so black-holed messages are retried quickly.
     "lanes = 16\nbatch_size = 100\npublish_timeout = \"3s\"\npoll_max = \"20ms\""
@@ -123,18 +159,7 @@ async fn kafka_through_random_network_faults_loses_nothing_and_keeps_order() -> 
     db.migrate(&config)?;
     let mut relay = Relay::start(&config, &[])?;
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let producing = keep_producing(db.pool.clone(), stop.clone());
-    let kinds = inject(&proxy, &mut rng, faults_per_sink()).await;
-    stop.store(true, Ordering::SeqCst);
-    let w = producing.await??;
-
-    let drained = eventually(Duration::from_secs(120), || async {
-        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
-            .await
-            == 0
-    })
-    .await;
+    let (w, kinds, drained) = faults_while_producing(&db, &proxy, &mut rng).await?;
     let delivered = consume_kafka_at(
         &proxy.addr,
         &topic,
@@ -143,16 +168,7 @@ async fn kafka_through_random_network_faults_loses_nothing_and_keeps_order() -> 
         Duration::from_secs(60),
     )?;
     let report = check(&w, &delivered);
-    println!(
-        "kafka: {} faults (cut {}, delay {}, black hole {}, refuse {}): {report}",
-        kinds.iter().sum::<usize>(),
-        kinds[0],
-        kinds[1],
-        kinds[2],
-        kinds[3]
-    );
-    assert!(drained, "rows left pending:\n{}", relay.log_text());
-    report.assert_clean();
+    conclude("kafka", kinds, drained, &report, &relay);
     relay.terminate(Duration::from_secs(15));
     db.drop_db().await;
     Ok(())
@@ -178,30 +194,10 @@ async fn jetstream_through_random_network_faults_loses_nothing_and_keeps_order()
     db.migrate(&config)?;
     let mut relay = Relay::start(&config, &[])?;
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let producing = keep_producing(db.pool.clone(), stop.clone());
-    let kinds = inject(&proxy, &mut rng, faults_per_sink()).await;
-    stop.store(true, Ordering::SeqCst);
-    let w = producing.await??;
-
-    let drained = eventually(Duration::from_secs(120), || async {
-        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
-            .await
-            == 0
-    })
-    .await;
+    let (w, kinds, drained) = faults_while_producing(&db, &proxy, &mut rng).await?;
     let delivered = consume_nats(&js, &stream, w.committed.len(), Duration::from_secs(30)).await?;
     let report = check(&w, &delivered);
-    println!(
-        "jetstream: {} faults (cut {}, delay {}, black hole {}, refuse {}): {report}",
-        kinds.iter().sum::<usize>(),
-        kinds[0],
-        kinds[1],
-        kinds[2],
-        kinds[3]
-    );
-    assert!(drained, "rows left pending:\n{}", relay.log_text());
-    report.assert_clean();
+    conclude("jetstream", kinds, drained, &report, &relay);
     relay.terminate(Duration::from_secs(15));
     db.drop_db().await;
     Ok(())
