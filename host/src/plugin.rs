@@ -62,10 +62,9 @@ const TICK: Duration = Duration::from_millis(1);
 /// for.
 const ENGINE_FINGERPRINT: &str = "epoch-interruption;component-model;opt=speed;v1";
 
-/// The cache key of a component: its hash, the wasmtime version and the
-/// engine settings that change generated code.
-fn cache_key(component: &[u8]) -> String {
-    let hash = hex(&Sha256::digest(component));
+/// The cache key of a component (given its SHA-256 `hash`): the hash, the
+/// wasmtime version and the engine settings that change generated code.
+fn cache_key(hash: &str) -> String {
     hex(&Sha256::digest(
         format!(
             "{hash};wasmtime-{};{ENGINE_FINGERPRINT}",
@@ -200,7 +199,7 @@ impl Runtime {
         let bytes =
             std::fs::read(path).with_context(|| format!("reading plugin {}", path.display()))?;
         let hash = hex(&Sha256::digest(&bytes));
-        let key = cache_key(&bytes);
+        let key = cache_key(&hash);
         let (component, from_cache) = match self.load_cached(&key) {
             Some(c) => (c, true),
             None => {
@@ -248,7 +247,10 @@ impl Runtime {
     pub fn artifact_path(&self, path: &Path) -> Result<Option<PathBuf>> {
         let bytes =
             std::fs::read(path).with_context(|| format!("reading plugin {}", path.display()))?;
-        Ok(self.cache.as_ref().map(|c| c.path(&cache_key(&bytes))))
+        Ok(self
+            .cache
+            .as_ref()
+            .map(|c| c.path(&cache_key(&hex(&Sha256::digest(&bytes))))))
     }
 
     fn load_cached(&self, key: &str) -> Option<Component> {
