@@ -72,6 +72,10 @@ pub struct RelayConfig {
     pub id: Option<String>,
     /// Events claimed per batch.
     pub batch_size: u32,
+    /// Most payload bytes one batch publishes; the events after the one
+    /// that reaches it wait for the next batch (a batch is split, never
+    /// failed, so a fan-out-heavy route cannot balloon the relay's memory).
+    pub max_batch_bytes: u64,
     /// Batches worked on at once (each worker owns a share of the lanes).
     pub concurrency: u32,
     /// Number of ordering lanes (aggregates are hashed onto lanes; each lane
@@ -126,6 +130,7 @@ impl Default for RelayConfig {
         RelayConfig {
             id: None,
             batch_size: 500,
+            max_batch_bytes: 64 << 20,
             concurrency: 2,
             lanes: 64,
             lease_ttl: Duration::from_secs(10),
@@ -428,13 +433,41 @@ pub struct RouteConfig {
     /// Sinks this route may publish to, each with the topic/subject glob
     /// patterns allowed (`*` any run of characters but `.`, `**` anything).
     pub allow: BTreeMap<String, Vec<String>>,
-    /// CPU budget per event (a batch gets this times its size).
+    /// CPU time one event may use in the plugin, measured as the CPU time of
+    /// the thread running it (so a busy host does not eat the budget); a
+    /// call is also stopped at 10× this in wall time. A batch call gets this
+    /// times its size. Plugins cannot block: sleeps and clock waits return
+    /// at once.
     #[serde(default = "default_cpu_budget", with = "humantime_serde")]
     #[schemars(with = "String")]
     pub cpu_budget: Duration,
-    /// Linear-memory cap per plugin instance, in MiB.
+    /// Memory cap per plugin instance, in MiB: all its linear memories and
+    /// tables together.
     #[serde(default = "default_memory_mib")]
     pub memory_mib: u32,
+    /// Idle plugin instances are kept warm for reuse up to this many MiB of
+    /// their memory together; the rest are dropped after use.
+    #[serde(default = "default_max_idle_memory_mib")]
+    pub max_idle_memory_mib: u32,
+    /// Most `host.log` lines one event may write; one more fails the event
+    /// (guest stderr is not counted: it is kept as a small ring buffer of
+    /// the last bytes and quoted in failure reasons).
+    #[serde(default = "default_max_log_lines_per_event")]
+    pub max_log_lines_per_event: u32,
+    /// Most `host.log` bytes one event may write.
+    #[serde(default = "default_max_log_bytes_per_event")]
+    pub max_log_bytes_per_event: u64,
+    /// After this many events in a row break a limit of the route (CPU
+    /// budget, memory, messages, bytes or log lines per event), the route is
+    /// quarantined: its plugin is no longer called and its events wait
+    /// (no attempt counted) while other routes flow, until a probe event
+    /// gets through or `outroute route resume`. 0: never quarantine.
+    #[serde(default = "default_quarantine_after")]
+    pub quarantine_after: u32,
+    /// How often a quarantined route lets one event through as a probe.
+    #[serde(default = "default_quarantine_probe_interval", with = "humantime_serde")]
+    #[schemars(with = "String")]
+    pub quarantine_probe_interval: Duration,
     /// Attempts before an event goes to the failed state. Counts plugin
     /// rejections, traps and permanent broker refusals; a broker that is
     /// merely unavailable is retried with backoff until it is back.
@@ -478,6 +511,21 @@ pub enum DefaultKey {
 
 fn default_max_messages_per_event() -> u32 {
     100
+}
+fn default_max_idle_memory_mib() -> u32 {
+    64
+}
+fn default_max_log_lines_per_event() -> u32 {
+    100
+}
+fn default_max_log_bytes_per_event() -> u64 {
+    64 << 10
+}
+fn default_quarantine_after() -> u32 {
+    5
+}
+fn default_quarantine_probe_interval() -> Duration {
+    Duration::from_secs(30)
 }
 fn default_max_bytes_per_event() -> u64 {
     16 << 20
@@ -920,6 +968,9 @@ impl Loaded {
             }
             if r.cpu_budget.is_zero() {
                 err(key("cpu_budget"), "must be positive".into());
+            }
+            if r.quarantine_probe_interval.is_zero() {
+                err(key("quarantine_probe_interval"), "must be positive".into());
             }
             if r.backoff_min > r.backoff_max {
                 err(key("backoff_min"), "must not exceed backoff_max".into());

@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod ops;
 pub mod pipeline;
 pub mod plugin;
+pub mod quarantine;
 pub mod quickstart;
 pub mod relay;
 pub mod routing;

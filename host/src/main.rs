@@ -52,6 +52,11 @@ enum Command {
         #[command(subcommand)]
         action: ops::FailedAction,
     },
+    /// Routes: list them with their quarantine state; resume a quarantined one.
+    Route {
+        #[command(subcommand)]
+        action: ops::RouteAction,
+    },
     /// Re-publish already-published events.
     Replay(ops::ReplayArgs),
     /// Try and inspect plugins.
@@ -119,6 +124,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         } => ops::migrate(&config.config, !coordination_only, table, add_sequence).await,
         Command::Status { config, json } => ops::status(&config.config, json).await,
         Command::Failed { action } => ops::failed(action).await,
+        Command::Route { action } => ops::route(action).await,
         Command::Replay(args) => ops::replay(args).await,
         Command::Plugin { action } => ops::plugin(action).await,
         Command::Config {

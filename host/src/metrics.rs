@@ -44,6 +44,14 @@ pub const ORDER_RISK: &str = "outroute_order_risk_total";
 /// Events a plugin answered with no messages (marked published, nothing sent).
 pub const EVENTS_WITHOUT_MESSAGES: &str = "outroute_events_without_messages_total";
 
+/// Plugin calls stopped by a route limit (`limit`: cpu_budget, wall_clock,
+/// memory, log, messages_per_event, bytes_per_event).
+pub const LIMIT_BREACHES: &str = "outroute_plugin_limit_breaches_total";
+/// 1 while a route is quarantined (its plugin kept breaking its limits).
+pub const ROUTE_QUARANTINED: &str = "outroute_route_quarantined";
+/// Events of a quarantined route recorded as waiting (no attempt counted).
+pub const EVENTS_DEFERRED: &str = "outroute_events_deferred_total";
+
 /// Install the Prometheus recorder (once per process).
 pub fn install() -> Result<PrometheusHandle> {
     let latency = [
@@ -73,6 +81,9 @@ pub struct Health {
     last_progress_ms: AtomicI64,
     backlog: AtomicI64,
     store_ok: AtomicBool,
+    /// Quarantined routes and why: shown by `/readyz`, which stays ready
+    /// (the other routes flow).
+    quarantined: std::sync::Mutex<Vec<(String, String)>>,
     pub stall_after: Duration,
 }
 
@@ -83,6 +94,7 @@ impl Health {
             last_progress_ms: AtomicI64::new(0),
             backlog: AtomicI64::new(0),
             store_ok: AtomicBool::new(true),
+            quarantined: std::sync::Mutex::new(Vec::new()),
             stall_after,
         })
     }
@@ -106,6 +118,24 @@ impl Health {
 
     pub fn set_store_ok(&self, ok: bool) {
         self.store_ok.store(ok, Ordering::Relaxed);
+    }
+
+    pub fn set_quarantined(&self, routes: Vec<(String, String)>) {
+        if let Ok(mut q) = self.quarantined.lock() {
+            *q = routes;
+        }
+    }
+
+    /// One line per quarantined route.
+    pub fn quarantine_note(&self) -> String {
+        self.quarantined
+            .lock()
+            .map(|q| {
+                q.iter()
+                    .map(|(r, why)| format!("route `{r}` quarantined: {why}\n"))
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// `None` when ready, else why not.
@@ -148,12 +178,13 @@ async fn ready(State(s): State<AppState>) -> (StatusCode, String) {
     if let Some(why) = s.health.stalled() {
         problems.push(why);
     }
+    let note = s.health.quarantine_note();
     if problems.is_empty() {
-        (StatusCode::OK, "ready\n".into())
+        (StatusCode::OK, format!("ready\n{note}"))
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,
-            format!("not ready: {}\n", problems.join("; ")),
+            format!("not ready: {}\n{note}", problems.join("; ")),
         )
     }
 }

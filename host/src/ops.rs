@@ -245,6 +245,14 @@ pub async fn status(path: &Path, json: bool) -> Result<ExitCode> {
             println!("  {r:<20} {n}");
         }
     }
+    for q in &s.quarantined_routes {
+        println!(
+            "quarantined      route `{}` since {}: {}",
+            q.route,
+            q.since.format("%Y-%m-%d %H:%M:%S UTC"),
+            q.reason
+        );
+    }
     println!("relays           {}", s.relays.len());
     for r in &s.relays {
         println!(
@@ -258,6 +266,62 @@ pub async fn status(path: &Path, json: bool) -> Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Subcommand)]
+pub enum RouteAction {
+    /// The configured routes, each with its quarantine state.
+    List {
+        #[command(flatten)]
+        config: ConfigArg,
+    },
+    /// Resume a quarantined route now: every relay calls its plugin again
+    /// and its waiting events are due at once.
+    Resume {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Route name.
+        name: String,
+    },
+}
+
+pub async fn route(action: RouteAction) -> Result<ExitCode> {
+    match action {
+        RouteAction::List { config } => {
+            let loaded = load(&config.config)?;
+            let store = open_store(&loaded, "route").await?;
+            let quarantined = store.quarantined_routes().await?;
+            for r in &loaded.config.routes {
+                match quarantined.iter().find(|q| q.route == r.name) {
+                    Some(q) => println!(
+                        "{:<24} quarantined since {}: {}",
+                        r.name,
+                        q.since.format("%Y-%m-%d %H:%M:%S UTC"),
+                        q.reason
+                    ),
+                    None => println!("{:<24} flowing", r.name),
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        RouteAction::Resume { config, name } => {
+            let loaded = load(&config.config)?;
+            if !loaded.config.routes.iter().any(|r| r.name == name) {
+                bail!(
+                    "no route named `{name}` in {}",
+                    config.config.display()
+                );
+            }
+            let store = open_store(&loaded, "route").await?;
+            let (was, due) = store.resume_route(&name).await?;
+            if was {
+                println!("route `{name}` resumed; {due} waiting events are due now");
+            } else {
+                println!("route `{name}` was not quarantined; {due} waiting events are due now");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
 }
 
 #[derive(Args, Clone, Default)]
@@ -627,6 +691,9 @@ pub async fn plugin(action: PluginAction) -> Result<ExitCode> {
             let limits = Limits {
                 cpu_budget,
                 memory_bytes: (memory_mib as usize) << 20,
+                log_lines_per_event: 100,
+                log_bytes_per_event: 64 << 10,
+                max_idle_bytes: 0,
             };
             let outcomes = tokio::task::spawn_blocking(move || -> Result<_> {
                 let handle = PluginHandle::load(&rt, &plugin, config, limits)?;
@@ -634,7 +701,7 @@ pub async fn plugin(action: PluginAction) -> Result<ExitCode> {
                 Ok(events
                     .iter()
                     .zip(p.route_batch(&events))
-                    .map(|(e, o)| (e.id.clone(), o))
+                    .map(|(e, a)| (e.id.clone(), a.into_outcome()))
                     .collect::<Vec<_>>())
             })
             .await??;

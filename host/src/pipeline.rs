@@ -56,6 +56,13 @@ pub enum Plan {
         route: Option<usize>,
         rejection: Rejection,
     },
+    /// The route is quarantined: the event waits `delay` (recorded as a
+    /// retry with no attempt counted), holding its aggregate.
+    Defer {
+        route: usize,
+        reason: String,
+        delay: Duration,
+    },
 }
 
 /// What became of one event once its messages were sent and acknowledged.
@@ -75,6 +82,12 @@ pub enum Fate {
         /// Fan-out legs acknowledged so far (this attempt and earlier ones):
         /// the retry sends only the others.
         done_legs: Vec<String>,
+    },
+    /// Not sent, its route quarantined: waits `delay`, no attempt counted.
+    Defer {
+        route: usize,
+        reason: String,
+        delay: Duration,
     },
 }
 
@@ -211,7 +224,7 @@ fn aggregate_of(c: &Claim) -> Aggregate<'_> {
     }
 }
 
-fn attempts_so_far(c: &Claim) -> u32 {
+pub(crate) fn attempts_so_far(c: &Claim) -> u32 {
     c.row.as_ref().map(|e| e.attempts).unwrap_or(0)
 }
 
@@ -271,6 +284,10 @@ impl Pipeline {
                 let key = (t.to_string(), i.to_string());
                 if blocked.contains(&key) {
                     *plan = Plan::Held;
+                } else if matches!(plan, Plan::Held | Plan::Defer { .. }) {
+                    // Left for later (quarantine, batch split): so are the
+                    // aggregate's later events.
+                    blocked.insert(key);
                 } else if let Plan::Fail { route, rejection } = plan
                     && self
                         .verdict(*route, rejection, attempts_so_far(claim), false)
@@ -347,10 +364,19 @@ impl Pipeline {
                     broker_retry: false,
                     done_legs: claim.done_legs.clone(),
                 },
+                Plan::Defer {
+                    route,
+                    reason,
+                    delay,
+                } => Fate::Defer {
+                    route: *route,
+                    reason: reason.clone(),
+                    delay: *delay,
+                },
             };
             let holds = match &fate {
                 Fate::Publish => false,
-                Fate::Held => true,
+                Fate::Held | Fate::Defer { .. } => true,
                 Fate::Fail {
                     route,
                     rejection,

@@ -10,52 +10,67 @@
 //! * **Reuse instances.** Each route keeps a small pool of initialised
 //!   instances; an event is routed on a warm instance (~µs, not the cost of a
 //!   fresh instantiation).
-//! * **Contain failures.** Every call runs under a CPU budget (epoch
-//!   deadline: `cpu_budget` per event) and a linear-memory cap. A trap, a
-//!   blown budget or an out-of-memory becomes a retryable rejection of *that
-//!   event* with a clear reason; the poisoned instance is dropped and a fresh
-//!   one made. When a batch call traps, the batch is re-routed one event at a
-//!   time so only the guilty event is charged.
+//! * **Contain failures.** Every call runs under a CPU budget (thread CPU
+//!   time, `cpu_budget` per event), one memory cap over all its memories
+//!   and tables, and log limits (`plugin/sandbox.rs`). A trap or a broken
+//!   limit becomes a retryable rejection of *that event* with a clear reason
+//!   naming the limit; the poisoned instance is dropped and a fresh one made.
+//!   When a batch call fails, the batch is re-routed one event at a time so
+//!   only the guilty event is charged, and once one event used up its CPU
+//!   budget the route's other events in the batch wait for the next batch
+//!   (a looping plugin costs other routes one budget per batch, not one per
+//!   event). A batch call's own deadline follows the plugin's measured cost
+//!   per event, so a loop inside `route-batch` is found in a few times what
+//!   the batch should take, not in events × budget.
 //! * **No ambient authority.** Plugins get the `host.log` import and an
 //!   empty WASI context (no preopened dirs, no env, no args, no sockets, no
-//!   inherited stdio; stderr goes to a small in-memory buffer that is quoted
-//!   in trap reasons; the clocks are frozen at the Unix epoch, so routing
-//!   cannot depend on the time — use the event's `created-at-ms`). std-built Rust guests import WASI even when they do no
-//!   I/O, so WASI is linked but grants nothing.
+//!   inherited stdio; frozen clocks whose waits are over at once;
+//!   deterministic randomness). std-built Rust guests import WASI even when
+//!   they do no I/O, so WASI is linked but grants nothing.
 //! * **Hot reload.** A [`PluginHandle`] checks its file now and then; a new
 //!   version compiles in the background and takes over new batches, batches
 //!   in flight finish on the old one, and a version that fails to compile or
 //!   initialise is reported and ignored.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, Result, anyhow};
 use sha2::{Digest, Sha256};
-use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
-use wasmtime::{Engine, Store, StoreLimits, StoreLimitsBuilder, Trap};
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
-use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+use wasmtime::component::{Component, HasSelf, Linker};
+use wasmtime::{Engine, Store, Trap};
 
 use crate::event::{Event, Message, Outcome, Rejection};
 
 mod cache;
 pub use cache::ArtifactCache;
+mod sandbox;
+pub use sandbox::Limit;
+use sandbox::{Caps, HostState, TICK, WALL_FACTOR};
 
 mod bindings {
     wasmtime::component::bindgen!({
         path: "../wit",
         world: "router",
+        imports: { "outroute:router/host.log": trappable },
     });
 }
 
-use bindings::outroute::router::host::{Host, Level};
 use bindings::outroute::router::types as wit;
 
-/// Epoch tick. CPU budgets are rounded up to whole ticks.
-const TICK: Duration = Duration::from_millis(1);
+/// Longest plugin name and version `describe` may return (they are copied
+/// into every failure record).
+const MAX_NAME_BYTES: usize = 128;
+const MAX_VERSION_BYTES: usize = 64;
+
+/// The plugin's cost per event assumed before any batch was measured.
+const INITIAL_COST_PER_EVENT: Duration = Duration::from_micros(50);
+
+/// A batch call may take this many times the plugin's measured cost before
+/// it is stopped and the batch re-routed one event at a time.
+const BATCH_SLACK: u32 = 20;
 
 /// Describes the engine settings that change generated code; part of the
 /// cache key so an artifact is never loaded into an engine it was not made
@@ -94,61 +109,6 @@ impl Drop for Ticker {
     }
 }
 
-/// The only clock a plugin sees: stopped at the Unix epoch.
-struct FrozenClock;
-
-impl wasmtime_wasi::HostWallClock for FrozenClock {
-    fn resolution(&self) -> Duration {
-        Duration::from_secs(1)
-    }
-    fn now(&self) -> Duration {
-        Duration::ZERO
-    }
-}
-
-impl wasmtime_wasi::HostMonotonicClock for FrozenClock {
-    fn resolution(&self) -> u64 {
-        1_000_000_000
-    }
-    fn now(&self) -> u64 {
-        0
-    }
-}
-
-/// What a plugin instance may reach: its log, its limits, an empty WASI.
-pub struct HostState {
-    plugin: String,
-    limits: StoreLimits,
-    wasi: WasiCtx,
-    table: ResourceTable,
-    stderr: MemoryOutputPipe,
-}
-
-impl WasiView for HostState {
-    fn ctx(&mut self) -> WasiCtxView<'_> {
-        WasiCtxView {
-            ctx: &mut self.wasi,
-            table: &mut self.table,
-        }
-    }
-}
-
-impl bindings::outroute::router::types::Host for HostState {}
-
-impl Host for HostState {
-    fn log(&mut self, level: Level, message: String) {
-        let message: String = message.chars().take(4096).collect();
-        let plugin = self.plugin.as_str();
-        match level {
-            Level::Trace => tracing::trace!(plugin, "{message}"),
-            Level::Debug => tracing::debug!(plugin, "{message}"),
-            Level::Info => tracing::info!(plugin, "{message}"),
-            Level::Warn => tracing::warn!(plugin, "{message}"),
-            Level::Error => tracing::error!(plugin, "{message}"),
-        }
-    }
-}
-
 impl Runtime {
     /// A runtime caching compiled plugins in `cache_dir` (`None`: no disk
     /// cache). A cache directory that is not private to this user is
@@ -172,6 +132,8 @@ impl Runtime {
         let mut linker: Linker<HostState> = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker)
             .map_err(|e| anyhow!("linking WASI: {e:#}"))?;
+        sandbox::add_clock_waits(&mut linker)
+            .map_err(|e| anyhow!("linking the plugin clock: {e:#}"))?;
         bindings::Router::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)
             .map_err(|e| anyhow!("linking the outroute host interface: {e:#}"))?;
 
@@ -267,35 +229,10 @@ impl Runtime {
         }
     }
 
-    fn new_store(&self, plugin: &str, memory_bytes: usize) -> Store<HostState> {
-        let stderr = MemoryOutputPipe::new(4096);
-        let wasi = wasmtime_wasi::WasiCtxBuilder::new()
-            .stderr(stderr.clone())
-            .allow_tcp(false)
-            .allow_udp(false)
-            .allow_ip_name_lookup(false)
-            .wall_clock(FrozenClock)
-            .monotonic_clock(FrozenClock)
-            .build();
-        let limits = StoreLimitsBuilder::new()
-            .memory_size(memory_bytes)
-            .instances(16)
-            .tables(64)
-            .memories(16)
-            .trap_on_grow_failure(true)
-            .build();
-        let mut store = Store::new(
-            &self.engine,
-            HostState {
-                plugin: plugin.to_string(),
-                limits,
-                wasi,
-                table: ResourceTable::new(),
-                stderr,
-            },
-        );
-        store.limiter(|s| &mut s.limits);
-        store.epoch_deadline_trap();
+    fn new_store(&self, plugin: &str, caps: Caps) -> Store<HostState> {
+        let mut store = Store::new(&self.engine, HostState::new(plugin, caps));
+        store.limiter(|s| &mut s.limiter);
+        store.epoch_deadline_callback(HostState::on_deadline);
         store
     }
 }
@@ -342,12 +279,90 @@ pub struct Inspection {
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     pub cpu_budget: Duration,
+    /// All memories and tables of one instance together.
     pub memory_bytes: usize,
+    pub log_lines_per_event: u32,
+    pub log_bytes_per_event: u64,
+    /// Idle instances kept for reuse, by their memory together.
+    pub max_idle_bytes: usize,
+}
+
+impl Default for Limits {
+    /// The defaults of a route's config.
+    fn default() -> Self {
+        Limits {
+            cpu_budget: Duration::from_millis(50),
+            memory_bytes: 64 << 20,
+            log_lines_per_event: 100,
+            log_bytes_per_event: 64 << 10,
+            max_idle_bytes: 64 << 20,
+        }
+    }
+}
+
+impl Limits {
+    /// The limits a route's config sets.
+    pub fn of(route: &crate::config::RouteConfig) -> Self {
+        Limits {
+            cpu_budget: route.cpu_budget,
+            memory_bytes: (route.memory_mib as usize) << 20,
+            log_lines_per_event: route.max_log_lines_per_event,
+            log_bytes_per_event: route.max_log_bytes_per_event,
+            max_idle_bytes: (route.max_idle_memory_mib as usize) << 20,
+        }
+    }
+
+    fn caps(&self) -> Caps {
+        Caps {
+            memory_bytes: self.memory_bytes,
+            log_lines_per_event: self.log_lines_per_event,
+            log_bytes_per_event: self.log_bytes_per_event,
+        }
+    }
+}
+
+/// What became of one event handed to the plugin.
+#[derive(Debug)]
+pub enum Answer {
+    /// The plugin answered (messages or its own rejection).
+    Outcome(Outcome),
+    /// The call was stopped by a limit (a retryable failure of this event,
+    /// counted towards the route's quarantine).
+    Breach { limit: Limit, reason: String },
+    /// Not routed in this batch: an earlier event of the route used up its
+    /// CPU budget, so the rest wait for the next batch.
+    Later,
+}
+
+impl Answer {
+    /// As an outcome: a breach is a retryable rejection with its reason.
+    pub fn into_outcome(self) -> Outcome {
+        match self {
+            Answer::Outcome(o) => o,
+            Answer::Breach { reason, .. } => Err(Rejection::Retryable(reason)),
+            Answer::Later => Err(Rejection::Retryable(
+                "not routed: an earlier event of the batch used up its CPU budget".into(),
+            )),
+        }
+    }
 }
 
 struct Instance {
     store: Store<HostState>,
     router: bindings::Router,
+}
+
+impl Instance {
+    fn memory_bytes(&self) -> usize {
+        self.store.data().limiter.used
+    }
+}
+
+/// Warm instances, bounded in count and in memory.
+#[derive(Default)]
+struct Pool {
+    idle: Vec<Instance>,
+    bytes: usize,
 }
 
 /// One plugin version bound to one route's config, with its warm instances.
@@ -357,8 +372,10 @@ pub struct Plugin {
     pub info: PluginInfo,
     config_json: String,
     limits: Limits,
-    pool: Mutex<Vec<Instance>>,
+    pool: Mutex<Pool>,
     max_idle: usize,
+    /// Measured CPU time per event of batch calls (ns, moving average).
+    cost_ns: AtomicU64,
 }
 
 impl Plugin {
@@ -384,11 +401,13 @@ impl Plugin {
             },
             config_json,
             limits,
-            pool: Mutex::new(Vec::new()),
+            pool: Mutex::new(Pool::default()),
             max_idle: 8,
+            cost_ns: AtomicU64::new(INITIAL_COST_PER_EVENT.as_nanos() as u64),
         };
         let mut inst = plugin.instantiate()?;
-        inst.store.set_epoch_deadline(ticks(limits.cpu_budget, 1));
+        let deadline = inst.store.data_mut().begin_call(limits.cpu_budget, 1);
+        inst.store.set_epoch_deadline(deadline);
         let info = inst.router.call_describe(&mut inst.store).map_err(|e| {
             anyhow!(
                 "plugin {} failed in describe: {}",
@@ -396,6 +415,14 @@ impl Plugin {
                 trap_reason(&e, &inst.store, limits)
             )
         })?;
+        if info.name.len() > MAX_NAME_BYTES || info.version.len() > MAX_VERSION_BYTES {
+            anyhow::bail!(
+                "plugin {}: describe() returned a name of {} bytes and a version of {} bytes (at most {MAX_NAME_BYTES} and {MAX_VERSION_BYTES})",
+                plugin.compiled.path.display(),
+                info.name.len(),
+                info.version.len()
+            );
+        }
         plugin.info = PluginInfo {
             name: info.name,
             version: info.version,
@@ -407,8 +434,13 @@ impl Plugin {
     fn instantiate(&self) -> Result<Instance> {
         let mut store = self
             .runtime
-            .new_store(&self.info.name, self.limits.memory_bytes);
-        store.set_epoch_deadline(ticks(self.limits.cpu_budget, 1).max(100));
+            .new_store(&self.info.name, self.limits.caps());
+        // Instantiation and `init` get at least 100 ms (a plugin may build
+        // tables once there).
+        let deadline = store
+            .data_mut()
+            .begin_call(self.limits.cpu_budget.max(Duration::from_millis(100)), 1);
+        store.set_epoch_deadline(deadline);
         let router = self
             .compiled
             .pre
@@ -427,7 +459,11 @@ impl Plugin {
     }
 
     fn checkout(&self) -> Result<Instance> {
-        let pooled = self.pool.lock().ok().and_then(|mut p| p.pop());
+        let pooled = self.pool.lock().ok().and_then(|mut p| {
+            let inst = p.idle.pop()?;
+            p.bytes = p.bytes.saturating_sub(inst.memory_bytes());
+            Some(inst)
+        });
         match pooled {
             Some(i) => Ok(i),
             None => self.instantiate(),
@@ -435,113 +471,200 @@ impl Plugin {
     }
 
     fn checkin(&self, inst: Instance) {
+        let bytes = inst.memory_bytes();
         if let Ok(mut p) = self.pool.lock()
-            && p.len() < self.max_idle
+            && p.idle.len() < self.max_idle
+            && p.bytes.saturating_add(bytes) <= self.limits.max_idle_bytes
         {
-            p.push(inst);
+            p.bytes += bytes;
+            p.idle.push(inst);
         }
     }
 
-    /// Route a batch of events; one outcome per event, in order. Blocking:
+    /// Idle instances kept and their memory (for tests and diagnostics).
+    pub fn idle(&self) -> (usize, usize) {
+        self.pool
+            .lock()
+            .map(|p| (p.idle.len(), p.bytes))
+            .unwrap_or_default()
+    }
+
+    /// Route a batch of events; one answer per event, in order. Blocking:
     /// call from a blocking thread.
-    pub fn route_batch(&self, events: &[Event]) -> Vec<Outcome> {
-        if events.is_empty() {
-            return Vec::new();
+    pub fn route_batch(&self, events: &[Event]) -> Vec<Answer> {
+        match events {
+            [] => Vec::new(),
+            [one] => vec![self.route_one(one)],
+            _ => self.route_many(events),
         }
-        let wit_events: Vec<wit::Event> = events.iter().map(to_wit).collect();
+    }
+
+    /// One `route-batch` call, stopped if it takes much longer than the
+    /// plugin's measured cost says it should; then one event at a time.
+    fn route_many(&self, events: &[Event]) -> Vec<Answer> {
+        let n = events.len();
         let mut inst = match self.checkout() {
             Ok(i) => i,
-            Err(e) => {
-                let reason = format!("plugin {} could not be instantiated: {e:#}", self.info.name);
-                return events
-                    .iter()
-                    .map(|_| Err(Rejection::Retryable(reason.clone())))
-                    .collect();
-            }
+            Err(e) => return self.not_instantiated(n, &e),
         };
-        inst.store
-            .set_epoch_deadline(ticks(self.limits.cpu_budget, events.len()));
-        let result = if wit_events.len() == 1 {
-            inst.router
-                .call_route(&mut inst.store, &wit_events[0])
-                .map(|o| vec![o])
-        } else {
-            inst.router.call_route_batch(&mut inst.store, &wit_events)
-        };
-        match result {
-            Ok(outcomes) if outcomes.len() == events.len() => {
+        let cost = Duration::from_nanos(self.cost_ns.load(Ordering::Relaxed));
+        let allowed = cost
+            .saturating_mul(BATCH_SLACK)
+            .saturating_mul(n as u32)
+            .max(self.limits.cpu_budget)
+            .min(self.limits.cpu_budget.saturating_mul(n as u32));
+        let deadline = inst.store.data_mut().begin_call(allowed, n);
+        inst.store.set_epoch_deadline(deadline);
+        let wit_events: Vec<wit::Event> = events.iter().map(to_wit).collect();
+        match inst.router.call_route_batch(&mut inst.store, &wit_events) {
+            Ok(outcomes) if outcomes.len() == n => {
+                self.measured(inst.store.data().cpu_used(), n);
                 self.checkin(inst);
-                outcomes.into_iter().map(from_wit).collect()
+                outcomes
+                    .into_iter()
+                    .map(|o| Answer::Outcome(from_wit(o)))
+                    .collect()
             }
             Ok(outcomes) => {
-                // A plugin bug in `route-batch`; `route` may still be right:
-                // route one event at a time instead of failing them all.
+                // A plugin bug in `route-batch`; `route` may still be right.
                 self.checkin(inst);
                 tracing::error!(
                     plugin = %self.info.name,
                     version = %self.info.version,
                     "plugin bug: route-batch returned {} outcomes for {} events; routing them one at a time",
                     outcomes.len(),
-                    events.len()
+                    n
                 );
-                events
-                    .iter()
-                    .flat_map(|e| self.route_batch(std::slice::from_ref(e)))
-                    .collect()
-            }
-            Err(e) if events.len() == 1 => {
-                // The instance is poisoned after a trap: drop it.
-                let reason = trap_reason(&e, &inst.store, self.limits);
-                vec![Err(Rejection::Retryable(format!(
-                    "plugin {} {reason}",
-                    self.info.name
-                )))]
+                self.one_at_a_time(events)
             }
             Err(_) => {
-                // Find the guilty event(s): route one at a time.
+                // A trap (the instance is poisoned: dropped), a limit, or
+                // slower than its measured cost: find the guilty event.
                 drop(inst);
-                events
-                    .iter()
-                    .flat_map(|e| self.route_batch(std::slice::from_ref(e)))
-                    .collect()
+                self.one_at_a_time(events)
             }
         }
     }
-}
 
-fn ticks(budget: Duration, events: usize) -> u64 {
-    let per = budget.as_micros().div_ceil(TICK.as_micros()).max(1) as u64;
-    per.saturating_mul(events.max(1) as u64).saturating_add(1)
+    fn one_at_a_time(&self, events: &[Event]) -> Vec<Answer> {
+        let mut stopped = false;
+        events
+            .iter()
+            .map(|e| {
+                if stopped {
+                    return Answer::Later;
+                }
+                let a = self.route_one(e);
+                if let Answer::Breach { limit, .. } = &a {
+                    stopped = limit.costs_time();
+                }
+                a
+            })
+            .collect()
+    }
+
+    fn route_one(&self, event: &Event) -> Answer {
+        let mut inst = match self.checkout() {
+            Ok(i) => i,
+            Err(e) => return self.not_instantiated(1, &e).remove(0),
+        };
+        let deadline = inst
+            .store
+            .data_mut()
+            .begin_call(self.limits.cpu_budget, 1);
+        inst.store.set_epoch_deadline(deadline);
+        match inst.router.call_route(&mut inst.store, &to_wit(event)) {
+            Ok(outcome) => {
+                self.measured(inst.store.data().cpu_used(), 1);
+                self.checkin(inst);
+                Answer::Outcome(from_wit(outcome))
+            }
+            Err(e) => {
+                // The instance is poisoned after a trap: dropped here.
+                let reason = format!(
+                    "plugin {} {}",
+                    self.info.name,
+                    trap_reason(&e, &inst.store, self.limits)
+                );
+                match inst.store.data().breach() {
+                    Some(limit) => Answer::Breach { limit, reason },
+                    None => Answer::Outcome(Err(Rejection::Retryable(reason))),
+                }
+            }
+        }
+    }
+
+    fn not_instantiated(&self, n: usize, e: &anyhow::Error) -> Vec<Answer> {
+        let reason = format!("plugin {} could not be instantiated: {e:#}", self.info.name);
+        (0..n)
+            .map(|_| Answer::Outcome(Err(Rejection::Retryable(reason.clone()))))
+            .collect()
+    }
+
+    fn measured(&self, cpu: Duration, events: usize) {
+        let sample = (cpu.as_nanos() / events.max(1) as u128) as u64;
+        let old = self.cost_ns.load(Ordering::Relaxed);
+        self.cost_ns
+            .store((old.saturating_mul(7) + sample) / 8, Ordering::Relaxed);
+    }
 }
 
 /// A clear, specific reason for a failed call.
 fn trap_reason(err: &wasmtime::Error, store: &Store<HostState>, limits: Limits) -> String {
-    let stderr = String::from_utf8_lossy(&store.data().stderr.contents())
+    let state = store.data();
+    let stderr = String::from_utf8_lossy(&state.stderr.contents())
         .trim()
         .to_string();
     let stderr = if stderr.is_empty() {
         String::new()
     } else {
-        format!("; plugin stderr: {}", truncate(&stderr, 512))
+        format!("; plugin stderr (last lines): {}", tail(&stderr, 512))
     };
-    let text = format!("{err:#}");
+    match state.breach() {
+        Some(Limit::CpuBudget) => {
+            return format!(
+                "exceeded its CPU budget ({} ms of CPU time per event, routes[].cpu_budget) and was stopped",
+                limits.cpu_budget.as_millis()
+            );
+        }
+        Some(Limit::WallClock) => {
+            return format!(
+                "was stopped after {} ms of wall time ({WALL_FACTOR}× its CPU budget; the host may be overloaded)",
+                (limits.cpu_budget * WALL_FACTOR).as_millis()
+            );
+        }
+        Some(Limit::Memory) => {
+            return format!(
+                "exceeded its memory cap of {} MiB (routes[].memory_mib: all memories and tables together)",
+                limits.memory_bytes >> 20
+            );
+        }
+        Some(Limit::Log) => {
+            return format!(
+                "wrote more than {} log lines or {} log bytes for one event (routes[].max_log_lines_per_event, max_log_bytes_per_event)",
+                limits.log_lines_per_event, limits.log_bytes_per_event
+            );
+        }
+        _ => {}
+    }
     if let Some(trap) = err.downcast_ref::<Trap>() {
         return match trap {
-            Trap::Interrupt => format!(
-                "exceeded its CPU budget ({} ms per event) and was stopped",
-                limits.cpu_budget.as_millis()
-            ),
+            Trap::Interrupt => "was interrupted".to_string(),
             Trap::StackOverflow => format!("overflowed its stack{stderr}"),
             other => format!("trapped: {other}{stderr}"),
         };
     }
-    if text.contains("memory") && (text.contains("grow") || text.contains("limit")) {
-        return format!(
-            "exceeded its memory cap of {} MiB",
-            limits.memory_bytes / (1024 * 1024)
-        );
+    format!("failed: {}{stderr}", truncate(&format!("{err:#}"), 512))
+}
+
+/// The last `n` characters of `s`.
+fn tail(s: &str, n: usize) -> String {
+    let count = s.chars().count();
+    if count <= n {
+        s.to_string()
+    } else {
+        format!("…{}", s.chars().skip(count - n).collect::<String>())
     }
-    format!("failed: {}{stderr}", truncate(&text, 512))
 }
 
 fn truncate(s: &str, n: usize) -> String {
@@ -596,9 +719,13 @@ pub fn inspect(runtime: &Runtime, path: &Path) -> Result<Inspection> {
     let limits = Limits {
         cpu_budget: Duration::from_secs(1),
         memory_bytes: 256 << 20,
+        log_lines_per_event: 100,
+        log_bytes_per_event: 64 << 10,
+        max_idle_bytes: 0,
     };
-    let mut store = runtime.new_store("inspect", limits.memory_bytes);
-    store.set_epoch_deadline(ticks(limits.cpu_budget, 1));
+    let mut store = runtime.new_store("inspect", limits.caps());
+    let deadline = store.data_mut().begin_call(limits.cpu_budget, 1);
+    store.set_epoch_deadline(deadline);
     let router = compiled.pre.instantiate(&mut store)?;
     let info = router
         .call_describe(&mut store)

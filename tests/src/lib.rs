@@ -225,9 +225,21 @@ pub struct Delivered {
     pub key: Option<String>,
     pub headers: BTreeMap<String, String>,
     pub payload: Vec<u8>,
+    /// When the consumer read it.
+    pub received_at: chrono::DateTime<chrono::Utc>,
 }
 
 impl Delivered {
+    /// Commit (the row's `created_at`, header `ce_time`) to the consumer
+    /// reading the message.
+    pub fn latency(&self) -> Option<Duration> {
+        let created = self.headers.get("ce_time")?;
+        let created = chrono::DateTime::parse_from_rfc3339(created).ok()?;
+        (self.received_at - created.with_timezone(&chrono::Utc))
+            .to_std()
+            .ok()
+    }
+
     pub fn id(&self) -> &str {
         self.headers.get("ce_id").map(String::as_str).unwrap_or("")
     }
@@ -547,6 +559,7 @@ pub fn consume_kafka_at(
                     key: m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
                     headers,
                     payload: m.payload().unwrap_or_default().to_vec(),
+                    received_at: chrono::Utc::now(),
                 };
                 ids.insert(d.id().to_string());
                 out.push(d);
@@ -620,6 +633,7 @@ pub async fn consume_nats(
                     key: None,
                     headers,
                     payload: m.payload.to_vec(),
+                    received_at: chrono::Utc::now(),
                 };
                 ids.insert(d.id().to_string());
                 out.push(d);

@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use outroute::event::Event;
-use outroute::plugin::{Limits, PluginHandle, Runtime};
+use outroute::plugin::{Answer, Limit, Limits, PluginHandle, Runtime};
 use outroute_e2e::*;
 
 async fn insert(
@@ -47,7 +47,7 @@ async fn hostile_plugins_fail_only_their_event_and_poison_holds_only_its_aggrega
             &format!(
                 "config = {{ sink = \"kafka\", topic = \"h{t}.{{event_type}}\" }}\nallow = {{ kafka = [\"h{t}.*\"] }}\n\
                  cpu_budget = \"20ms\"\nmemory_mib = 32\nmax_attempts = 2\nbackoff_min = \"50ms\"\nbackoff_max = \"100ms\"\n\
-                 on_failure = \"block\""
+                 on_failure = \"block\"\nquarantine_after = 0"
             ),
         ),
     )?;
@@ -62,6 +62,8 @@ async fn hostile_plugins_fail_only_their_event_and_poison_holds_only_its_aggrega
         "oversize",
         "reject",
         "fan-out-bomb",
+        "sleep-loop",
+        "log-flood",
     ];
     let mut hostile_ids = Vec::new();
     for m in modes {
@@ -76,6 +78,12 @@ async fn hostile_plugins_fail_only_their_event_and_poison_holds_only_its_aggrega
         held.push(insert(&db, "poison", serde_json::json!({"n": i})).await?);
     }
     let mut good = Vec::new();
+    // Misbehaviour that is contained without failing: a 10 s sleep (time
+    // does not pass for plugins), 1 MiB of stderr (a ring buffer), a few ms
+    // of CPU (within the budget).
+    for m in ["sleep", "stderr-flood", "slow"] {
+        good.push(insert(&db, &format!("benign-{m}"), serde_json::json!({"hostile": m})).await?);
+    }
     for i in 0..100 {
         good.push(
             insert(
@@ -126,7 +134,7 @@ async fn hostile_plugins_fail_only_their_event_and_poison_holds_only_its_aggrega
             .unwrap_or_default()
     };
     let expect = [
-        ("loop", "exceeded its CPU budget (20 ms per event)"),
+        ("loop", "exceeded its CPU budget (20 ms"),
         ("oom", "exceeded its memory cap of 32 MiB"),
         ("trap", "hostile plugin panics on purpose"),
         ("forbidden-topic", "may not publish to `payroll.salaries`"),
@@ -137,6 +145,8 @@ async fn hostile_plugins_fail_only_their_event_and_poison_holds_only_its_aggrega
             "fan-out-bomb",
             "returned 10000 messages for one event (routes[].max_messages_per_event = 100)",
         ),
+        ("sleep-loop", "exceeded its CPU budget (20 ms"),
+        ("log-flood", "wrote more than 100 log lines"),
     ];
     for ((mode, id), (m2, needle)) in hostile_ids.iter().zip(expect) {
         assert_eq!(*mode, m2);
@@ -252,7 +262,7 @@ fn hot_reload_switches_versions_and_survives_a_bad_file() -> anyhow::Result<()> 
     let rt = Runtime::new(Some(dir.join("cache")))?;
     let limits = Limits {
         cpu_budget: Duration::from_millis(100),
-        memory_bytes: 64 << 20,
+        ..Limits::default()
     };
     let config = serde_json::json!({"sink": "kafka", "topic": "orders.{event_type}"});
     let handle = PluginHandle::load(&rt, &file, config, limits)?;
@@ -268,7 +278,7 @@ fn hot_reload_switches_versions_and_survives_a_bad_file() -> anyhow::Result<()> 
     assert_eq!(switched.map(|i| i.name), Some("hostile".to_string()));
     assert_eq!(handle.current().expect("plugin").info.name, "hostile");
     assert!(
-        v1.route_batch(&[event()])[0].is_ok(),
+        matches!(v1.route_batch(&[event()])[0], Answer::Outcome(Ok(_))),
         "old version still routes in-flight work"
     );
 
@@ -290,7 +300,7 @@ fn a_plugin_whose_init_refuses_its_config_is_refused_at_start() -> anyhow::Resul
     let rt = Runtime::new(Some(dir.join("cache")))?;
     let limits = Limits {
         cpu_budget: Duration::from_millis(100),
-        memory_bytes: 64 << 20,
+        ..Limits::default()
     };
     let err = PluginHandle::load(
         &rt,
@@ -327,7 +337,7 @@ fn planted_cache_artifacts_are_recompiled_never_run() -> anyhow::Result<()> {
         let c = rt.compile(&mine)?;
         let limits = Limits {
             cpu_budget: Duration::from_millis(100),
-            memory_bytes: 64 << 20,
+            ..Limits::default()
         };
         let h = PluginHandle::load(rt, &mine, serde_json::Value::Null, limits)?;
         let name = h.current().map(|p| p.info.name.clone()).unwrap_or_default();
@@ -384,5 +394,130 @@ fn planted_cache_artifacts_are_recompiled_never_run() -> anyhow::Result<()> {
     );
     // And none at all is fine: compiled in memory.
     assert!(!Runtime::new(None)?.compile(&mine)?.from_cache);
+    Ok(())
+}
+
+fn hostile_event(id: &str, mode: Option<&str>) -> Event {
+    let payload = match mode {
+        Some(m) => serde_json::json!({"hostile": m}),
+        None => serde_json::json!({}),
+    };
+    Event {
+        id: id.into(),
+        aggregate_id: id.into(),
+        payload: payload.to_string().into_bytes(),
+        ..event()
+    }
+}
+
+fn hostile_plugin(config: serde_json::Value, limits: Limits) -> anyhow::Result<PluginHandle> {
+    let rt = Runtime::new(Some(test_dir("limits").join("cache")))?;
+    PluginHandle::load(&rt, &plugin("hostile"), config, limits)
+}
+
+/// A loop inside `route-batch` is found by re-routing one event at a time;
+/// the looping event is charged its CPU budget and the route's later events
+/// in the batch wait for the next batch instead of each costing a budget.
+#[test]
+fn a_loop_in_a_batch_costs_one_budget_and_the_rest_wait() -> anyhow::Result<()> {
+    let limits = Limits {
+        cpu_budget: Duration::from_millis(20),
+        ..Limits::default()
+    };
+    let handle = hostile_plugin(serde_json::Value::Null, limits)?;
+    let p = handle.current().expect("plugin");
+    let events: Vec<Event> = (0..10)
+        .map(|i| hostile_event(&format!("e{i}"), (i == 3).then_some("loop")))
+        .collect();
+    let answers = p.route_batch(&events);
+    assert_eq!(answers.len(), 10);
+    for a in &answers[..3] {
+        assert!(matches!(a, Answer::Outcome(Ok(m)) if m.len() == 1), "{a:?}");
+    }
+    assert!(
+        matches!(&answers[3], Answer::Breach { limit: Limit::CpuBudget, reason } if reason.contains("exceeded its CPU budget (20 ms of CPU time")),
+        "{:?}",
+        answers[3]
+    );
+    for a in &answers[4..] {
+        assert!(matches!(a, Answer::Later), "{a:?}");
+    }
+    // The next batch (the loop gone) routes normally on a fresh instance.
+    let answers = p.route_batch(&events[4..]);
+    assert!(answers.iter().all(|a| matches!(a, Answer::Outcome(Ok(_)))), "{answers:?}");
+    Ok(())
+}
+
+/// No WASI call blocks: a 10 s sleep returns at once (time does not pass
+/// for plugins), a sleep loop is stopped by the CPU budget, 1 MiB of stderr
+/// never fails the guest, a log flood breaks the log limit, a memory bomb
+/// breaks the memory cap.
+#[test]
+fn sleeps_return_at_once_and_limits_name_what_was_broken() -> anyhow::Result<()> {
+    let limits = Limits {
+        cpu_budget: Duration::from_millis(20),
+        memory_bytes: 32 << 20,
+        ..Limits::default()
+    };
+    let handle = hostile_plugin(serde_json::Value::Null, limits)?;
+    let p = handle.current().expect("plugin");
+    let started = std::time::Instant::now();
+    let a = p.route_batch(&[hostile_event("s", Some("sleep"))]);
+    assert!(matches!(&a[0], Answer::Outcome(Ok(_))), "{a:?}");
+    assert!(started.elapsed() < Duration::from_secs(5), "slept {:?}", started.elapsed());
+    let a = p.route_batch(&[hostile_event("sl", Some("sleep-loop"))]);
+    assert!(matches!(&a[0], Answer::Breach { limit: Limit::CpuBudget, .. }), "{a:?}");
+    let a = p.route_batch(&[hostile_event("err", Some("stderr-flood"))]);
+    assert!(matches!(&a[0], Answer::Outcome(Ok(_))), "{a:?}");
+    let a = p.route_batch(&[hostile_event("log", Some("log-flood"))]);
+    assert!(
+        matches!(&a[0], Answer::Breach { limit: Limit::Log, reason } if reason.contains("more than 100 log lines")),
+        "{a:?}"
+    );
+    let a = p.route_batch(&[hostile_event("oom", Some("oom"))]);
+    assert!(
+        matches!(&a[0], Answer::Breach { limit: Limit::Memory, reason } if reason.contains("memory cap of 32 MiB")),
+        "{a:?}"
+    );
+    // A trap quotes the guest's last stderr lines, not stale ones.
+    let a = p.route_batch(&[hostile_event("t", Some("trap"))]);
+    assert!(
+        matches!(&a[0], Answer::Outcome(Err(r)) if r.reason().contains("hostile plugin panics on purpose") && !r.reason().contains("hostile stderr line")),
+        "{a:?}"
+    );
+    Ok(())
+}
+
+/// `route-batch` answering the wrong number of outcomes is a plugin bug:
+/// the batch is routed one event at a time instead of failing.
+#[test]
+fn a_route_batch_count_mismatch_falls_back_to_route() -> anyhow::Result<()> {
+    let handle = hostile_plugin(serde_json::json!({"mode": "wrong-count"}), Limits::default())?;
+    let p = handle.current().expect("plugin");
+    let events: Vec<Event> = (0..5).map(|i| hostile_event(&format!("w{i}"), None)).collect();
+    let answers = p.route_batch(&events);
+    assert_eq!(answers.len(), 5);
+    assert!(answers.iter().all(|a| matches!(a, Answer::Outcome(Ok(_)))), "{answers:?}");
+    Ok(())
+}
+
+/// Idle instances are kept within the route's byte budget.
+#[test]
+fn the_idle_pool_is_bounded_in_bytes() -> anyhow::Result<()> {
+    let none = hostile_plugin(
+        serde_json::Value::Null,
+        Limits {
+            max_idle_bytes: 0,
+            ..Limits::default()
+        },
+    )?;
+    let p = none.current().expect("plugin");
+    p.route_batch(&[hostile_event("a", None)]);
+    assert_eq!(p.idle(), (0, 0));
+    let some = hostile_plugin(serde_json::Value::Null, Limits::default())?;
+    let p = some.current().expect("plugin");
+    p.route_batch(&[hostile_event("a", None)]);
+    let (n, bytes) = p.idle();
+    assert!(n >= 1 && bytes > 0 && bytes <= 64 << 20, "{n} instances, {bytes} bytes");
     Ok(())
 }

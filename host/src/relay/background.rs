@@ -1,7 +1,8 @@
 //! The relay's background tasks, beside the batch workers: the lease keeper
 //! (which lanes this relay owns, renewed every `lease_ttl / 3`), the
 //! backlog gauge, plugin hot reload, the retention purge (one relay at a
-//! time) and the opt-in LISTEN wake-up. Each runs until shutdown.
+//! time), the route quarantine records (`quarantine.rs`) and the opt-in
+//! LISTEN wake-up. Each runs until shutdown.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,7 +15,38 @@ use crate::metrics as m;
 use crate::pipeline::LeaseView;
 use crate::store::Store;
 
+/// How often a relay reads the store's quarantine records.
+const QUARANTINE_FOLLOW: Duration = Duration::from_secs(2);
+
 impl Relay {
+    /// Follow the store's quarantine records: adopt a quarantine another
+    /// relay decided, drop one resumed by a probe elsewhere or by
+    /// `outroute route resume`; keep `/readyz` and the gauge current.
+    pub(super) async fn follow_quarantines(self: Arc<Self>, shutdown: CancellationToken) {
+        while !shutdown.is_cancelled() {
+            match self.store.quarantined_routes().await {
+                Ok(rows) => {
+                    let records = rows
+                        .into_iter()
+                        .map(|q| (q.route, (q.reason, q.since)))
+                        .collect();
+                    for (route, quarantined) in self.quarantine.follow(&records) {
+                        if quarantined {
+                            tracing::warn!(route = %route, "route quarantined by another relay: its events wait");
+                        } else {
+                            tracing::info!(route = %route, "route resumed");
+                        }
+                        metrics::gauge!(m::ROUTE_QUARANTINED, "route" => route)
+                            .set(if quarantined { 1.0 } else { 0.0 });
+                    }
+                }
+                Err(e) => tracing::debug!("could not read route quarantines: {e:#}"),
+            }
+            self.health.set_quarantined(self.quarantine.quarantined());
+            sleep_or_cancel(QUARANTINE_FOLLOW, &shutdown).await;
+        }
+    }
+
     /// Renew leases every `lease_ttl / 3`; publish the owned lanes.
     pub(super) async fn keep_leases(
         self: Arc<Self>,

@@ -18,7 +18,7 @@
 //! beside the workers (leases, plugin reload, retention, backlog gauge,
 //! LISTEN) are in `relay/background.rs`.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,11 +30,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::config::{Loaded, RelayConfig};
-use crate::event::{Event, Message, Outcome, Rejection};
+use crate::event::{Event, Message, Rejection};
 use crate::failpoint;
 use crate::metrics::{self as m, Health};
-use crate::pipeline::{Fate, LeaseGuard, LeaseView, Pipeline, Plan, jitter};
-use crate::plugin::{Limits, PluginHandle, Runtime};
+use crate::pipeline::{Fate, LeaseGuard, LeaseView, Pipeline, Plan, attempts_so_far, jitter};
+use crate::plugin::{Answer, Limit, Limits, PluginHandle, Runtime};
+use crate::quarantine::{Admission, Change, Quarantine};
 use crate::routing::{Route, Routes};
 use crate::sink::Sinks;
 use crate::store::{Claim, Failure, FailureKind, Store};
@@ -53,6 +54,8 @@ pub struct Relay {
     pub sinks: Sinks,
     /// Sends a batch and decides what becomes of each event.
     pub pipeline: Pipeline,
+    /// Which routes are quarantined (their plugin keeps breaking limits).
+    pub quarantine: Quarantine,
     pub config: RelayConfig,
     pub health: Arc<Health>,
 }
@@ -71,6 +74,8 @@ pub struct BatchReport {
     pub outage_reason: Option<String>,
     /// Events whose first delivery was out of order (see `pipeline.rs`).
     pub order_risks: usize,
+    /// Events of quarantined routes, recorded as waiting.
+    pub deferred: usize,
 }
 
 impl Relay {
@@ -85,10 +90,7 @@ impl Relay {
             let pc = config.plugins.get(&r.config.plugin).ok_or_else(|| {
                 anyhow::anyhow!("routes.{}: no plugin `{}`", r.name(), r.config.plugin)
             })?;
-            let limits = Limits {
-                cpu_budget: r.config.cpu_budget,
-                memory_bytes: (r.config.memory_mib as usize) << 20,
-            };
+            let limits = Limits::of(&r.config);
             let handle = PluginHandle::load(
                 &runtime,
                 &loaded.resolve(&pc.path),
@@ -115,6 +117,7 @@ impl Relay {
             source: format!("/outroute/{}", config.store.table().name),
         };
         Ok(Relay {
+            quarantine: Quarantine::new(&routes),
             store,
             routes,
             plugins,
@@ -145,6 +148,9 @@ impl Relay {
         )));
         background.push(tokio::spawn(self.clone().watch_backlog(shutdown.clone())));
         background.push(tokio::spawn(self.clone().reload_plugins(shutdown.clone())));
+        background.push(tokio::spawn(
+            self.clone().follow_quarantines(shutdown.clone()),
+        ));
         if let Some(retention) = self.config.retention {
             background.push(tokio::spawn(
                 self.clone().purge(retention, shutdown.clone()),
@@ -396,6 +402,16 @@ impl Relay {
                     f.done_legs = done_legs.clone();
                     failures.push(f);
                 }
+                Fate::Defer {
+                    route,
+                    reason,
+                    delay,
+                } => {
+                    report.deferred += 1;
+                    metrics::counter!(m::EVENTS_DEFERRED, "route" => self.routes.0[*route].name().to_string())
+                        .increment(1);
+                    failures.push(self.deferral(claim, *route, reason, *delay));
+                }
             }
         }
         let marked = self.mark(&to_mark).await?;
@@ -408,7 +424,8 @@ impl Relay {
                 "lane lease lost: rows were published but not marked (they will be re-published with the same ids)"
             );
         }
-        if marked > 0 {
+        if marked > 0 || report.deferred > 0 {
+            // Deferring a quarantined route's events is handling them too.
             self.health.progressed();
         }
         if !without_messages.is_empty() {
@@ -463,26 +480,79 @@ impl Relay {
             events.push((claim, plan));
         }
 
-        // 3. Route → plugin: one batch call per route, on a blocking thread.
-        let mut by_route: HashMap<usize, Vec<usize>> = HashMap::new();
+        // 3. Route → plugin: one call per route, all routes at once, each on
+        //    a blocking thread; a quarantined route's events wait instead.
+        let mut by_route: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
         for (i, r) in &to_route {
             by_route.entry(*r).or_default().push(*i);
         }
-        for (route_idx, idxs) in by_route {
+        let mut calls = Vec::new();
+        for (route_idx, mut idxs) in by_route {
+            let defer = |idxs: &[usize], reason: &str, delay| {
+                idxs.iter()
+                    .map(|i| {
+                        (
+                            *i,
+                            Plan::Defer {
+                                route: route_idx,
+                                reason: reason.to_string(),
+                                delay,
+                            },
+                        )
+                    })
+                    .collect::<Vec<_>>()
+            };
+            let deferred = match self.quarantine.admit(route_idx) {
+                Admission::All => Vec::new(),
+                Admission::Probe { reason, delay } => defer(&idxs.split_off(1), &reason, delay),
+                Admission::Defer { reason, delay } => {
+                    defer(&std::mem::take(&mut idxs), &reason, delay)
+                }
+            };
+            for (i, plan) in deferred {
+                events[i].1 = plan;
+            }
+            if idxs.is_empty() {
+                continue;
+            }
             let batch: Vec<Event> = idxs
                 .iter()
                 .filter_map(|i| events[*i].0.row.as_ref().ok().cloned())
                 .collect();
-            let outcomes = self.call_plugin(route_idx, batch).await;
+            calls.push(async move { (route_idx, idxs, self.call_plugin(route_idx, batch).await) });
+        }
+        for (route_idx, idxs, answers) in join_all(calls).await {
             let route = &self.routes.0[route_idx];
-            for (i, outcome) in idxs.into_iter().zip(outcomes) {
-                // 4. Plugin messages → checked against the route's allow-list.
-                events[i].1 = match outcome.and_then(|msgs| check_messages(route, msgs)) {
-                    Ok(messages) => Plan::Publish {
-                        route: route_idx,
-                        messages,
-                    },
-                    Err(rejection) => {
+            let mut breaches: Vec<Option<String>> = Vec::with_capacity(idxs.len());
+            for (i, answer) in idxs.into_iter().zip(answers) {
+                // 4. Plugin messages → checked against the route's limits and
+                //    allow-list.
+                let checked = match answer {
+                    Answer::Later => {
+                        events[i].1 = Plan::Held;
+                        continue;
+                    }
+                    Answer::Breach { limit, reason } => Err((Rejection::Retryable(reason), Some(limit))),
+                    Answer::Outcome(o) => o
+                        .map_err(|r| (r, None))
+                        .and_then(|msgs| check_messages(route, msgs)),
+                };
+                events[i].1 = match checked {
+                    Ok(messages) => {
+                        breaches.push(None);
+                        Plan::Publish {
+                            route: route_idx,
+                            messages,
+                        }
+                    }
+                    Err((rejection, limit)) => {
+                        // A plugin's own rejection or a trap keeps within
+                        // the limits; only a broken limit counts.
+                        breaches.push(limit.map(|_| rejection.reason().to_string()));
+                        if let Some(l) = limit {
+                            metrics::counter!(m::LIMIT_BREACHES, "route" => route.name().to_string(), "limit" => l.as_str())
+                                .increment(1);
+                        }
                         metrics::counter!(m::REJECTIONS, "route" => route.name().to_string(), "kind" => rejection.kind())
                             .increment(1);
                         Plan::Fail {
@@ -492,16 +562,54 @@ impl Relay {
                     }
                 };
             }
+            self.quarantine_change(route_idx, &breaches).await;
+        }
+
+        // A batch publishes at most `relay.max_batch_bytes`: the events after
+        // the one that reaches it wait for the next batch.
+        let mut bytes: u64 = 0;
+        for (_, plan) in events.iter_mut() {
+            if let Plan::Publish { messages, .. } = plan {
+                if bytes >= self.config.max_batch_bytes {
+                    *plan = Plan::Held;
+                    continue;
+                }
+                bytes += messages.iter().map(|m| m.payload.len() as u64).sum::<u64>();
+            }
         }
 
         events
     }
 
-    async fn call_plugin(&self, route_idx: usize, batch: Vec<Event>) -> Vec<Outcome> {
+    /// Count a route's breaches; quarantine or resume it (recorded in the
+    /// store so every relay and `outroute status` follow).
+    async fn quarantine_change(&self, route_idx: usize, breaches: &[Option<String>]) {
+        let name = self.routes.0[route_idx].name().to_string();
+        match self.quarantine.record(route_idx, breaches) {
+            Change::None => {}
+            Change::Quarantined { reason } => {
+                tracing::error!(route = %name, %reason, "route quarantined: its events wait (no attempts counted) until a probe gets through or `outroute route resume`");
+                metrics::gauge!(m::ROUTE_QUARANTINED, "route" => name.clone()).set(1.0);
+                match self.store.quarantine_route(&name, &reason).await {
+                    Ok(()) => self.quarantine.recorded(route_idx),
+                    Err(e) => tracing::warn!(route = %name, "could not record the quarantine: {e:#}"),
+                }
+            }
+            Change::Resumed => {
+                tracing::info!(route = %name, "route resumed: a probe event kept within its limits");
+                metrics::gauge!(m::ROUTE_QUARANTINED, "route" => name.clone()).set(0.0);
+                if let Err(e) = self.store.resume_route(&name).await {
+                    tracing::warn!(route = %name, "could not record the resume: {e:#}");
+                }
+            }
+        }
+    }
+
+    async fn call_plugin(&self, route_idx: usize, batch: Vec<Event>) -> Vec<Answer> {
         let n = batch.len();
         let Some(plugin) = self.plugins[route_idx].current() else {
             return (0..n)
-                .map(|_| Err(Rejection::Retryable("plugin unavailable".into())))
+                .map(|_| Answer::Outcome(Err(Rejection::Retryable("plugin unavailable".into()))))
                 .collect();
         };
         let route = self.routes.0[route_idx].name().to_string();
@@ -510,9 +618,13 @@ impl Relay {
         let per_event = started.elapsed().as_secs_f64() / n.max(1) as f64;
         metrics::histogram!(m::PLUGIN_CALL, "route" => route).record(per_event);
         match result {
-            Ok(outcomes) => outcomes,
+            Ok(answers) => answers,
             Err(e) => (0..n)
-                .map(|_| Err(Rejection::Retryable(format!("plugin call panicked: {e}"))))
+                .map(|_| {
+                    Answer::Outcome(Err(Rejection::Retryable(format!(
+                        "plugin call panicked: {e}"
+                    ))))
+                })
                 .collect(),
         }
     }
@@ -527,6 +639,19 @@ impl Relay {
         self.store.mark_published(claims).await
     }
 
+    /// The record of an event whose route is quarantined: it waits `delay`
+    /// with its attempts unchanged, holding its aggregate.
+    fn deferral(&self, claim: &Claim, route: usize, reason: &str, delay: Duration) -> Failure {
+        let attempts = attempts_so_far(claim);
+        self.record(
+            claim,
+            Some(route),
+            attempts,
+            reason.to_string(),
+            FailureKind::Retry { delay },
+        )
+    }
+
     /// The failure record for an event: retry with backoff, or failed.
     fn failure(
         &self,
@@ -536,30 +661,12 @@ impl Relay {
         report: &mut BatchReport,
         broker_retry: bool,
     ) -> Failure {
-        let r: Option<&Route> = route.map(|i| &self.routes.0[i]);
-        let route_name = r
-            .map(|r| r.name().to_string())
+        let route_name = route
+            .map(|i| self.routes.0[i].name().to_string())
             .unwrap_or_else(|| "-".into());
-        let (aggregate_type, aggregate_id, event_type, sequence, prior) = match &claim.row {
-            Ok(e) => (
-                e.aggregate_type.clone(),
-                e.aggregate_id.clone(),
-                e.event_type.clone(),
-                e.sequence,
-                e.attempts,
-            ),
-            Err(b) => (
-                b.aggregate_type.clone(),
-                b.aggregate_id.clone(),
-                b.event_type.clone(),
-                b.sequence,
-                0,
-            ),
-        };
-        let plugin = route
-            .and_then(|i| self.plugins[i].current())
-            .map(|p| p.info.clone());
-        let verdict = self.pipeline.verdict(route, rejection, prior, broker_retry);
+        let verdict =
+            self.pipeline
+                .verdict(route, rejection, attempts_so_far(claim), broker_retry);
         let (kind, attempts) = (verdict.kind, verdict.attempts);
         match kind {
             FailureKind::Retry { .. } => {
@@ -578,6 +685,36 @@ impl Relay {
             }
             _ => rejection.reason().to_string(),
         };
+        self.record(claim, route, attempts, reason, kind)
+    }
+
+    /// What the store keeps about an event that did not go out.
+    fn record(
+        &self,
+        claim: &Claim,
+        route: Option<usize>,
+        attempts: u32,
+        reason: String,
+        kind: FailureKind,
+    ) -> Failure {
+        let r: Option<&Route> = route.map(|i| &self.routes.0[i]);
+        let (aggregate_type, aggregate_id, event_type, sequence) = match &claim.row {
+            Ok(e) => (
+                e.aggregate_type.clone(),
+                e.aggregate_id.clone(),
+                e.event_type.clone(),
+                e.sequence,
+            ),
+            Err(b) => (
+                b.aggregate_type.clone(),
+                b.aggregate_id.clone(),
+                b.event_type.clone(),
+                b.sequence,
+            ),
+        };
+        let plugin = route
+            .and_then(|i| self.plugins[i].current())
+            .map(|p| p.info.clone());
         // Bounded: reasons come from plugins and brokers.
         let reason: String = if reason.chars().count() > 2000 {
             format!("{}…", reason.chars().take(2000).collect::<String>())
@@ -603,26 +740,36 @@ impl Relay {
 }
 
 /// The route's limits and allow-list, checked before anything is sent.
-fn check_messages(route: &Route, messages: Vec<Message>) -> Result<Vec<Message>, Rejection> {
+/// A broken limit (not a refused name) is also returned, for the quarantine.
+fn check_messages(
+    route: &Route,
+    messages: Vec<Message>,
+) -> Result<Vec<Message>, (Rejection, Option<Limit>)> {
     let c = &route.config;
     if messages.len() > c.max_messages_per_event as usize {
-        return Err(Rejection::Invalid(format!(
-            "route `{}`: the plugin returned {} messages for one event (routes[].max_messages_per_event = {})",
-            route.name(),
-            messages.len(),
-            c.max_messages_per_event
-        )));
+        return Err((
+            Rejection::Invalid(format!(
+                "route `{}`: the plugin returned {} messages for one event (routes[].max_messages_per_event = {})",
+                route.name(),
+                messages.len(),
+                c.max_messages_per_event
+            )),
+            Some(Limit::MessagesPerEvent),
+        ));
     }
     let bytes: u64 = messages.iter().map(|m| m.payload.len() as u64).sum();
     if bytes > c.max_bytes_per_event {
-        return Err(Rejection::Invalid(format!(
-            "route `{}`: the plugin returned {bytes} payload bytes for one event (routes[].max_bytes_per_event = {})",
-            route.name(),
-            c.max_bytes_per_event
-        )));
+        return Err((
+            Rejection::Invalid(format!(
+                "route `{}`: the plugin returned {bytes} payload bytes for one event (routes[].max_bytes_per_event = {})",
+                route.name(),
+                c.max_bytes_per_event
+            )),
+            Some(Limit::BytesPerEvent),
+        ));
     }
     for m in &messages {
-        route.check(m).map_err(Rejection::Invalid)?;
+        route.check(m).map_err(|r| (Rejection::Invalid(r), None))?;
     }
     Ok(messages)
 }
@@ -660,6 +807,9 @@ impl Relay {
                     failed.push((claim.id().to_string(), rejection.reason().to_string()))
                 }
                 (Plan::Held, _) => failed.push((claim.id().to_string(), "held".into())),
+                (Plan::Defer { reason, .. }, _) => {
+                    failed.push((claim.id().to_string(), reason.clone()))
+                }
             }
         }
         (ok, failed)

@@ -180,7 +180,17 @@ pub struct Status {
     /// Per route: events its plugin answered with no messages (marked
     /// published, nothing sent), since the table was migrated.
     pub events_without_messages: Vec<(String, i64)>,
+    /// Routes whose plugin kept breaking its limits: their events wait.
+    pub quarantined_routes: Vec<QuarantinedRoute>,
     pub relays: Vec<RelayStatus>,
+}
+
+/// A quarantined route as the store records it.
+#[derive(Debug, Clone, Serialize)]
+pub struct QuarantinedRoute {
+    pub route: String,
+    pub since: DateTime<Utc>,
+    pub reason: String,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -292,6 +302,22 @@ impl Store {
     /// Add to the per-route counts of events published without messages.
     pub async fn count_without_messages(&self, by_route: &[(String, u64)]) -> anyhow::Result<()> {
         dispatch!(self, s => s.count_without_messages(by_route).await)
+    }
+
+    /// Record that `route` is quarantined (every relay follows the record).
+    pub async fn quarantine_route(&self, route: &str, reason: &str) -> anyhow::Result<()> {
+        dispatch!(self, s => s.quarantine_route(route, reason).await)
+    }
+
+    /// Clear `route`'s quarantine and make its waiting events due now;
+    /// returns whether it was quarantined and how many events were made due.
+    pub async fn resume_route(&self, route: &str) -> anyhow::Result<(bool, u64)> {
+        dispatch!(self, s => s.resume_route(route).await)
+    }
+
+    /// The quarantined routes.
+    pub async fn quarantined_routes(&self) -> anyhow::Result<Vec<QuarantinedRoute>> {
+        dispatch!(self, s => s.quarantined_routes().await)
     }
 
     /// Record retries and failures; returns how many were recorded.

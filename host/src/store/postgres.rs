@@ -50,11 +50,13 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
+use chrono::{DateTime, Utc};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{ConnectOptions, Row};
 
 use super::{
-    Claim, Cursor, FailedEvent, Failure, FailureKind, Filter, Leases, RelayStatus, Status,
+    Claim, Cursor, FailedEvent, Failure, FailureKind, Filter, Leases, QuarantinedRoute,
+    RelayStatus, Status,
 };
 use crate::config::{Config, Marking, Ordering, TableConfig};
 use crate::event::RawRow;
@@ -1120,8 +1122,67 @@ impl PgStore {
             failed: counts.try_get(1)?,
             backlog_by_aggregate_type: by_type,
             events_without_messages,
+            quarantined_routes: self.quarantined_routes().await?,
             relays,
         })
+    }
+
+    pub async fn quarantine_route(&self, route: &str, reason: &str) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO outroute_route_counts AS c (source, route, quarantined_since, quarantine_reason) \
+             VALUES ($1, $2, now(), $3) \
+             ON CONFLICT (source, route) DO UPDATE SET quarantined_since = COALESCE(c.quarantined_since, now()), \
+               quarantine_reason = EXCLUDED.quarantine_reason, updated_at = now()",
+        )
+        .bind(&self.source)
+        .bind(route)
+        .bind(reason)
+        .execute(&self.pool)
+        .await
+        .context("recording a route quarantine")?;
+        Ok(())
+    }
+
+    pub async fn resume_route(&self, route: &str) -> Result<(bool, u64)> {
+        let mut tx = self.pool.begin().await?;
+        let was = sqlx::query(
+            "UPDATE outroute_route_counts SET quarantined_since = NULL, quarantine_reason = NULL, updated_at = now() \
+             WHERE source = $1 AND route = $2 AND quarantined_since IS NOT NULL",
+        )
+        .bind(&self.source)
+        .bind(route)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        let due = sqlx::query(
+            "UPDATE outroute_event_state SET next_attempt_at = now(), blocks_until = now(), updated_at = now() \
+             WHERE source = $1 AND route = $2 AND failed_at IS NULL AND blocks_until > now()",
+        )
+        .bind(&self.source)
+        .bind(route)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        tx.commit().await?;
+        Ok((was > 0, due))
+    }
+
+    pub async fn quarantined_routes(&self) -> Result<Vec<QuarantinedRoute>> {
+        let rows: Vec<(String, DateTime<Utc>, Option<String>)> = sqlx::query_as(
+            "SELECT route, quarantined_since, quarantine_reason FROM outroute_route_counts \
+             WHERE source = $1 AND quarantined_since IS NOT NULL ORDER BY route",
+        )
+        .bind(&self.source)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(route, since, reason)| QuarantinedRoute {
+                route,
+                since,
+                reason: reason.unwrap_or_default(),
+            })
+            .collect())
     }
 
     pub async fn count_without_messages(&self, by_route: &[(String, u64)]) -> Result<()> {

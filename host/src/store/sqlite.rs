@@ -13,7 +13,9 @@ use sqlx::sqlite::{
 };
 use sqlx::{QueryBuilder, Row, Sqlite};
 
-use super::{Claim, Cursor, FailedEvent, Failure, FailureKind, Filter, Leases, Status};
+use super::{
+    Claim, Cursor, FailedEvent, Failure, FailureKind, Filter, Leases, QuarantinedRoute, Status,
+};
 use crate::config::{StoreConfig, TableConfig};
 use crate::event::RawRow;
 
@@ -240,8 +242,69 @@ impl SqliteStore {
             failed: row.try_get(1)?,
             backlog_by_aggregate_type: by_type,
             events_without_messages,
+            quarantined_routes: self.quarantined_routes().await?,
             relays: Vec::new(),
         })
+    }
+
+    pub async fn quarantine_route(&self, route: &str, reason: &str) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO outroute_route_counts (source, route, quarantined_since, quarantine_reason) \
+             VALUES (?1, ?2, strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), ?3) \
+             ON CONFLICT (source, route) DO UPDATE SET \
+               quarantined_since = COALESCE(quarantined_since, excluded.quarantined_since), \
+               quarantine_reason = excluded.quarantine_reason",
+        )
+        .bind(SOURCE)
+        .bind(route)
+        .bind(reason)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    pub async fn resume_route(&self, route: &str) -> Result<(bool, u64)> {
+        let mut tx = self.pool.begin().await?;
+        let was = sqlx::query(
+            "UPDATE outroute_route_counts SET quarantined_since = NULL, quarantine_reason = NULL \
+             WHERE source = ?1 AND route = ?2 AND quarantined_since IS NOT NULL",
+        )
+        .bind(SOURCE)
+        .bind(route)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        let now = now_ms();
+        let due = sqlx::query(
+            "UPDATE outroute_event_state SET next_attempt_at = ?3, blocks_until = ?3, updated_at = ?3 \
+             WHERE source = ?1 AND route = ?2 AND failed_at IS NULL AND blocks_until > ?3",
+        )
+        .bind(SOURCE)
+        .bind(route)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        tx.commit().await?;
+        Ok((was > 0, due))
+    }
+
+    pub async fn quarantined_routes(&self) -> Result<Vec<QuarantinedRoute>> {
+        let rows: Vec<(String, String, Option<String>)> = sqlx::query_as(
+            "SELECT route, quarantined_since, quarantine_reason FROM outroute_route_counts \
+             WHERE source = ?1 AND quarantined_since IS NOT NULL ORDER BY route",
+        )
+        .bind(SOURCE)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(route, since, reason)| QuarantinedRoute {
+                route,
+                since: parse_time(&since).unwrap_or_else(Utc::now),
+                reason: reason.unwrap_or_default(),
+            })
+            .collect())
     }
 
     pub async fn count_without_messages(&self, by_route: &[(String, u64)]) -> Result<()> {

@@ -6,9 +6,14 @@
 //! Modes: `loop` (never returns), `oom` (allocates 1 GiB), `trap` (panics),
 //! `forbidden-topic`, `unknown-sink`, `oversize` (2 MiB payload),
 //! `retry` (always retryable), `reject` (always invalid), `nothing` (no
-//! messages at all), `fan-out-bomb` (10,000 messages for one event).
+//! messages at all), `fan-out-bomb` (10,000 messages for one event),
+//! `sleep` (sleeps 10 s, then routes normally), `sleep-loop` (sleeps 1 ms
+//! forever), `stderr-flood` (writes 1 MiB to stderr, then routes normally),
+//! `log-flood` (10,000 `host.log` lines), `slow` (a few ms of CPU, then
+//! routes normally), `wrong-count` (route config only: `route-batch`
+//! answers one outcome short).
 
-use outroute_guest::{Event, Message, Outcome, Rejection, Router, parse_config};
+use outroute_guest::{Event, Level, Message, Outcome, Rejection, Router, log, parse_config};
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -81,11 +86,45 @@ impl Router for Hostile {
             ]),
             "oversize" => Ok(vec![good.payload(vec![b'x'; 2 << 20])]),
             "nothing" => Ok(vec![]),
+            "sleep" => {
+                std::thread::sleep(std::time::Duration::from_secs(10));
+                Ok(vec![good])
+            }
+            "sleep-loop" => loop {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            },
+            "stderr-flood" => {
+                for i in 0..16_384 {
+                    eprintln!("hostile stderr line {i:>5} ..................................");
+                }
+                Ok(vec![good])
+            }
+            "log-flood" => {
+                for i in 0..10_000 {
+                    log(Level::Info, format!("hostile log line {i}"));
+                }
+                Ok(vec![good])
+            }
+            "slow" => {
+                let mut x: u64 = 0;
+                for i in 0..3_000_000u64 {
+                    x = std::hint::black_box(x.wrapping_add(i));
+                }
+                Ok(vec![good.header("x-slow", x.to_string())])
+            }
             "fan-out-bomb" => Ok(vec![good; 10_000]),
             "retry" => Err(Rejection::retryable("hostile plugin asks for a retry")),
             "reject" => Err(Rejection::invalid("hostile plugin rejects this event")),
             _ => Ok(vec![good]),
         }
+    }
+
+    fn route_batch(&self, events: &[Event]) -> Vec<Outcome> {
+        let mut out: Vec<Outcome> = events.iter().map(|e| self.route(e)).collect();
+        if self.config.mode.as_deref() == Some("wrong-count") {
+            out.pop();
+        }
+        out
     }
 }
 
