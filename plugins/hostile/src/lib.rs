@@ -94,8 +94,9 @@ impl Router for Hostile {
                 std::thread::sleep(std::time::Duration::from_millis(1));
             },
             "stderr-flood" => {
-                for i in 0..16_384 {
-                    eprintln!("hostile stderr line {i:>5} ..................................");
+                let filler = ".".repeat(16 << 10);
+                for i in 0..64 {
+                    eprintln!("hostile stderr line {i:>2} {filler}");
                 }
                 Ok(vec![good])
             }
