@@ -24,7 +24,7 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use outroute::config::{KafkaSinkConfig, NatsMode, NatsSinkConfig};
 use outroute::event::Event;
-use outroute::plugin::{Limits, PluginHandle, Runtime};
+use outroute::plugin::{Answer, Limits, PluginHandle, Runtime};
 use outroute::sink::{Outgoing, Sink, kafka::KafkaSink, nats::NatsSink};
 use outroute_e2e::{
     KAFKA, NATS, Relay, TestDb, create_topic, nats_stream, plugin, seed, tag, test_dir,
@@ -379,7 +379,7 @@ fn bench_plugins() -> Result<Value> {
     let rt = Runtime::new(Some(std::env::temp_dir().join("outroute-bench-cache")))?;
     let limits = Limits {
         cpu_budget: Duration::from_millis(100),
-        memory_bytes: 64 << 20,
+        ..Limits::default()
     };
     let mut out = serde_json::Map::new();
     let cases = [
@@ -409,7 +409,11 @@ fn bench_plugins() -> Result<Value> {
         let events: Vec<Event> = (0..100).map(|i| event(i, version)).collect();
         for e in &events {
             let r = p.route_batch(std::slice::from_ref(e));
-            anyhow::ensure!(r[0].is_ok(), "{name} rejected the bench event: {:?}", r[0]);
+            anyhow::ensure!(
+                matches!(r[0], Answer::Outcome(Ok(_))),
+                "{name} rejected the bench event: {:?}",
+                r[0]
+            );
         }
         let t = Instant::now();
         for i in 0..n {

@@ -465,7 +465,10 @@ pub struct RouteConfig {
     #[serde(default = "default_quarantine_after")]
     pub quarantine_after: u32,
     /// How often a quarantined route lets one event through as a probe.
-    #[serde(default = "default_quarantine_probe_interval", with = "humantime_serde")]
+    #[serde(
+        default = "default_quarantine_probe_interval",
+        with = "humantime_serde"
+    )]
     #[schemars(with = "String")]
     pub quarantine_probe_interval: Duration,
     /// Attempts before an event goes to the failed state. Counts plugin

@@ -307,10 +307,7 @@ pub async fn route(action: RouteAction) -> Result<ExitCode> {
         RouteAction::Resume { config, name } => {
             let loaded = load(&config.config)?;
             if !loaded.config.routes.iter().any(|r| r.name == name) {
-                bail!(
-                    "no route named `{name}` in {}",
-                    config.config.display()
-                );
+                bail!("no route named `{name}` in {}", config.config.display());
             }
             let store = open_store(&loaded, "route").await?;
             let (was, due) = store.resume_route(&name).await?;

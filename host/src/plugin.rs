@@ -432,9 +432,7 @@ impl Plugin {
     }
 
     fn instantiate(&self) -> Result<Instance> {
-        let mut store = self
-            .runtime
-            .new_store(&self.info.name, self.limits.caps());
+        let mut store = self.runtime.new_store(&self.info.name, self.limits.caps());
         // Instantiation and `init` get at least 100 ms (a plugin may build
         // tables once there).
         let deadline = store
@@ -568,10 +566,7 @@ impl Plugin {
             Ok(i) => i,
             Err(e) => return self.not_instantiated(1, &e).remove(0),
         };
-        let deadline = inst
-            .store
-            .data_mut()
-            .begin_call(self.limits.cpu_budget, 1);
+        let deadline = inst.store.data_mut().begin_call(self.limits.cpu_budget, 1);
         inst.store.set_epoch_deadline(deadline);
         match inst.router.call_route(&mut inst.store, &to_wit(event)) {
             Ok(outcome) => {

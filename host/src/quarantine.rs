@@ -39,7 +39,9 @@ pub enum Admission {
 pub enum Change {
     None,
     /// The route just broke its limits `quarantine_after` times in a row.
-    Quarantined { reason: String },
+    Quarantined {
+        reason: String,
+    },
     /// A probe kept within the limits.
     Resumed,
 }
@@ -134,7 +136,10 @@ impl Quarantine {
                 Some(reason) => {
                     st.strikes = st.strikes.saturating_add(1);
                     if after > 0 && st.strikes >= after && st.quarantined.is_none() {
-                        let reason = format!("{} events in a row broke a limit; last: {reason}", st.strikes);
+                        let reason = format!(
+                            "{} events in a row broke a limit; last: {reason}",
+                            st.strikes
+                        );
                         st.quarantined = Some(Quarantined {
                             reason: reason.clone(),
                             since: Utc::now(),
@@ -161,7 +166,10 @@ impl Quarantine {
     /// Follow the store's records (route name → reason, since): adopt
     /// quarantines decided by other relays, drop those resumed elsewhere.
     /// Returns the routes that changed, with their new state.
-    pub fn follow(&self, records: &BTreeMap<String, (String, DateTime<Utc>)>) -> Vec<(String, bool)> {
+    pub fn follow(
+        &self,
+        records: &BTreeMap<String, (String, DateTime<Utc>)>,
+    ) -> Vec<(String, bool)> {
         let mut changed = Vec::new();
         for (i, name) in self.names.iter().enumerate() {
             let Ok(mut st) = self.state[i].lock() else {
@@ -196,7 +204,9 @@ impl Quarantine {
             .zip(&self.state)
             .filter_map(|(n, s)| {
                 let st = s.lock().ok()?;
-                st.quarantined.as_ref().map(|q| (n.clone(), q.reason.clone()))
+                st.quarantined
+                    .as_ref()
+                    .map(|q| (n.clone(), q.reason.clone()))
             })
             .collect()
     }
@@ -246,7 +256,9 @@ mod tests {
         ));
         // Other routes are not affected.
         assert_eq!(q.admit(1), Admission::All);
-        assert!(matches!(q.admit(0), Admission::Defer { reason, .. } if reason.contains("route `bad` is quarantined")));
+        assert!(
+            matches!(q.admit(0), Admission::Defer { reason, .. } if reason.contains("route `bad` is quarantined"))
+        );
         std::thread::sleep(Duration::from_millis(60));
         assert!(matches!(q.admit(0), Admission::Probe { .. }));
         // Only one probe per interval.
@@ -275,11 +287,17 @@ mod tests {
         assert!(matches!(q.admit(0), Admission::Defer { .. }));
         // An unrecorded local quarantine survives a read that predates it...
         let q2 = quarantine(1);
-        assert!(matches!(q2.record(0, &[Some("x".into())]), Change::Quarantined { .. }));
+        assert!(matches!(
+            q2.record(0, &[Some("x".into())]),
+            Change::Quarantined { .. }
+        ));
         assert!(q2.follow(&BTreeMap::new()).is_empty());
         // ...a recorded one that vanished was resumed elsewhere.
         q2.recorded(0);
-        assert_eq!(q2.follow(&BTreeMap::new()), vec![("bad".to_string(), false)]);
+        assert_eq!(
+            q2.follow(&BTreeMap::new()),
+            vec![("bad".to_string(), false)]
+        );
         assert_eq!(q2.admit(0), Admission::All);
     }
 }

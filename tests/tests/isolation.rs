@@ -44,7 +44,12 @@ fn peak_rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
-async fn insert(db: &TestDb, aggregate_type: &str, aggregate: &str, payload: serde_json::Value) -> anyhow::Result<String> {
+async fn insert(
+    db: &TestDb,
+    aggregate_type: &str,
+    aggregate: &str,
+    payload: serde_json::Value,
+) -> anyhow::Result<String> {
     let id = uuid::Uuid::new_v4().to_string();
     sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1::uuid, $2, $3, 'updated', $4)")
         .bind(&id)
@@ -81,7 +86,9 @@ async fn run(with_hostile: bool) -> anyhow::Result<Run> {
     let mut relay = Relay::start(&config, &[])?;
     let consumer = {
         let topic = topic.clone();
-        tokio::task::spawn_blocking(move || consume_kafka(&topic, 2, HEALTHY, Duration::from_secs(90)))
+        tokio::task::spawn_blocking(move || {
+            consume_kafka(&topic, 2, HEALTHY, Duration::from_secs(90))
+        })
     };
     // Let the relay start and the consumer attach before the clock starts.
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -92,10 +99,24 @@ async fn run(with_hostile: bool) -> anyhow::Result<Run> {
     let tick = Duration::from_millis(10);
     let started = Instant::now();
     for i in 0..HEALTHY {
-        healthy.push(insert(&db, "order", &format!("h-{}", i % 40), serde_json::json!({"n": i})).await?);
+        healthy.push(
+            insert(
+                &db,
+                "order",
+                &format!("h-{}", i % 40),
+                serde_json::json!({"n": i}),
+            )
+            .await?,
+        );
         if with_hostile && i % 5 == 0 {
             let mode = modes[(i / 5) % modes.len()];
-            let id = insert(&db, "bad", &format!("bad-{i}"), serde_json::json!({"hostile": mode})).await?;
+            let id = insert(
+                &db,
+                "bad",
+                &format!("bad-{i}"),
+                serde_json::json!({"hostile": mode}),
+            )
+            .await?;
             hostile.push((mode, id));
         }
         let due = started + tick * (i as u32 + 1);
@@ -124,40 +145,70 @@ async fn run(with_hostile: bool) -> anyhow::Result<Run> {
     if with_hostile {
         // The hostile route is quarantined, visibly; the relay stays ready.
         let quarantined = eventually(Duration::from_secs(20), || async {
-            cli(&["status", "-c", &cfg]).is_ok_and(|(_, out, _)| out.contains("quarantined      route `hostile`"))
+            cli(&["status", "-c", &cfg])
+                .is_ok_and(|(_, out, _)| out.contains("quarantined      route `hostile`"))
         })
         .await;
         let (_, status, _) = cli(&["status", "-c", &cfg])?;
         assert!(quarantined, "{status}\n{}", relay.log_text());
         assert!(status.contains("events in a row broke a limit"), "{status}");
         let (_, list, _) = cli(&["route", "list", "-c", &cfg])?;
-        assert!(list.contains("healthy") && list.contains("flowing"), "{list}");
-        assert!(list.lines().any(|l| l.starts_with("hostile") && l.contains("quarantined since")), "{list}");
+        assert!(
+            list.contains("healthy") && list.contains("flowing"),
+            "{list}"
+        );
+        assert!(
+            list.lines()
+                .any(|l| l.starts_with("hostile") && l.contains("quarantined since")),
+            "{list}"
+        );
         let ready_note = eventually(Duration::from_secs(10), || async {
-            http_get(&http, "/readyz").await.is_ok_and(|(code, body)| code == 200 && body.contains("route `hostile` quarantined"))
+            http_get(&http, "/readyz").await.is_ok_and(|(code, body)| {
+                code == 200 && body.contains("route `hostile` quarantined")
+            })
         })
         .await;
         let (code, body) = http_get(&http, "/readyz").await?;
         assert!(ready_note, "/readyz {code}: {body}");
         let (_, metrics) = http_get(&http, "/metrics").await?;
-        assert_eq!(metric(&metrics, "outroute_route_quarantined{route=\"hostile\"}"), Some(1.0), "{metrics}");
-        assert!(
-            metric(&metrics, "outroute_plugin_limit_breaches_total{route=\"hostile\",limit=\"cpu_budget\"}").unwrap_or(0.0) >= 1.0,
+        assert_eq!(
+            metric(&metrics, "outroute_route_quarantined{route=\"hostile\"}"),
+            Some(1.0),
             "{metrics}"
         );
-        assert!(metric(&metrics, "outroute_events_deferred_total{route=\"hostile\"}").unwrap_or(0.0) >= 1.0, "{metrics}");
+        assert!(
+            metric(
+                &metrics,
+                "outroute_plugin_limit_breaches_total{route=\"hostile\",limit=\"cpu_budget\"}"
+            )
+            .unwrap_or(0.0)
+                >= 1.0,
+            "{metrics}"
+        );
+        assert!(
+            metric(
+                &metrics,
+                "outroute_events_deferred_total{route=\"hostile\"}"
+            )
+            .unwrap_or(0.0)
+                >= 1.0,
+            "{metrics}"
+        );
 
         // Each hostile event failed with its own limit, or waits with the
         // quarantine's reason; none was published.
         let recorded = eventually(Duration::from_secs(30), || async {
-            db.count("SELECT count(*) FROM outroute_event_state WHERE route = 'hostile'").await >= hostile.len() as i64
+            db.count("SELECT count(*) FROM outroute_event_state WHERE route = 'hostile'")
+                .await
+                >= hostile.len() as i64
         })
         .await;
         assert!(recorded, "{}", relay.log_text());
-        let rows: Vec<(String, String)> =
-            sqlx::query_as("SELECT event_id, last_error FROM outroute_event_state WHERE route = 'hostile'")
-                .fetch_all(&db.pool)
-                .await?;
+        let rows: Vec<(String, String)> = sqlx::query_as(
+            "SELECT event_id, last_error FROM outroute_event_state WHERE route = 'hostile'",
+        )
+        .fetch_all(&db.pool)
+        .await?;
         let reasons: std::collections::HashMap<String, String> = rows.into_iter().collect();
         for (mode, id) in &hostile {
             let r = reasons.get(id).cloned().unwrap_or_default();
@@ -185,11 +236,18 @@ async fn run(with_hostile: bool) -> anyhow::Result<Run> {
         assert!(err.contains("no route named `nosuch`"), "{err}");
     }
 
-    assert!(relay.child.try_wait()?.is_none(), "relay died:\n{}", relay.log_text());
+    assert!(
+        relay.child.try_wait()?.is_none(),
+        "relay died:\n{}",
+        relay.log_text()
+    );
     let peak_rss_kib = peak_rss_kib(relay.child.id());
     relay.terminate(Duration::from_secs(15));
     db.drop_db().await;
-    Ok(Run { latencies, peak_rss_kib })
+    Ok(Run {
+        latencies,
+        peak_rss_kib,
+    })
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -201,17 +259,29 @@ async fn a_hostile_route_is_quarantined_and_does_not_delay_a_healthy_one() -> an
             "{name:<28} healthy commit→consumer p50 {:>6.1} ms  p99 {:>6.1} ms  max {:>6.1} ms  relay peak RSS {:>4} MiB",
             percentile(&r.latencies, 0.5).as_secs_f64() * 1e3,
             percentile(&r.latencies, 0.99).as_secs_f64() * 1e3,
-            r.latencies.last().copied().unwrap_or_default().as_secs_f64() * 1e3,
+            r.latencies
+                .last()
+                .copied()
+                .unwrap_or_default()
+                .as_secs_f64()
+                * 1e3,
             r.peak_rss_kib / 1024
         );
     };
     row("healthy route alone", &alone);
     row("beside loop/oom/fan-out-bomb", &beside);
-    assert!(beside.peak_rss_kib <= 128 * 1024, "peak RSS {} KiB", beside.peak_rss_kib);
+    assert!(
+        beside.peak_rss_kib <= 128 * 1024,
+        "peak RSS {} KiB",
+        beside.peak_rss_kib
+    );
     // Not a speed goal (that is the benchmark's job): a guard against the
     // healthy route waiting for the hostile one's budgets, which cost
     // seconds per batch before isolation.
-    let (a, b) = (percentile(&alone.latencies, 0.99), percentile(&beside.latencies, 0.99));
+    let (a, b) = (
+        percentile(&alone.latencies, 0.99),
+        percentile(&beside.latencies, 0.99),
+    );
     assert!(
         b <= a * 2 + Duration::from_millis(100),
         "healthy p99 {b:?} beside the hostile route, {a:?} alone"

@@ -82,7 +82,14 @@ async fn hostile_plugins_fail_only_their_event_and_poison_holds_only_its_aggrega
     // does not pass for plugins), 1 MiB of stderr (a ring buffer), a few ms
     // of CPU (within the budget).
     for m in ["sleep", "stderr-flood", "slow"] {
-        good.push(insert(&db, &format!("benign-{m}"), serde_json::json!({"hostile": m})).await?);
+        good.push(
+            insert(
+                &db,
+                &format!("benign-{m}"),
+                serde_json::json!({"hostile": m}),
+            )
+            .await?,
+        );
     }
     for i in 0..100 {
         good.push(
@@ -444,7 +451,10 @@ fn a_loop_in_a_batch_costs_one_budget_and_the_rest_wait() -> anyhow::Result<()> 
     }
     // The next batch (the loop gone) routes normally on a fresh instance.
     let answers = p.route_batch(&events[4..]);
-    assert!(answers.iter().all(|a| matches!(a, Answer::Outcome(Ok(_)))), "{answers:?}");
+    assert!(
+        answers.iter().all(|a| matches!(a, Answer::Outcome(Ok(_)))),
+        "{answers:?}"
+    );
     Ok(())
 }
 
@@ -464,9 +474,22 @@ fn sleeps_return_at_once_and_limits_name_what_was_broken() -> anyhow::Result<()>
     let started = std::time::Instant::now();
     let a = p.route_batch(&[hostile_event("s", Some("sleep"))]);
     assert!(matches!(&a[0], Answer::Outcome(Ok(_))), "{a:?}");
-    assert!(started.elapsed() < Duration::from_secs(5), "slept {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "slept {:?}",
+        started.elapsed()
+    );
     let a = p.route_batch(&[hostile_event("sl", Some("sleep-loop"))]);
-    assert!(matches!(&a[0], Answer::Breach { limit: Limit::CpuBudget, .. }), "{a:?}");
+    assert!(
+        matches!(
+            &a[0],
+            Answer::Breach {
+                limit: Limit::CpuBudget,
+                ..
+            }
+        ),
+        "{a:?}"
+    );
     let a = p.route_batch(&[hostile_event("err", Some("stderr-flood"))]);
     assert!(matches!(&a[0], Answer::Outcome(Ok(_))), "{a:?}");
     let a = p.route_batch(&[hostile_event("log", Some("log-flood"))]);
@@ -492,12 +515,20 @@ fn sleeps_return_at_once_and_limits_name_what_was_broken() -> anyhow::Result<()>
 /// the batch is routed one event at a time instead of failing.
 #[test]
 fn a_route_batch_count_mismatch_falls_back_to_route() -> anyhow::Result<()> {
-    let handle = hostile_plugin(serde_json::json!({"mode": "wrong-count"}), Limits::default())?;
+    let handle = hostile_plugin(
+        serde_json::json!({"mode": "wrong-count"}),
+        Limits::default(),
+    )?;
     let p = handle.current().expect("plugin");
-    let events: Vec<Event> = (0..5).map(|i| hostile_event(&format!("w{i}"), None)).collect();
+    let events: Vec<Event> = (0..5)
+        .map(|i| hostile_event(&format!("w{i}"), None))
+        .collect();
     let answers = p.route_batch(&events);
     assert_eq!(answers.len(), 5);
-    assert!(answers.iter().all(|a| matches!(a, Answer::Outcome(Ok(_)))), "{answers:?}");
+    assert!(
+        answers.iter().all(|a| matches!(a, Answer::Outcome(Ok(_)))),
+        "{answers:?}"
+    );
     Ok(())
 }
 
@@ -518,6 +549,9 @@ fn the_idle_pool_is_bounded_in_bytes() -> anyhow::Result<()> {
     let p = some.current().expect("plugin");
     p.route_batch(&[hostile_event("a", None)]);
     let (n, bytes) = p.idle();
-    assert!(n >= 1 && bytes > 0 && bytes <= 64 << 20, "{n} instances, {bytes} bytes");
+    assert!(
+        n >= 1 && bytes > 0 && bytes <= 64 << 20,
+        "{n} instances, {bytes} bytes"
+    );
     Ok(())
 }

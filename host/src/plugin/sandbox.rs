@@ -222,7 +222,10 @@ fn thread_cpu() -> Duration {
     if rc != 0 {
         return Duration::ZERO;
     }
-    Duration::new(ts.tv_sec.max(0) as u64, ts.tv_nsec.clamp(0, 999_999_999) as u32)
+    Duration::new(
+        ts.tv_sec.max(0) as u64,
+        ts.tv_nsec.clamp(0, 999_999_999) as u32,
+    )
 }
 
 impl WasiView for HostState {

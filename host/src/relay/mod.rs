@@ -140,17 +140,15 @@ impl Relay {
             valid_until: Instant::now(),
         });
         let stop_leasing = CancellationToken::new();
-        let mut background = Vec::new();
-        background.push(tokio::spawn(self.clone().keep_leases(
-            lease_tx,
-            stop_leasing.clone(),
-            wake.clone(),
-        )));
-        background.push(tokio::spawn(self.clone().watch_backlog(shutdown.clone())));
-        background.push(tokio::spawn(self.clone().reload_plugins(shutdown.clone())));
-        background.push(tokio::spawn(
-            self.clone().follow_quarantines(shutdown.clone()),
-        ));
+        let mut background = vec![
+            tokio::spawn(
+                self.clone()
+                    .keep_leases(lease_tx, stop_leasing.clone(), wake.clone()),
+            ),
+            tokio::spawn(self.clone().watch_backlog(shutdown.clone())),
+            tokio::spawn(self.clone().reload_plugins(shutdown.clone())),
+            tokio::spawn(self.clone().follow_quarantines(shutdown.clone())),
+        ];
         if let Some(retention) = self.config.retention {
             background.push(tokio::spawn(
                 self.clone().purge(retention, shutdown.clone()),
@@ -532,7 +530,9 @@ impl Relay {
                         events[i].1 = Plan::Held;
                         continue;
                     }
-                    Answer::Breach { limit, reason } => Err((Rejection::Retryable(reason), Some(limit))),
+                    Answer::Breach { limit, reason } => {
+                        Err((Rejection::Retryable(reason), Some(limit)))
+                    }
                     Answer::Outcome(o) => o
                         .map_err(|r| (r, None))
                         .and_then(|msgs| check_messages(route, msgs)),
@@ -592,7 +592,9 @@ impl Relay {
                 metrics::gauge!(m::ROUTE_QUARANTINED, "route" => name.clone()).set(1.0);
                 match self.store.quarantine_route(&name, &reason).await {
                     Ok(()) => self.quarantine.recorded(route_idx),
-                    Err(e) => tracing::warn!(route = %name, "could not record the quarantine: {e:#}"),
+                    Err(e) => {
+                        tracing::warn!(route = %name, "could not record the quarantine: {e:#}")
+                    }
                 }
             }
             Change::Resumed => {
@@ -664,9 +666,9 @@ impl Relay {
         let route_name = route
             .map(|i| self.routes.0[i].name().to_string())
             .unwrap_or_else(|| "-".into());
-        let verdict =
-            self.pipeline
-                .verdict(route, rejection, attempts_so_far(claim), broker_retry);
+        let verdict = self
+            .pipeline
+            .verdict(route, rejection, attempts_so_far(claim), broker_retry);
         let (kind, attempts) = (verdict.kind, verdict.attempts);
         match kind {
             FailureKind::Retry { .. } => {
