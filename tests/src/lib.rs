@@ -666,6 +666,20 @@ pub async fn http_get(addr: &str, path: &str) -> Result<(u16, String)> {
 }
 
 /// A free TCP port on loopback for the relay's HTTP endpoint.
+/// A memory figure of process `pid` from `/proc/PID/status` in KiB
+/// (`field`: `VmRSS` now, `VmHWM` peak); 0 when unreadable.
+pub fn proc_memory_kib(pid: u32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.split(':').next() == Some(field))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|n| n.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
 pub fn free_addr() -> String {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())

@@ -32,18 +32,6 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[i.min(sorted.len() - 1)]
 }
 
-fn peak_rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|n| n.parse().ok())
-        })
-        .unwrap_or(0)
-}
-
 async fn insert(
     db: &TestDb,
     aggregate_type: &str,
@@ -241,7 +229,7 @@ async fn run(with_hostile: bool) -> anyhow::Result<Run> {
         "relay died:\n{}",
         relay.log_text()
     );
-    let peak_rss_kib = peak_rss_kib(relay.child.id());
+    let peak_rss_kib = proc_memory_kib(relay.child.id(), "VmHWM");
     relay.terminate(Duration::from_secs(15));
     db.drop_db().await;
     Ok(Run {
