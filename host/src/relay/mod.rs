@@ -486,29 +486,21 @@ impl Relay {
         }
         let mut calls = Vec::new();
         for (route_idx, mut idxs) in by_route {
-            let defer = |idxs: &[usize], reason: &str, delay| {
-                idxs.iter()
-                    .map(|i| {
-                        (
-                            *i,
-                            Plan::Defer {
-                                route: route_idx,
-                                reason: reason.to_string(),
-                                delay,
-                            },
-                        )
-                    })
-                    .collect::<Vec<_>>()
-            };
-            let deferred = match self.quarantine.admit(route_idx) {
-                Admission::All => Vec::new(),
-                Admission::Probe { reason, delay } => defer(&idxs.split_off(1), &reason, delay),
+            let (deferred, why) = match self.quarantine.admit(route_idx) {
+                Admission::All => (Vec::new(), None),
+                Admission::Probe { reason, delay } => (idxs.split_off(1), Some((reason, delay))),
                 Admission::Defer { reason, delay } => {
-                    defer(&std::mem::take(&mut idxs), &reason, delay)
+                    (std::mem::take(&mut idxs), Some((reason, delay)))
                 }
             };
-            for (i, plan) in deferred {
-                events[i].1 = plan;
+            if let Some((reason, delay)) = why {
+                for i in deferred {
+                    events[i].1 = Plan::Defer {
+                        route: route_idx,
+                        reason: reason.clone(),
+                        delay,
+                    };
+                }
             }
             if idxs.is_empty() {
                 continue;
