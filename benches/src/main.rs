@@ -53,8 +53,8 @@ struct Args {
     /// Where to write the figures.
     #[arg(long, default_value = "bench-results.json")]
     json: PathBuf,
-    /// Only these sections (plugin, ceiling, produce, drain, tables, baseline,
-    /// wakeup, latency, backlog, history).
+    /// Only these sections (plugin, ceiling, produce, drain, sources, tables,
+    /// baseline, wakeup, latency, backlog, history).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Distinct aggregates in the pre-filled backlogs; 0: one per event (the
@@ -76,6 +76,11 @@ struct Args {
     /// Published rows kept in the table for the `history` run.
     #[arg(long, default_value_t = 10_000_000)]
     history: usize,
+    /// `sslmode` of the relay's PostgreSQL URL in the drain runs (e.g.
+    /// `disable`); unset: the URL's default, `prefer` — TLS whenever the
+    /// server offers it, as this machine's PostgreSQL does.
+    #[arg(long)]
+    pg_sslmode: Option<String>,
     /// Payload bytes of each history row.
     #[arg(long, default_value_t = 200)]
     history_payload: usize,
@@ -90,6 +95,17 @@ struct Fill {
 }
 
 static FILL: std::sync::OnceLock<Fill> = std::sync::OnceLock::new();
+/// `--pg-sslmode`, for the drain runs' store URL.
+static SSLMODE: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+
+/// The store URL the relay gets in the drain runs (`--pg-sslmode`).
+fn relay_url(url: &str) -> String {
+    match SSLMODE.get().and_then(|m| m.as_deref()) {
+        Some(mode) if url.contains('?') => format!("{url}&sslmode={mode}"),
+        Some(mode) => format!("{url}?sslmode={mode}"),
+        None => url.to_string(),
+    }
+}
 
 const PAYLOAD_BYTES: usize = 1024;
 
@@ -113,6 +129,7 @@ async fn main() -> Result<()> {
         analyse: args.analyse,
         ordering,
     });
+    let _ = SSLMODE.set(args.pg_sslmode.clone());
     let want = |s: &str| args.only.is_empty() || args.only.iter().any(|o| o == s);
     let mut results = serde_json::Map::new();
     results.insert(
@@ -129,7 +146,8 @@ async fn main() -> Result<()> {
 
     if want("plugin") {
         eprintln!("== plugin cost");
-        let p = bench_plugins()?;
+        // Plugins run on blocking threads, as in the relay.
+        let p = tokio::task::spawn_blocking(bench_plugins).await??;
         for (k, v) in p.as_object().into_iter().flatten() {
             table.push((
                 format!("plugin {k}"),
@@ -194,6 +212,34 @@ async fn main() -> Result<()> {
             ));
             results.insert(format!("drain_{sink}"), d);
         }
+    }
+    if want("sources") {
+        eprintln!("== outroute drain of 3 sources in one process → kafka");
+        let d = drain_sources(args.events, 3, args.concurrency).await?;
+        let f = |k: &str| d[k].as_f64().unwrap_or(0.0);
+        table.push((
+            "outroute drain, 3 sources (1/3 each) → kafka".into(),
+            format!(
+                "{:.0} events/s, {:.2} cores, peak RSS {:.0} MiB",
+                f("events_per_s"),
+                f("cores"),
+                f("peak_rss_mib")
+            ),
+        ));
+        table.push((
+            "  CPU per event, 3 sources: relay + PostgreSQL".into(),
+            format!(
+                "{:.1} + {:.1} = {:.1} µs",
+                f("relay_us_per_event"),
+                f("postgres_us_per_event"),
+                f("relay_us_per_event") + f("postgres_us_per_event")
+            ),
+        ));
+        table.push((
+            "  slowest source finished after the fastest".into(),
+            format!("{:.2} s", f("finish_spread_s")),
+        ));
+        results.insert("drain_3_sources_kafka".into(), d);
     }
     if want("tables") {
         for shape in [Shape::TOutbox, Shape::OutboxEvents] {
@@ -401,6 +447,12 @@ fn bench_plugins() -> Result<Value> {
             1,
             2_000,
         ),
+        (
+            "js-router",
+            json!({"sink": "kafka", "prefix": "orders"}),
+            1,
+            2_000,
+        ),
     ];
     for (name, config, version, n) in cases {
         let path = plugin(name);
@@ -512,7 +564,12 @@ async fn db_ceiling(n: usize, marking: &str, batch: u32, workers: u32) -> Result
     let (code, out, err) = outroute_e2e::cli(&["migrate", "--table", "-c", &c])?;
     anyhow::ensure!(code == 0, "migrate --table: {out}{err}");
     let loaded = outroute::config::load(&config).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let mut store = outroute::store::Store::connect(&loaded.config, "ceiling").await?;
+    let mut store = outroute::store::Store::connect(
+        &loaded.config,
+        outroute::config::DEFAULT_SOURCE,
+        "ceiling",
+    )
+    .await?;
     store.check_table().await?;
     let lanes = store.lease_round().await?.lanes;
     let store = Arc::new(store);
@@ -566,6 +623,8 @@ async fn kafka_ceiling(n: usize) -> Result<f64> {
         linger_ms: 5,
         max_in_flight: 10_000,
         options: Default::default(),
+        tls: None,
+        sasl: None,
     };
     let sink = Arc::new(KafkaSink::build("kafka", &cfg, Duration::from_secs(30))?);
     let body = payload(0).to_string().into_bytes();
@@ -616,6 +675,8 @@ async fn nats_ceiling(n: usize) -> Result<f64> {
         max_message_bytes: 1 << 20,
         max_in_flight: 10_000,
         create_stream: None,
+        tls: None,
+        auth: None,
     };
     let sink = NatsSink::build("nats", &cfg, &[], Duration::from_secs(30)).await?;
     let subject = format!("bench{t0}.raw");
@@ -835,7 +896,7 @@ async fn drain_table(n: usize, sink: &str, concurrency: u32, shape: Shape) -> Re
     let http = outroute_e2e::free_addr();
     let config = write_config(
         &dir,
-        &db.url,
+        &relay_url(&db.url),
         &format!(
             "batch_size = 1000\nconcurrency = {concurrency}\nlanes = 64\nordering = \"{}\"",
             FILL.get().map(|f| f.ordering).unwrap_or("aggregate")
@@ -909,6 +970,93 @@ async fn drain_table(n: usize, sink: &str, concurrency: u32, shape: Shape) -> Re
     }))
 }
 
+/// `n` events split over `k` sources (databases with the canonical table)
+/// drained by one relay process to Kafka: total rate, CPU per event, and
+/// how far apart the sources finished (fair scheduling keeps it small).
+async fn drain_sources(n: usize, k: usize, concurrency: u32) -> Result<Value> {
+    let t = tag();
+    create_topic(&format!("b{t}.order-created"), 3).await?;
+    let mut dbs = Vec::new();
+    for _ in 0..k {
+        dbs.push(TestDb::new().await?);
+    }
+    let dir = test_dir("drain-sources");
+    let http = outroute_e2e::free_addr();
+    let mut body = format!(
+        "[relay]\ncache_dir = \"{}\"\nbatch_size = 1000\nconcurrency = {concurrency}\nlanes = 64\n",
+        std::env::temp_dir().join("outroute-test-cache").display()
+    );
+    for (i, db) in dbs.iter().enumerate() {
+        body.push_str(&format!("[sources.s{i}]\nurl = \"{}\"\n", db.url));
+    }
+    body.push_str(&relay_body("kafka", &t, &http));
+    std::fs::create_dir_all(&dir)?;
+    let config = dir.join("outroute.toml");
+    std::fs::write(&config, body)?;
+    dbs[0].migrate(&config)?;
+    let per = n / k;
+    for db in &dbs {
+        fill(&db.pool, per).await?;
+    }
+    let total = per * k;
+    let mut relay = Relay::start(&config, &[("RUST_LOG", "warn")])?;
+    let pid = relay.child.id();
+    let mut start: Option<(Instant, f64)> = None;
+    let mut pg0 = 0.0;
+    let mut finished: Vec<Option<Instant>> = vec![None; k];
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let done = loop {
+        let (_, m) = outroute_e2e::http_get(&http, "/metrics")
+            .await
+            .unwrap_or_default();
+        let mut published = 0usize;
+        for (i, f) in finished.iter_mut().enumerate() {
+            let p = outroute_e2e::metric(
+                &m,
+                &format!("outroute_events_published_total{{route=\"orders\",source=\"s{i}\"}}"),
+            )
+            .unwrap_or(0.0) as usize;
+            if p >= per && f.is_none() {
+                *f = Some(Instant::now());
+            }
+            published += p;
+        }
+        if start.is_none() && published > 0 {
+            start = Some((Instant::now(), proc_stats(pid).0));
+            pg0 = pg_cpu(&dbs[0].pool).await;
+        }
+        if published >= total || Instant::now() > deadline {
+            break published;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let (t0, cpu0) = start.unwrap_or((Instant::now(), 0.0));
+    let secs = t0.elapsed().as_secs_f64().max(1e-3);
+    let (cpu1, rss) = proc_stats(pid);
+    let pg = pg_cpu(&dbs[0].pool).await - pg0;
+    let ends: Vec<Instant> = finished.iter().flatten().copied().collect();
+    let spread = match (ends.iter().min(), ends.iter().max()) {
+        (Some(a), Some(b)) => (*b - *a).as_secs_f64(),
+        _ => f64::NAN,
+    };
+    relay.terminate(Duration::from_secs(15));
+    for db in dbs {
+        db.drop_db().await;
+    }
+    Ok(json!({
+        "sources": k,
+        "events": done,
+        "seconds": secs,
+        "events_per_s": done as f64 / secs,
+        "cores": (cpu1 - cpu0) / secs,
+        "postgres_cores": pg / secs,
+        "relay_us_per_event": (cpu1 - cpu0) * 1e6 / done.max(1) as f64,
+        "postgres_us_per_event": pg * 1e6 / done.max(1) as f64,
+        "peak_rss_mib": rss,
+        "finish_spread_s": spread,
+    }))
+}
+
 /// Seed article 004's poller: every N ms (N = 0 here) select 100 pending
 /// rows, send each and wait for its ack, update each.
 async fn baseline(n: usize) -> Result<f64> {
@@ -926,6 +1074,8 @@ async fn baseline(n: usize) -> Result<f64> {
         linger_ms: 1,
         max_in_flight: 1,
         options: Default::default(),
+        tls: None,
+        sasl: None,
     };
     let sink = KafkaSink::build("kafka", &cfg, Duration::from_secs(30))?;
     let t = Instant::now();
@@ -968,6 +1118,7 @@ fn push_claim_figures(table: &mut Vec<(String, String)>, label: &str, l: &Value)
     let rate = l["achieved_rate"].as_f64().unwrap_or(0.0).round();
     for (what, key) in [
         ("claim statement", "claim_ms_bucket"),
+        ("batch (claimed→marked)", "batch_ms_bucket"),
         ("pickup (commit→claim)", "pickup_ms_bucket"),
     ] {
         table.push((
@@ -1209,6 +1360,10 @@ async fn latency(secs: u64, rate: u64, history: usize, history_payload: usize) -
         "pickup_ms_bucket": {
             "p50": bucket_quantile(&metrics, "outroute_pickup_seconds", 0.5),
             "p99": bucket_quantile(&metrics, "outroute_pickup_seconds", 0.99),
+        },
+        "batch_ms_bucket": {
+            "p50": bucket_quantile(&metrics, "outroute_batch_seconds", 0.5),
+            "p99": bucket_quantile(&metrics, "outroute_batch_seconds", 0.99),
         },
         "history_rows": history,
         "history_payload_bytes": history_payload,

@@ -13,6 +13,18 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+mod diff;
+mod reference;
+mod security;
+mod teams;
+mod validate;
+pub use diff::{Changes, Diff, diff};
+pub use reference::reference_markdown;
+pub use security::{
+    KafkaSaslConfig, NatsAuthConfig, PgTlsConfig, PgTlsMode, SaslMechanism, Secret, TlsConfig,
+};
+pub use teams::Grant;
+
 use figment::Figment;
 use figment::providers::{Env, Format, Toml};
 use schemars::JsonSchema;
@@ -25,8 +37,29 @@ pub struct Config {
     /// How the relay runs: batching, concurrency, leases, wake-up.
     #[serde(default)]
     pub relay: RelayConfig,
-    /// Where the outbox lives.
-    pub store: StoreConfig,
+    /// Where the outbox lives: the one-source shorthand for
+    /// `[sources.default]`. Use either `[store]` or `[sources.<name>]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store: Option<StoreConfig>,
+    /// The outboxes this relay serves, by name: each its own database
+    /// connection pool, table mapping, lanes and leases, and its own workers
+    /// (one source's backlog never holds up another's events). Routes name
+    /// the sources they read (`routes[].sources`; unset: every source).
+    #[serde(default)]
+    pub sources: BTreeMap<String, StoreConfig>,
+    /// Set when the sources came from the `[store]` shorthand (error keys
+    /// then say `store.…`).
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub store_shorthand: bool,
+    /// Team files (plugins and routes of one team each), relative to this
+    /// file; wildcards in the file name (`teams/*.toml`).
+    #[serde(default)]
+    pub include: Vec<String>,
+    /// Per team: the sources its routes may read and the sink patterns they
+    /// may publish to.
+    #[serde(default)]
+    pub grants: BTreeMap<String, Grant>,
     /// Named destinations (Kafka clusters, NATS servers, files).
     #[serde(default)]
     pub sinks: BTreeMap<String, SinkConfig>,
@@ -65,7 +98,7 @@ pub enum Ordering {
     None,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[derive(PartialEq, Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct RelayConfig {
     /// Identity of this relay instance (lease owner). Default: host-pid-random.
@@ -123,6 +156,11 @@ pub struct RelayConfig {
     /// Keep compiled plugins on disk. `false`: compile in memory at every
     /// start (slower starts, nothing on disk).
     pub plugin_cache: bool,
+    /// Check the config file and its includes this often and reload when
+    /// one changed (as SIGHUP does). Unset: only on SIGHUP.
+    #[serde(default, with = "humantime_serde")]
+    #[schemars(with = "Option<String>")]
+    pub config_watch_interval: Option<Duration>,
 }
 
 impl Default for RelayConfig {
@@ -144,16 +182,21 @@ impl Default for RelayConfig {
             retention: None,
             cache_dir: None,
             plugin_cache: true,
+            config_watch_interval: None,
         }
     }
 }
 
-/// The outbox store.
-#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+/// An outbox: a database and the table in it (`[store]` or
+/// `[sources.<name>]`).
+#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct StoreConfig {
     /// `postgres://…` or `sqlite://path` (the embedded default).
     pub url: String,
+    /// Lanes of this source (default `relay.lanes`).
+    #[serde(default)]
+    pub lanes: Option<u32>,
     /// Pool size.
     #[serde(default = "default_max_connections")]
     pub max_connections: u32,
@@ -161,7 +204,46 @@ pub struct StoreConfig {
     /// created by `outroute migrate`.
     #[serde(default)]
     pub table: Option<TableConfig>,
+    /// The role's password, kept out of the URL (or `password_file`).
+    #[serde(default)]
+    pub password: Option<Secret>,
+    /// File holding the password (e.g. a mounted secret).
+    #[serde(default)]
+    pub password_file: Option<PathBuf>,
+    /// TLS to PostgreSQL. Unset: the URL's `sslmode` (default `prefer`).
+    #[serde(default)]
+    pub tls: Option<PgTlsConfig>,
 }
+
+impl Config {
+    /// The source named `name`.
+    pub fn source(&self, name: &str) -> anyhow::Result<&StoreConfig> {
+        self.sources.get(name).ok_or_else(|| {
+            anyhow::anyhow!(
+                "no source named `{name}` (sources: {})",
+                self.sources.keys().cloned().collect::<Vec<_>>().join(", ")
+            )
+        })
+    }
+
+    /// The config key of source `name`: `store` for the shorthand,
+    /// `sources.<name>` otherwise.
+    pub fn source_key(&self, name: &str) -> String {
+        if self.store_shorthand {
+            "store".into()
+        } else {
+            format!("sources.{name}")
+        }
+    }
+
+    /// Does route `r` read source `name`?
+    pub fn route_reads(r: &RouteConfig, source: &str) -> bool {
+        r.sources.is_empty() || r.sources.iter().any(|s| s == source)
+    }
+}
+
+/// The name of the `[store]` shorthand's source.
+pub const DEFAULT_SOURCE: &str = "default";
 
 impl StoreConfig {
     /// The table mapping in force (the canonical table when unset).
@@ -255,6 +337,32 @@ pub struct TableConfig {
 }
 
 impl TableConfig {
+    /// The mapped columns, `(key, column)`: the required ones, then the
+    /// optional ones that are set (not the marking column).
+    pub fn columns(&self) -> Vec<(&'static str, &String)> {
+        let mut cols = vec![
+            ("id", &self.id),
+            ("aggregate_id", &self.aggregate_id),
+            ("event_type", &self.event_type),
+            ("payload", &self.payload),
+            ("created_at", &self.created_at),
+        ];
+        for (k, v) in [
+            ("sequence", &self.sequence),
+            ("aggregate_type", &self.aggregate_type),
+            ("event_version", &self.event_version),
+            ("headers", &self.headers),
+            ("attempts", &self.attempts),
+            ("last_error", &self.last_error),
+            ("failed_at", &self.failed_at),
+        ] {
+            if let Some(v) = v {
+                cols.push((k, v));
+            }
+        }
+        cols
+    }
+
     /// The table `outroute migrate` creates.
     pub fn canonical() -> Self {
         TableConfig {
@@ -278,7 +386,7 @@ impl TableConfig {
 }
 
 /// A destination.
-#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[derive(PartialEq, Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
 pub enum SinkConfig {
     Kafka(KafkaSinkConfig),
@@ -296,7 +404,7 @@ impl SinkConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[derive(PartialEq, Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct KafkaSinkConfig {
     /// `bootstrap.servers`.
@@ -313,11 +421,20 @@ pub struct KafkaSinkConfig {
     /// Messages awaiting acknowledgement before publishing waits.
     #[serde(default = "default_max_in_flight")]
     pub max_in_flight: usize,
-    /// Any other librdkafka producer setting (TLS, SASL, tuning), passed
+    /// TLS to the brokers (`security.protocol` `ssl`, or `sasl_ssl` with
+    /// `sasl`).
+    #[serde(default)]
+    pub tls: Option<TlsConfig>,
+    /// SASL authentication (PLAIN, SCRAM-SHA-256/512). Without `tls` the
+    /// credentials cross the network unencrypted (`sasl_plaintext`).
+    #[serde(default)]
+    pub sasl: Option<KafkaSaslConfig>,
+    /// Any other librdkafka producer setting (tuning), passed
     /// through verbatim. Settings that make an acknowledgement mean "stored,
     /// in order" are refused: `enable.idempotence`, `enable.gapless.guarantee`,
     /// `acks`, `max.in.flight*`, `retries`, `message.timeout.ms`,
-    /// `bootstrap.servers`, `partitioner` and their aliases.
+    /// `bootstrap.servers`, `partitioner` and their aliases; TLS and SASL
+    /// are set from `tls` and `sasl`.
     #[serde(default)]
     pub options: BTreeMap<String, String>,
 }
@@ -336,7 +453,7 @@ pub enum NatsMode {
     Core,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[derive(PartialEq, Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NatsSinkConfig {
     pub url: String,
@@ -349,9 +466,15 @@ pub struct NatsSinkConfig {
     /// Create this stream at start-up if it does not exist. Unset: start-up
     /// fails when no stream captures a subject the routes allow.
     pub create_stream: Option<NatsStreamConfig>,
+    /// TLS to the server (required when set; `tls://` URLs need it too).
+    #[serde(default)]
+    pub tls: Option<TlsConfig>,
+    /// Credentials: user + password, token, NKey or `.creds` file.
+    #[serde(default)]
+    pub auth: Option<NatsAuthConfig>,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[derive(PartialEq, Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NatsStreamConfig {
     pub name: String,
@@ -366,7 +489,7 @@ fn default_dedup_window() -> Duration {
     Duration::from_secs(120)
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[derive(PartialEq, Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct FileSinkConfig {
     /// JSON-lines file to append to; `-` for standard output.
@@ -389,7 +512,7 @@ fn default_max_in_flight() -> usize {
 }
 
 /// A WebAssembly routing plugin.
-#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[derive(PartialEq, Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PluginConfig {
     /// Path to the compiled component (`.wasm`), relative to the config file.
@@ -399,6 +522,17 @@ pub struct PluginConfig {
     #[serde(default, with = "humantime_serde")]
     #[schemars(with = "Option<String>")]
     pub reload_interval: Option<Duration>,
+    /// A candidate version (`.wasm`, relative to the config file) run on the
+    /// same live events as this one: its answers are compared with the
+    /// active version's and never published (`outroute_shadow_events_total`,
+    /// `outroute_shadow_differences_total`, `outroute plugin shadow-report`).
+    /// `outroute plugin promote <plugin>` makes it the active version.
+    #[serde(default)]
+    pub shadow: Option<PathBuf>,
+    /// The candidate's route config (JSON), when it differs from the
+    /// route's `config`.
+    #[serde(default)]
+    pub shadow_config: Option<serde_json::Value>,
 }
 
 /// What a failed event does to the later events of its aggregate.
@@ -414,7 +548,7 @@ pub enum OnFailure {
 }
 
 /// Selects events and names the plugin that routes them.
-#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[derive(PartialEq, Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
     /// Route name (metrics label, failed-event filter).
@@ -425,6 +559,10 @@ pub struct RouteConfig {
     /// Glob patterns over the event type (default: all).
     #[serde(default = "match_all")]
     pub event_types: Vec<String>,
+    /// Sources (`[sources.<name>]`) whose events this route selects.
+    /// Unset: every source.
+    #[serde(default)]
+    pub sources: Vec<String>,
     /// Name of a plugin in `[plugins]`.
     pub plugin: String,
     /// Static configuration handed to the plugin's `init` (any JSON).
@@ -552,7 +690,7 @@ fn default_backoff_max() -> Duration {
     Duration::from_secs(300)
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[derive(PartialEq, Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct HttpConfig {
     /// Address for `/metrics`, `/healthz`, `/readyz`. Empty: no server.
@@ -575,7 +713,7 @@ pub enum LogFormat {
     Json,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[derive(PartialEq, Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct LogConfig {
     pub format: LogFormat,
@@ -630,6 +768,11 @@ impl std::error::Error for ConfigErrors {}
 pub struct Loaded {
     pub config: Config,
     pub base_dir: PathBuf,
+    /// The files read: the config file, then its includes.
+    pub files: Vec<PathBuf>,
+    /// What `relay.config_watch_interval` watches: the files, and the
+    /// directories includes are looked for in (a new team file).
+    pub watched: Vec<PathBuf>,
 }
 
 impl Loaded {
@@ -686,7 +829,7 @@ pub fn load(file: &Path) -> Result<Loaded, ConfigErrors> {
                 .filter(|k| k.as_str().contains("__"))
                 .split("__"),
         );
-    let config: Config = figment.extract().map_err(|e| {
+    let mut config: Config = figment.extract().map_err(|e| {
         ConfigErrors(
             e.into_iter()
                 .map(|e| {
@@ -716,21 +859,52 @@ pub fn load(file: &Path) -> Result<Loaded, ConfigErrors> {
         .ok()
         .and_then(|p| p.parent().map(Path::to_path_buf))
         .unwrap_or_else(|| PathBuf::from("."));
-    let loaded = Loaded { config, base_dir };
-    let problems = loaded.validate();
-    if problems.is_empty() {
+    let (included, origins, team_problems) = teams::merge(&mut config, &base_dir);
+    let mut problems = Vec::new();
+    match (config.store.take(), config.sources.is_empty()) {
+        (Some(store), true) => {
+            config.sources.insert(DEFAULT_SOURCE.into(), store);
+            config.store_shorthand = true;
+        }
+        (Some(_), false) => problems.push((
+            "store".to_string(),
+            "use either [store] (one source) or [sources.<name>], not both".to_string(),
+        )),
+        (None, false) => {}
+        (None, true) => problems.push((
+            "store".to_string(),
+            "no outbox configured: set [store] or [sources.<name>]".to_string(),
+        )),
+    }
+    problems.extend(security::resolve(&mut config, &base_dir));
+    let mut files = vec![file.to_path_buf()];
+    files.extend(included);
+    let mut watched = files.clone();
+    watched.extend(origins.dirs.iter().cloned());
+    let loaded = Loaded {
+        config,
+        files,
+        watched,
+        base_dir,
+    };
+    problems.extend(loaded.validate());
+    let mut errors: Vec<ConfigError> = team_problems
+        .into_iter()
+        .map(|e| ConfigError {
+            file: if e.file == "-" { shown.clone() } else { e.file },
+            ..e
+        })
+        .collect();
+    for (key, reason) in problems {
+        let (file, key) = origins.locate(&shown, &key);
+        if !errors.iter().any(|e| e.file == file && e.key == key) {
+            errors.push(ConfigError { file, key, reason });
+        }
+    }
+    if errors.is_empty() {
         Ok(loaded)
     } else {
-        Err(ConfigErrors(
-            problems
-                .into_iter()
-                .map(|(key, reason)| ConfigError {
-                    file: shown.clone(),
-                    key,
-                    reason,
-                })
-                .collect(),
-        ))
+        Err(ConfigErrors(errors))
     }
 }
 
@@ -754,233 +928,6 @@ pub fn check_identifier(name: &str, allow_schema: bool) -> Result<(), String> {
         }
     }
     Ok(())
-}
-
-impl Loaded {
-    /// What `run` needs beyond a valid file: at least one route. (`migrate`,
-    /// `status` and `failed` need only the store.)
-    pub fn check_runnable(&self) -> Result<(), String> {
-        if self.config.routes.is_empty() {
-            return Err("routes: no routes: the relay would route nothing".into());
-        }
-        Ok(())
-    }
-
-    /// Every cross-reference and value check; returns `(key, reason)` pairs.
-    pub fn validate(&self) -> Vec<(String, String)> {
-        let c = &self.config;
-        let mut p: Vec<(String, String)> = Vec::new();
-        let mut err = |k: String, r: String| p.push((k, r));
-
-        if c.relay.batch_size == 0 || c.relay.batch_size > 10_000 {
-            err(
-                "relay.batch_size".into(),
-                "must be between 1 and 10000".into(),
-            );
-        }
-        if c.relay.concurrency == 0 || c.relay.concurrency > 64 {
-            err(
-                "relay.concurrency".into(),
-                "must be between 1 and 64".into(),
-            );
-        }
-        if c.relay.lanes == 0 || c.relay.lanes > 4096 {
-            err("relay.lanes".into(), "must be between 1 and 4096".into());
-        }
-        if c.relay.lease_ttl < Duration::from_secs(1) {
-            err("relay.lease_ttl".into(), "must be at least 1s".into());
-        }
-        if c.relay.poll_min > c.relay.poll_max {
-            err(
-                "relay.poll_min".into(),
-                "must not exceed relay.poll_max".into(),
-            );
-        }
-        if let Some(ch) = &c.relay.notify_channel
-            && let Err(e) = check_identifier(ch, false)
-        {
-            err("relay.notify_channel".into(), e);
-        }
-
-        if !(c.store.url.starts_with("postgres://")
-            || c.store.url.starts_with("postgresql://")
-            || c.store.url.starts_with("sqlite:"))
-        {
-            err(
-                "store.url".into(),
-                format!(
-                    "`{}` is neither a postgres:// nor a sqlite: URL",
-                    redact_url(&c.store.url)
-                ),
-            );
-        }
-        let t = &c.store.table();
-        let mut cols: Vec<(&str, &str)> = vec![
-            ("id", &t.id),
-            ("aggregate_id", &t.aggregate_id),
-            ("event_type", &t.event_type),
-            ("payload", &t.payload),
-            ("created_at", &t.created_at),
-        ];
-        for (k, v) in [
-            ("sequence", &t.sequence),
-            ("aggregate_type", &t.aggregate_type),
-            ("event_version", &t.event_version),
-            ("headers", &t.headers),
-            ("attempts", &t.attempts),
-            ("last_error", &t.last_error),
-            ("failed_at", &t.failed_at),
-        ] {
-            if let Some(v) = v {
-                cols.push((k, v));
-            }
-        }
-        if let Err(e) = check_identifier(&t.name, true) {
-            err("store.table.name".into(), e);
-        }
-        for (k, v) in cols {
-            if let Err(e) = check_identifier(v, false) {
-                err(format!("store.table.{k}"), e);
-            }
-        }
-        match &t.marking {
-            Marking::PublishedAt { column } | Marking::Status { column, .. } => {
-                if let Err(e) = check_identifier(column, false) {
-                    err("store.table.marking.column".into(), e);
-                }
-            }
-            Marking::Delete => {
-                if c.relay.retention.is_some() {
-                    err(
-                        "relay.retention".into(),
-                        "has no effect with marking style `delete` (published rows are already gone)".into(),
-                    );
-                }
-            }
-        }
-        if t.aggregate_type.is_none() && t.aggregate_type_value.is_none() {
-            err(
-                "store.table.aggregate_type_value".into(),
-                "the table has no aggregate_type column; set a constant aggregate type here".into(),
-            );
-        }
-
-        for (name, sink) in &c.sinks {
-            if name.is_empty()
-                || !name
-                    .chars()
-                    .all(|ch| ch.is_ascii_alphanumeric() || ch == '-' || ch == '_')
-            {
-                err(
-                    format!("sinks.{name}"),
-                    "sink names use letters, digits, `-` and `_`".into(),
-                );
-            }
-            if sink.max_message_bytes() == 0 {
-                err(
-                    format!("sinks.{name}.max_message_bytes"),
-                    "must be positive".into(),
-                );
-            }
-            if let SinkConfig::Kafka(k) = sink {
-                for key in k.options.keys() {
-                    if let Some((_, why)) = crate::sink::kafka::PROTECTED_OPTIONS
-                        .iter()
-                        .find(|(p, _)| p == key)
-                    {
-                        err(
-                            format!("sinks.{name}.options.\"{key}\""),
-                            format!("outroute sets this itself ({why}); remove it"),
-                        );
-                    }
-                }
-            }
-            if let SinkConfig::Nats(n) = sink
-                && !n.url.starts_with("nats://")
-                && !n.url.starts_with("tls://")
-                && !n.url.contains(':')
-            {
-                err(
-                    format!("sinks.{name}.url"),
-                    format!("`{}` is not a NATS URL", n.url),
-                );
-            }
-        }
-        for (name, plugin) in &c.plugins {
-            let path = self.resolve(&plugin.path);
-            if !path.is_file() {
-                err(
-                    format!("plugins.{name}.path"),
-                    format!("{} does not exist", path.display()),
-                );
-            }
-            if plugin
-                .reload_interval
-                .is_some_and(|d| d < Duration::from_millis(100))
-            {
-                err(
-                    format!("plugins.{name}.reload_interval"),
-                    "must be at least 100ms".into(),
-                );
-            }
-        }
-        let mut seen = std::collections::BTreeSet::new();
-        for (i, r) in c.routes.iter().enumerate() {
-            let key = |f: &str| format!("routes[{i}].{f}");
-            if !seen.insert(r.name.clone()) {
-                err(
-                    key("name"),
-                    format!("route name `{}` is used twice", r.name),
-                );
-            }
-            if !c.plugins.contains_key(&r.plugin) {
-                err(
-                    key("plugin"),
-                    format!("no plugin named `{}` in [plugins]", r.plugin),
-                );
-            }
-            if r.allow.is_empty() {
-                err(
-                    key("allow"),
-                    "allows no sink: every message would be rejected".into(),
-                );
-            }
-            for (sink, patterns) in &r.allow {
-                if !c.sinks.contains_key(sink) {
-                    err(
-                        key(&format!("allow.{sink}")),
-                        format!("no sink named `{sink}` in [sinks]"),
-                    );
-                }
-                for pat in patterns {
-                    if let Err(e) = crate::routing::topic_matcher(pat) {
-                        err(key(&format!("allow.{sink}")), e);
-                    }
-                }
-            }
-            for pat in r.aggregate_types.iter().chain(&r.event_types) {
-                if let Err(e) = crate::routing::name_matcher(pat) {
-                    err(key("event_types"), e);
-                }
-            }
-            if r.max_attempts == 0 {
-                err(key("max_attempts"), "must be at least 1".into());
-            }
-            if r.memory_mib < 1 || r.memory_mib > 4096 {
-                err(key("memory_mib"), "must be between 1 and 4096".into());
-            }
-            if r.cpu_budget.is_zero() {
-                err(key("cpu_budget"), "must be positive".into());
-            }
-            if r.quarantine_probe_interval.is_zero() {
-                err(key("quarantine_probe_interval"), "must be positive".into());
-            }
-            if r.backoff_min > r.backoff_max {
-                err(key("backoff_min"), "must not exceed backoff_max".into());
-            }
-        }
-        p
-    }
 }
 
 /// A URL with any password replaced, for error messages and logs.
@@ -1033,12 +980,148 @@ plugin = "p"
 allow = { kafka = ["orders.*"] }
 "#;
 
+    const PLATFORM: &str = r#"
+include = ["teams/*.toml"]
+[sources.orders]
+url = "postgres://root@127.0.0.1/orders"
+[sources.billing]
+url = "postgres://root@127.0.0.1/billing"
+[sinks.kafka]
+kind = "kafka"
+brokers = "127.0.0.1:9092"
+[grants.payments]
+sources = ["orders"]
+allow = { kafka = ["payments.*"] }
+"#;
+
+    fn team_file(dir: &Path, name: &str, body: &str) {
+        std::fs::create_dir_all(dir.join("teams")).unwrap();
+        std::fs::write(dir.join("teams").join(name), body).unwrap();
+    }
+
+    const PAYMENTS: &str = "team = \"payments\"\n[plugins.pay]\npath = \"../p.wasm\"\n\
+        [[routes]]\nname = \"pay\"\nplugin = \"pay\"\nallow = { kafka = [\"payments.*\"] }\n";
+
+    fn problems(f: &Path) -> Vec<ConfigError> {
+        match load(f) {
+            Ok(_) => Vec::new(),
+            Err(e) => e.0,
+        }
+    }
+
+    #[test]
+    fn team_files_merge_within_their_grant() {
+        let d = tmp();
+        let f = write(&d, PLATFORM);
+        team_file(&d, "payments.toml", PAYMENTS);
+        let l = load(&f).unwrap();
+        assert_eq!(l.files.len(), 2);
+        let r = &l.config.routes[0];
+        assert_eq!(r.sources, vec!["orders".to_string()], "the grant's sources");
+        assert!(l.config.plugins["pay"].path.is_absolute());
+        assert!(!l.config.store_shorthand);
+    }
+
+    #[test]
+    fn team_files_cannot_reach_outside_their_grant() {
+        let d = tmp();
+        let f = write(&d, PLATFORM);
+        let team = d.join("teams/payments.toml").display().to_string();
+        let cases = [
+            (
+                PAYMENTS.replace("payments.*\"]", "orders.*\"]"),
+                "routes[0].allow.kafka",
+                "outside team `payments`'s grant",
+            ),
+            (
+                format!("{PAYMENTS}sources = [\"billing\"]\n"),
+                "routes[0].sources",
+                "source `billing` is outside",
+            ),
+            (
+                PAYMENTS.replace("payments\"\n[plugins", "ghosts\"\n[plugins"),
+                "team",
+                "has no grant",
+            ),
+            (
+                format!("{PAYMENTS}[sinks.mine]\nkind = \"file\"\npath = \"x\"\n"),
+                "sinks",
+                "a team file declares `team`, `plugins` and `routes` only",
+            ),
+            (
+                PAYMENTS.replace("plugin = \"pay\"", "plugin = \"other\""),
+                "routes[0].plugin",
+                "not declared in this file",
+            ),
+        ];
+        for (body, key, reason) in cases {
+            team_file(&d, "payments.toml", &body);
+            let p = problems(&f);
+            assert!(
+                p.iter()
+                    .any(|e| e.file == team && e.key == key && e.reason.contains(reason)),
+                "{key}: {p:?}"
+            );
+        }
+        // Another file's route name is not a team's to take.
+        team_file(&d, "payments.toml", PAYMENTS);
+        team_file(
+            &d,
+            "zz-billing.toml",
+            &PAYMENTS
+                .replace("[plugins.pay]", "[plugins.pay2]")
+                .replace("plugin = \"pay\"", "plugin = \"pay2\""),
+        );
+        let p = problems(&f);
+        assert!(
+            p.iter()
+                .any(|e| e.key == "routes[0].name" && e.reason.contains("already declared by")),
+            "{p:?}"
+        );
+    }
+
+    #[test]
+    fn diff_names_what_changes_and_which_sources() {
+        let d = tmp();
+        let f = write(&d, PLATFORM);
+        team_file(&d, "payments.toml", PAYMENTS);
+        let old = load(&f).unwrap();
+        let d2 = tmp();
+        let f2 = write(
+            &d2,
+            &format!(
+                "{}\n[relay]\nbatch_size = 10\n",
+                PLATFORM.replace("billing", "invoices")
+            ),
+        );
+        team_file(
+            &d2,
+            "payments.toml",
+            &PAYMENTS.replace("payments.*\"]", "payments.x\"]"),
+        );
+        let new = load(&f2).unwrap();
+        let diff = super::diff(&old.config, &new.config);
+        assert_eq!(diff.sources.added, vec!["invoices".to_string()]);
+        assert_eq!(diff.sources.removed, vec!["billing".to_string()]);
+        assert_eq!(diff.routes.changed, vec!["pay".to_string()]);
+        assert_eq!(diff.restart, vec!["relay.batch_size".to_string()]);
+        assert_eq!(
+            diff.affected_sources,
+            vec!["invoices".to_string(), "orders".to_string()]
+        );
+        let same = super::diff(&old.config, &old.config);
+        assert!(same.is_empty() && same.affected_sources.is_empty());
+    }
+
     #[test]
     fn good_config_loads() {
         let d = tmp();
         let l = load(&write(&d, GOOD)).unwrap();
         assert_eq!(l.config.routes[0].max_attempts, 10);
-        assert_eq!(l.config.store.table(), TableConfig::canonical());
+        assert_eq!(
+            l.config.sources["default"].table(),
+            TableConfig::canonical()
+        );
     }
 
     #[test]
@@ -1096,189 +1179,5 @@ allow = { kafka = ["orders.*"] }
             "postgres://u:****@h/db"
         );
         assert_eq!(redact_url("postgres://h/db"), "postgres://h/db");
-    }
-}
-
-/// The configuration reference in Markdown, generated from the JSON Schema
-/// (so the doc comments on the structs above are the single source).
-pub fn reference_markdown() -> String {
-    let schema = schema();
-    let empty = serde_json::Map::new();
-    let defs = schema
-        .get("definitions")
-        .and_then(|d| d.as_object())
-        .unwrap_or(&empty);
-    let mut out = String::from(
-        "# Configuration reference\n\nGenerated by `outroute config schema --markdown` from the same structs that parse the \
-         file; do not edit by hand. Every key can be overridden by an environment variable \
-         `OUTROUTE_<TABLE>__<KEY>` (e.g. `OUTROUTE_STORE__URL`). Durations are written like `500ms`, `10s`, `7d`.\n\n",
-    );
-    out.push_str("## Top level\n\n");
-    table(&mut out, &schema);
-    for (name, def) in defs {
-        out.push_str(&format!("\n## {name}\n\n"));
-        if let Some(d) = def.get("description").and_then(|d| d.as_str()) {
-            out.push_str(&one_line(d));
-            out.push_str("\n\n");
-        }
-        if def.get("properties").is_some() {
-            table(&mut out, def);
-        }
-        for v in def
-            .get("oneOf")
-            .or_else(|| def.get("anyOf"))
-            .and_then(|v| v.as_array())
-            .into_iter()
-            .flatten()
-        {
-            out.push_str(&format!("- {}", variant(v)));
-            out.push('\n');
-        }
-        if let Some(values) = def.get("enum").and_then(|e| e.as_array()) {
-            let vs: Vec<String> = values
-                .iter()
-                .map(|v| format!("`{}`", v.as_str().unwrap_or("")))
-                .collect();
-            out.push_str(&format!("One of {}.\n", vs.join(", ")));
-        }
-    }
-    out
-}
-
-fn one_line(s: &str) -> String {
-    s.split_whitespace()
-        .collect::<Vec<_>>()
-        .join(" ")
-        .replace('|', "\\|")
-}
-
-fn type_of(v: &serde_json::Value) -> String {
-    let link = |r: &str| {
-        let n = r.rsplit('/').next().unwrap_or(r);
-        format!("[{n}](#{})", n.to_lowercase())
-    };
-    if let Some(r) = v.get("$ref").and_then(|r| r.as_str()) {
-        return link(r);
-    }
-    for key in ["allOf", "anyOf", "oneOf"] {
-        if let Some(list) = v.get(key).and_then(|l| l.as_array()) {
-            let parts: Vec<String> = list
-                .iter()
-                .filter(|x| x.get("type").and_then(|t| t.as_str()) != Some("null"))
-                .map(type_of)
-                .collect();
-            return parts.join(" or ");
-        }
-    }
-    let ty = match v.get("type") {
-        Some(serde_json::Value::String(s)) => s.clone(),
-        Some(serde_json::Value::Array(a)) => a
-            .iter()
-            .filter_map(|x| x.as_str())
-            .filter(|x| *x != "null")
-            .collect::<Vec<_>>()
-            .join(" or "),
-        _ => "any".into(),
-    };
-    if ty == "array"
-        && let Some(items) = v.get("items")
-    {
-        return format!("list of {}", type_of(items));
-    }
-    if ty == "object"
-        && let Some(ap) = v.get("additionalProperties").filter(|a| a.is_object())
-    {
-        return format!("map of {}", type_of(ap));
-    }
-    ty
-}
-
-fn table(out: &mut String, obj: &serde_json::Value) {
-    let required: Vec<&str> = obj
-        .get("required")
-        .and_then(|r| r.as_array())
-        .map(|r| r.iter().filter_map(|x| x.as_str()).collect())
-        .unwrap_or_default();
-    out.push_str("| key | type | default | description |\n| --- | --- | --- | --- |\n");
-    for (k, v) in obj
-        .get("properties")
-        .and_then(|p| p.as_object())
-        .into_iter()
-        .flatten()
-    {
-        let default = match v.get("default") {
-            Some(d) => format!("`{}`", d.to_string().replace('|', "\\|")),
-            None if required.contains(&k.as_str()) => "required".into(),
-            None => "-".into(),
-        };
-        let desc = v
-            .get("description")
-            .and_then(|d| d.as_str())
-            .map(one_line)
-            .unwrap_or_default();
-        out.push_str(&format!(
-            "| `{k}` | {} | {default} | {desc} |\n",
-            type_of(v)
-        ));
-    }
-}
-
-fn variant(v: &serde_json::Value) -> String {
-    let desc = v
-        .get("description")
-        .and_then(|d| d.as_str())
-        .map(one_line)
-        .unwrap_or_default();
-    if let Some(e) = v
-        .get("enum")
-        .and_then(|e| e.as_array())
-        .and_then(|e| e.first())
-    {
-        return format!("`{}`: {desc}", e.as_str().unwrap_or(""));
-    }
-    // Internally tagged: the tag is the property with a single enum value.
-    let props = v.get("properties").and_then(|p| p.as_object());
-    let tag = props.and_then(|p| {
-        p.iter().find_map(|(k, pv)| {
-            pv.get("enum")
-                .and_then(|e| e.as_array())
-                .filter(|e| e.len() == 1)
-                .map(|e| format!("{k} = {}", e[0]))
-        })
-    });
-    let fields: Vec<String> = props
-        .map(|p| {
-            p.iter()
-                .filter(|(_, pv)| pv.get("enum").is_none())
-                .map(|(k, pv)| format!("`{k}` ({})", type_of(pv)))
-                .collect()
-        })
-        .unwrap_or_default();
-    let mut s = format!("`{}`", tag.unwrap_or_else(|| type_of(v)));
-    if let Some(all) = v.get("allOf") {
-        s.push_str(&format!(
-            ": fields of {}",
-            type_of(&serde_json::json!({ "allOf": all }))
-        ));
-    }
-    if !fields.is_empty() {
-        s.push_str(&format!(" with {}", fields.join(", ")));
-    }
-    if !desc.is_empty() {
-        s.push_str(&format!(" — {desc}"));
-    }
-    s
-}
-
-#[cfg(test)]
-mod reference_tests {
-    #[test]
-    fn docs_config_reference_is_current() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/config-reference.md");
-        let committed = std::fs::read_to_string(path).unwrap_or_default();
-        assert!(
-            committed == super::reference_markdown(),
-            "docs/config-reference.md is stale: run `outroute config schema --markdown > docs/config-reference.md`"
-        );
     }
 }

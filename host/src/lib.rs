@@ -9,6 +9,7 @@
 //! * `routing` — which route handles an event, what its messages may do
 //! * `config`  — the TOML file, its schema and its validation
 //! * `metrics` — Prometheus series and health endpoints
+//! * `shadow`  — a candidate plugin version compared on live events
 //! * `ops`     — status, failed events, replay, plugin test (operator tools)
 
 pub mod config;
@@ -22,5 +23,8 @@ pub mod quarantine;
 pub mod quickstart;
 pub mod relay;
 pub mod routing;
+pub mod scaffold;
+pub mod shadow;
 pub mod sink;
 pub mod store;
+pub mod topology;

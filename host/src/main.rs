@@ -7,6 +7,11 @@ use clap::{Parser, Subcommand};
 use outroute::ops::ConfigArg;
 use outroute::{config, ops, quickstart};
 
+/// mimalloc rather than glibc's malloc: allocation was a quarter of the
+/// relay's CPU per event (README, "Benchmarks").
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "outroute",
@@ -20,7 +25,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Relay events until SIGTERM/SIGINT.
+    /// Relay events until SIGTERM/SIGINT; SIGHUP reloads the config.
     Run(ConfigArg),
     /// Create outroute's tables (and the canonical outbox table). Idempotent.
     Migrate {
@@ -84,6 +89,12 @@ enum ConfigAction {
         #[arg(long)]
         store: bool,
     },
+    /// What a reload from OLD to NEW would change: sources, sinks, plugins
+    /// and routes added, removed or changed, and settings that need a restart.
+    Diff {
+        old: std::path::PathBuf,
+        new: std::path::PathBuf,
+    },
     /// Print the JSON Schema of the configuration file.
     Schema {
         /// The reference as Markdown (docs/config-reference.md) instead.
@@ -115,21 +126,24 @@ fn main() -> ExitCode {
 
 async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
     match command {
-        Command::Run(c) => ops::run(&c.config).await,
+        Command::Run(c) => ops::run(&c).await,
         Command::Migrate {
             config,
             coordination_only,
             table,
             add_sequence,
-        } => ops::migrate(&config.config, !coordination_only, table, add_sequence).await,
-        Command::Status { config, json } => ops::status(&config.config, json).await,
+        } => ops::migrate(&config, !coordination_only, table, add_sequence).await,
+        Command::Status { config, json } => ops::status(&config, json).await,
         Command::Failed { action } => ops::failed(action).await,
         Command::Route { action } => ops::route(action).await,
         Command::Replay(args) => ops::replay(args).await,
         Command::Plugin { action } => ops::plugin(action).await,
         Command::Config {
             action: ConfigAction::Check { config, store },
-        } => ops::config_check(&config.config, store).await,
+        } => ops::config_check(&config, store).await,
+        Command::Config {
+            action: ConfigAction::Diff { old, new },
+        } => ops::config_diff(&old, &new),
         Command::Config {
             action: ConfigAction::Schema { markdown },
         } => {

@@ -24,6 +24,10 @@ pub const EVENTS_PUBLISHED: &str = "outroute_events_published_total";
 pub const MESSAGES_PUBLISHED: &str = "outroute_messages_published_total";
 pub const COMMIT_TO_ACK: &str = "outroute_commit_to_ack_seconds";
 pub const PLUGIN_CALL: &str = "outroute_plugin_call_seconds";
+/// Events a route's shadow (candidate) plugin answered beside the active one.
+pub const SHADOW_EVENTS: &str = "outroute_shadow_events_total";
+/// Of those, events the candidate would have handled differently.
+pub const SHADOW_DIFFERENCES: &str = "outroute_shadow_differences_total";
 pub const REJECTIONS: &str = "outroute_rejections_total";
 pub const RETRIES: &str = "outroute_retries_total";
 pub const EVENTS_FAILED: &str = "outroute_events_failed_total";
@@ -51,6 +55,10 @@ pub const LIMIT_BREACHES: &str = "outroute_plugin_limit_breaches_total";
 pub const ROUTE_QUARANTINED: &str = "outroute_route_quarantined";
 /// Events of a quarantined route recorded as waiting (no attempt counted).
 pub const EVENTS_DEFERRED: &str = "outroute_events_deferred_total";
+
+/// Config reloads (SIGHUP or a changed file) by `result`: `applied`,
+/// `unchanged`, `rejected` (the running config kept).
+pub const CONFIG_RELOADS: &str = "outroute_config_reloads_total";
 
 /// Install the Prometheus recorder (once per process).
 pub fn install() -> Result<PrometheusHandle> {
@@ -153,32 +161,68 @@ impl Health {
     }
 }
 
+/// What `/readyz` checks: each source's store and progress, and the sinks.
+/// Replaced as a whole when a config reload changes them.
+#[derive(Clone, Default)]
+pub struct Readiness(Arc<std::sync::RwLock<ReadyView>>);
+
+#[derive(Clone, Default)]
+pub struct ReadyView {
+    /// `(source name, its health, its store)`.
+    pub sources: Vec<(String, Arc<Health>, Arc<Store>)>,
+    pub sinks: Sinks,
+}
+
+impl Readiness {
+    pub fn set(&self, view: ReadyView) {
+        match self.0.write() {
+            Ok(mut v) => *v = view,
+            Err(poisoned) => *poisoned.into_inner() = view,
+        }
+    }
+
+    fn get(&self) -> ReadyView {
+        match self.0.read() {
+            Ok(v) => v.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+}
+
 #[derive(Clone)]
 struct AppState {
     prom: PrometheusHandle,
-    health: Arc<Health>,
-    store: Arc<Store>,
-    sinks: Sinks,
+    ready: Readiness,
 }
 
 async fn metrics(State(s): State<AppState>) -> String {
     s.prom.render()
 }
 
-async fn ready(State(s): State<AppState>) -> (StatusCode, String) {
+async fn readyz(State(s): State<AppState>) -> (StatusCode, String) {
+    let view = s.ready.get();
     let mut problems = Vec::new();
-    if !s.store.ping().await {
-        problems.push("database unreachable".to_string());
+    let mut note = String::new();
+    let named = view.sources.len() > 1;
+    for (source, health, store) in &view.sources {
+        let prefix = if named {
+            format!("source `{source}`: ")
+        } else {
+            String::new()
+        };
+        if !store.ping().await {
+            problems.push(format!("{prefix}database unreachable"));
+        }
+        if let Some(why) = health.stalled() {
+            problems.push(format!("{prefix}{why}"));
+        }
+        note.push_str(&health.quarantine_note());
     }
-    for (name, sink) in s.sinks.iter() {
+    for (name, sink) in view.sinks.iter() {
         if !sink.connected().await {
             problems.push(format!("sink `{name}` not connected"));
         }
     }
-    if let Some(why) = s.health.stalled() {
-        problems.push(why);
-    }
-    let note = s.health.quarantine_note();
     if problems.is_empty() {
         (StatusCode::OK, format!("ready\n{note}"))
     } else {
@@ -193,21 +237,18 @@ async fn ready(State(s): State<AppState>) -> (StatusCode, String) {
 pub async fn serve(
     listen: &str,
     prom: PrometheusHandle,
-    health: Arc<Health>,
-    store: Arc<Store>,
-    sinks: Sinks,
+    ready: Readiness,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> Result<tokio::task::JoinHandle<()>> {
     let app = Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(ready))
-        .with_state(AppState {
-            prom,
-            health,
-            store,
-            sinks,
-        });
+        .route("/readyz", get(readyz))
+        .route(
+            "/shadow",
+            get(|| async { axum::Json(crate::shadow::report()) }),
+        )
+        .with_state(AppState { prom, ready });
     let listener = match tokio::net::TcpListener::bind(listen).await {
         Ok(l) => l,
         Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => anyhow::bail!(

@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use chrono::{DateTime, Utc};
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -21,13 +21,43 @@ use crate::metrics::{self, Health};
 use crate::plugin::{self, Limits, PluginHandle, Runtime};
 use crate::relay::Relay;
 use crate::store::{Cursor, Filter, Store};
+use crate::topology::Topology;
 
-/// `--config FILE` (or `OUTROUTE_CONFIG`), shared by the commands.
+/// `--config FILE` (or `OUTROUTE_CONFIG`) and `--source NAME`, shared by
+/// the commands.
 #[derive(Args, Clone)]
 pub struct ConfigArg {
     /// Configuration file.
     #[arg(short, long, env = "OUTROUTE_CONFIG", default_value = "outroute.toml")]
     pub config: PathBuf,
+    /// Only this source (`[sources.<name>]`; `default` for `[store]`).
+    /// Unset: every source.
+    #[arg(long)]
+    pub source: Option<String>,
+}
+
+impl ConfigArg {
+    /// Load the config, keeping only `--source` when given.
+    pub fn load(&self) -> Result<Loaded> {
+        let mut loaded = load(&self.config)?;
+        if let Some(only) = &self.source {
+            loaded.config.source(only)?;
+            loaded.config.sources.retain(|name, _| name == only);
+        }
+        Ok(loaded)
+    }
+}
+
+/// The names of the sources in `loaded`, each with a heading printer: a
+/// command working on several sources prints `source <name>:` before each.
+fn sources(loaded: &Loaded) -> Vec<String> {
+    loaded.config.sources.keys().cloned().collect()
+}
+
+fn heading(loaded: &Loaded, name: &str) {
+    if loaded.config.sources.len() > 1 {
+        println!("source {name}:");
+    }
 }
 
 /// An error and its causes on one line, each cause once: sqlx's database
@@ -79,57 +109,139 @@ fn relay_id(loaded: &Loaded) -> String {
     })
 }
 
-async fn open_store(loaded: &Loaded, relay_id: &str) -> Result<Store> {
-    let mut store = Store::connect(&loaded.config, relay_id).await?;
+async fn open_store(loaded: &Loaded, source: &str, relay_id: &str) -> Result<Store> {
+    let mut store = Store::connect(&loaded.config, source, relay_id).await?;
     store.migrate(false).await?;
     store.check_table().await?;
     Ok(store)
 }
 
-/// `outroute run`.
-pub async fn run(path: &Path) -> Result<ExitCode> {
-    let loaded = load(path)?;
+/// `outroute run`: every source of the config (or `--source`), until
+/// SIGTERM/SIGINT; SIGHUP (or a changed file, with
+/// `relay.config_watch_interval`) reloads the config.
+pub async fn run(arg: &ConfigArg) -> Result<ExitCode> {
+    let path = arg.config.as_path();
+    let loaded = arg.load()?;
     if let Err(e) = loaded.check_runnable() {
         bail!("invalid configuration:\n{}:{e}", path.display());
     }
     init_logging(loaded.config.log.format, &loaded.config.log.level);
     let prom = metrics::install()?;
     let id = relay_id(&loaded);
-    let store = open_store(&loaded, &id).await?;
-    if let Some(ddl) = store.missing_index() {
-        tracing::warn!(
-            table = %loaded.config.store.table().name,
-            "no usable lane index: every claim scans and sorts the whole backlog. \
-             Run `outroute migrate --table -c <config>`, or: {ddl}"
-        );
-    }
-    let store = Arc::new(store);
-    let health = Health::new(loaded.config.relay.stall_after);
-    let relay = Arc::new(Relay::build(&loaded, store.clone(), health.clone()).await?);
+    let ready = metrics::Readiness::default();
+    let watch = loaded.config.relay.config_watch_interval;
+    let mut stamp = files_stamp(&loaded);
+    let http_listen = loaded.config.http.listen.clone();
+    // Listen for SIGHUP before anything else: its default action ends the
+    // process.
+    let mut hup = reload_signal();
+    let mut topology = Topology::start(loaded, id.clone(), ready.clone()).await?;
     let shutdown = CancellationToken::new();
-    let http = if loaded.config.http.listen.is_empty() {
+    let http = if http_listen.is_empty() {
         None
     } else {
-        Some(
-            metrics::serve(
-                &loaded.config.http.listen,
-                prom,
-                health,
-                store,
-                relay.sinks.clone(),
-                shutdown.clone(),
-            )
-            .await?,
-        )
+        Some(metrics::serve(&http_listen, prom, ready, shutdown.clone()).await?)
     };
     tokio::spawn(signal_shutdown(shutdown.clone()));
-    tracing::info!(relay = %id, routes = relay.routes.0.len(), "outroute relay started");
-    relay.run(shutdown).await?;
+    tracing::info!(relay = %id, routes = topology.route_count(), "outroute relay started");
+    loop {
+        let reason = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = next_hup(&mut hup) => "SIGHUP",
+            _ = tokio::time::sleep(watch.unwrap_or(Duration::from_secs(3600))) => {
+                let now = files_stamp_of(&stamp.0);
+                if watch.is_none() || now == stamp.1 {
+                    continue;
+                }
+                "a config file changed"
+            }
+        };
+        reload(&mut topology, arg, reason).await;
+        stamp = files_stamp(topology.loaded());
+    }
+    topology.stop().await;
     if let Some(h) = http {
         let _ = tokio::time::timeout(Duration::from_secs(2), h).await;
     }
     tracing::info!("outroute relay stopped");
     Ok(ExitCode::SUCCESS)
+}
+
+/// Load, validate and apply the config again; a refused change leaves the
+/// running one as it was.
+async fn reload(topology: &mut Topology, arg: &ConfigArg, reason: &str) {
+    tracing::info!("{reason}: reloading {}", arg.config.display());
+    let started = std::time::Instant::now();
+    let outcome = match arg.load() {
+        Err(e) => Err(e),
+        Ok(new) => match new.check_runnable() {
+            Err(e) => Err(anyhow::anyhow!("{}:{e}", arg.config.display())),
+            Ok(()) => topology.reload(new).await,
+        },
+    };
+    let result = match &outcome {
+        Ok(d) if d.is_empty() => "unchanged",
+        Ok(_) => "applied",
+        Err(_) => "rejected",
+    };
+    ::metrics::counter!(metrics::CONFIG_RELOADS, "result" => result).increment(1);
+    match outcome {
+        Ok(d) => tracing::info!(
+            result,
+            "config reload {result} in {} ms:\n{d}",
+            started.elapsed().as_millis()
+        ),
+        Err(e) => tracing::error!(
+            result,
+            "config reload rejected; the running config is unchanged: {}",
+            describe(&e)
+        ),
+    }
+}
+
+/// The config's files and their modification times.
+fn files_stamp(loaded: &Loaded) -> (Vec<PathBuf>, Vec<Option<std::time::SystemTime>>) {
+    let files = loaded.watched.clone();
+    let stamps = files_stamp_of(&files);
+    (files, stamps)
+}
+
+fn files_stamp_of(files: &[PathBuf]) -> Vec<Option<std::time::SystemTime>> {
+    files
+        .iter()
+        .map(|f| std::fs::metadata(f).and_then(|m| m.modified()).ok())
+        .collect()
+}
+
+#[cfg(unix)]
+type Hup = Option<tokio::signal::unix::Signal>;
+#[cfg(not(unix))]
+type Hup = Option<()>;
+
+fn reload_signal() -> Hup {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::hangup()) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::warn!("cannot listen for SIGHUP (config reload): {e}");
+                None
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    None
+}
+
+async fn next_hup(hup: &mut Hup) {
+    #[cfg(unix)]
+    if let Some(s) = hup {
+        s.recv().await;
+        return;
+    }
+    let _ = hup;
+    std::future::pending::<()>().await
 }
 
 async fn signal_shutdown(token: CancellationToken) {
@@ -160,29 +272,42 @@ async fn signal_shutdown(token: CancellationToken) {
 /// table (unless `outbox` is false), and the lane index the claim walks —
 /// always for the canonical table, for an existing table with `table`.
 pub async fn migrate(
-    path: &Path,
+    arg: &ConfigArg,
     outbox: bool,
     table: bool,
     add_sequence: bool,
 ) -> Result<ExitCode> {
-    let loaded = load(path)?;
-    let mut store = Store::connect(&loaded.config, "migrate").await?;
-    store.migrate(outbox).await?;
-    println!(
-        "migrations applied to {}",
-        config::redact_url(&loaded.config.store.url)
-    );
-    let canonical = outbox && loaded.config.store.table() == config::TableConfig::canonical();
-    if !(canonical || table) {
-        return Ok(ExitCode::SUCCESS);
+    let loaded = arg.load()?;
+    for source in sources(&loaded) {
+        heading(&loaded, &source);
+        migrate_source(&loaded, &source, outbox, table, add_sequence).await?;
     }
-    let name = loaded.config.store.table().name;
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn migrate_source(
+    loaded: &Loaded,
+    source: &str,
+    outbox: bool,
+    table: bool,
+    add_sequence: bool,
+) -> Result<()> {
+    let sc = loaded.config.source(source)?;
+    let key = loaded.config.source_key(source);
+    let mut store = Store::connect(&loaded.config, source, "migrate").await?;
+    store.migrate(outbox).await?;
+    println!("migrations applied to {}", config::redact_url(&sc.url));
+    let canonical = outbox && sc.table() == config::TableConfig::canonical();
+    if !(canonical || table) {
+        return Ok(());
+    }
+    let name = sc.table().name;
     if add_sequence {
         let Some(pg) = store.postgres() else {
             bail!("--add-sequence: only PostgreSQL tables are mapped");
         };
-        if loaded.config.store.table().sequence.is_some() {
-            println!("`{name}` already has a sequence column (store.table.sequence)");
+        if sc.table().sequence.is_some() {
+            println!("`{name}` already has a sequence column ({key}.table.sequence)");
         } else {
             println!(
                 "adding the sequence column `outroute_seq` to `{name}`: ALTER TABLE … ADD COLUMN … GENERATED BY DEFAULT \
@@ -195,10 +320,10 @@ pub async fn migrate(
                 false => println!("`outroute_seq` is already there"),
             }
             println!(
-                "now set `sequence = \"outroute_seq\"` under [store.table] and run `outroute migrate --table` again: \
+                "now set `sequence = \"outroute_seq\"` under [{key}.table] and run `outroute migrate --table` again: \
                  the lane index is built on the sequence, and events of one transaction go out in insert order"
             );
-            return Ok(ExitCode::SUCCESS);
+            return Ok(());
         }
     }
     store.check_table().await?;
@@ -214,17 +339,38 @@ pub async fn migrate(
         Some(_) => println!("lane index on `{name}` created; claims now cost per batch"),
         None => println!("lane index on `{name}`: present"),
     }
+    Ok(())
+}
+
+/// `outroute status`: per source. `--json` prints one object for one source,
+/// else an object keyed by source name.
+pub async fn status(arg: &ConfigArg, json: bool) -> Result<ExitCode> {
+    let loaded = arg.load()?;
+    let mut all = serde_json::Map::new();
+    for source in sources(&loaded) {
+        let store = open_store(&loaded, &source, "status")
+            .await
+            .with_context(|| format!("source `{source}`"))?;
+        let s = store.status().await?;
+        if json {
+            all.insert(source.clone(), serde_json::to_value(&s)?);
+            continue;
+        }
+        heading(&loaded, &source);
+        print_status(&s);
+    }
+    if json {
+        let out = if all.len() == 1 {
+            all.into_iter().next().map(|(_, v)| v).unwrap_or_default()
+        } else {
+            serde_json::Value::Object(all)
+        };
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    }
     Ok(ExitCode::SUCCESS)
 }
 
-pub async fn status(path: &Path, json: bool) -> Result<ExitCode> {
-    let loaded = load(path)?;
-    let store = open_store(&loaded, "status").await?;
-    let s = store.status().await?;
-    if json {
-        println!("{}", serde_json::to_string_pretty(&s)?);
-        return Ok(ExitCode::SUCCESS);
-    }
+fn print_status(s: &crate::store::Status) {
     println!("table            {}", s.table);
     println!("backlog          {} events", s.backlog);
     match s.oldest_pending_age_seconds {
@@ -265,7 +411,6 @@ pub async fn status(path: &Path, json: bool) -> Result<ExitCode> {
             r.lanes
         );
     }
-    Ok(ExitCode::SUCCESS)
 }
 
 #[derive(Subcommand)]
@@ -288,33 +433,49 @@ pub enum RouteAction {
 pub async fn route(action: RouteAction) -> Result<ExitCode> {
     match action {
         RouteAction::List { config } => {
-            let loaded = load(&config.config)?;
-            let store = open_store(&loaded, "route").await?;
-            let quarantined = store.quarantined_routes().await?;
-            for r in &loaded.config.routes {
-                match quarantined.iter().find(|q| q.route == r.name) {
-                    Some(q) => println!(
-                        "{:<24} quarantined since {}: {}",
-                        r.name,
-                        q.since.format("%Y-%m-%d %H:%M:%S UTC"),
-                        q.reason
-                    ),
-                    None => println!("{:<24} flowing", r.name),
+            let loaded = config.load()?;
+            for source in sources(&loaded) {
+                heading(&loaded, &source);
+                let store = open_store(&loaded, &source, "route").await?;
+                let quarantined = store.quarantined_routes().await?;
+                for r in loaded
+                    .config
+                    .routes
+                    .iter()
+                    .filter(|r| config::Config::route_reads(r, &source))
+                {
+                    match quarantined.iter().find(|q| q.route == r.name) {
+                        Some(q) => println!(
+                            "{:<24} quarantined since {}: {}",
+                            r.name,
+                            q.since.format("%Y-%m-%d %H:%M:%S UTC"),
+                            q.reason
+                        ),
+                        None => println!("{:<24} flowing", r.name),
+                    }
                 }
             }
             Ok(ExitCode::SUCCESS)
         }
         RouteAction::Resume { config, name } => {
-            let loaded = load(&config.config)?;
-            if !loaded.config.routes.iter().any(|r| r.name == name) {
+            let loaded = config.load()?;
+            let Some(route) = loaded.config.routes.iter().find(|r| r.name == name) else {
                 bail!("no route named `{name}` in {}", config.config.display());
-            }
-            let store = open_store(&loaded, "route").await?;
-            let (was, due) = store.resume_route(&name).await?;
-            if was {
-                println!("route `{name}` resumed; {due} waiting events are due now");
-            } else {
-                println!("route `{name}` was not quarantined; {due} waiting events are due now");
+            };
+            for source in sources(&loaded) {
+                if !config::Config::route_reads(route, &source) {
+                    continue;
+                }
+                heading(&loaded, &source);
+                let store = open_store(&loaded, &source, "route").await?;
+                let (was, due) = store.resume_route(&name).await?;
+                if was {
+                    println!("route `{name}` resumed; {due} waiting events are due now");
+                } else {
+                    println!(
+                        "route `{name}` was not quarantined; {due} waiting events are due now"
+                    );
+                }
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -405,24 +566,54 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
             all,
             json,
         } => {
-            let store = open_store(&load(&config.config)?, "failed").await?;
+            let loaded = config.load()?;
             let f = Filter {
                 include_discarded: all,
                 ..filter.filter()
             };
-            let list = store.failed_list(&f).await?;
+            let mut list = Vec::new();
+            for source in sources(&loaded) {
+                let store = open_store(&loaded, &source, "failed").await?;
+                for e in store.failed_list(&f).await? {
+                    list.push((source.clone(), e));
+                }
+            }
+            let many = loaded.config.sources.len() > 1;
             if json {
-                println!("{}", serde_json::to_string_pretty(&list)?);
+                let rows: Vec<serde_json::Value> = list
+                    .iter()
+                    .map(|(source, e)| {
+                        let mut v = serde_json::to_value(e).unwrap_or_default();
+                        if let Some(o) = v.as_object_mut() {
+                            o.insert("source".into(), source.clone().into());
+                        }
+                        v
+                    })
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&rows)?);
             } else if list.is_empty() {
                 println!("no failed events");
             } else {
+                let src = |s: &str| {
+                    if many {
+                        format!("{s:<12} ")
+                    } else {
+                        String::new()
+                    }
+                };
                 println!(
-                    "{:<38} {:<12} {:<16} {:<20} {:>3}  reason",
-                    "id", "aggregate", "aggregate id", "event type", "att"
+                    "{}{:<38} {:<12} {:<16} {:<20} {:>3}  reason",
+                    src("source"),
+                    "id",
+                    "aggregate",
+                    "aggregate id",
+                    "event type",
+                    "att"
                 );
-                for e in &list {
+                for (source, e) in &list {
                     println!(
-                        "{:<38} {:<12} {:<16} {:<20} {:>3}  {}{}",
+                        "{}{:<38} {:<12} {:<16} {:<20} {:>3}  {}{}",
+                        src(source),
                         e.id,
                         e.aggregate_type,
                         e.aggregate_id,
@@ -441,34 +632,42 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         FailedAction::Show { config, id } => {
-            let store = open_store(&load(&config.config)?, "failed").await?;
+            let loaded = config.load()?;
             let f = Filter {
                 ids: vec![id.clone()],
                 include_discarded: true,
                 ..Filter::default()
             };
-            match store.failed_list(&f).await?.into_iter().next() {
-                Some(e) => {
+            for source in sources(&loaded) {
+                let store = open_store(&loaded, &source, "failed").await?;
+                if let Some(e) = store.failed_list(&f).await?.into_iter().next() {
+                    heading(&loaded, &source);
                     println!("{}", serde_json::to_string_pretty(&e)?);
-                    Ok(ExitCode::SUCCESS)
-                }
-                None => {
-                    eprintln!("no failed event with id {id}");
-                    Ok(ExitCode::FAILURE)
+                    return Ok(ExitCode::SUCCESS);
                 }
             }
+            eprintln!("no failed event with id {id}");
+            Ok(ExitCode::FAILURE)
         }
         FailedAction::Retry { config, filter } => {
             require_filter(&filter)?;
-            let store = open_store(&load(&config.config)?, "failed").await?;
-            let n = store.failed_retry(&filter.filter()).await?;
+            let loaded = config.load()?;
+            let mut n = 0;
+            for source in sources(&loaded) {
+                let store = open_store(&loaded, &source, "failed").await?;
+                n += store.failed_retry(&filter.filter()).await?;
+            }
             println!("{n} event(s) put back in line");
             Ok(ExitCode::SUCCESS)
         }
         FailedAction::Discard { config, filter } => {
             require_filter(&filter)?;
-            let store = open_store(&load(&config.config)?, "failed").await?;
-            let n = store.failed_discard(&filter.filter()).await?;
+            let loaded = config.load()?;
+            let mut n = 0;
+            for source in sources(&loaded) {
+                let store = open_store(&loaded, &source, "failed").await?;
+                n += store.failed_discard(&filter.filter()).await?;
+            }
             println!("{n} event(s) discarded");
             Ok(ExitCode::SUCCESS)
         }
@@ -497,7 +696,7 @@ pub struct ReplayArgs {
 }
 
 pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
-    let loaded = load(&a.config.config)?;
+    let loaded = a.config.load()?;
     init_logging(loaded.config.log.format, "warn");
     if a.since.is_none()
         && a.until.is_none()
@@ -517,38 +716,47 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
         event_type: a.event_type,
         ..Filter::default()
     };
-    let store = Arc::new(open_store(&loaded, "replay").await?);
-    let total = store.published_count(&filter).await?;
+    let sinks = crate::relay::build_sinks(&loaded).await?;
+    let run = Utc::now().format("%Y%m%dT%H%M%S").to_string();
+    let (mut selected, mut sent, mut failed) = (0usize, 0usize, Vec::new());
+    for source in sources(&loaded) {
+        heading(&loaded, &source);
+        let store = Arc::new(open_store(&loaded, &source, "replay").await?);
+        let total = store.published_count(&filter).await?;
+        if a.dry_run {
+            println!("{total} published event(s) match; nothing re-published (dry run)");
+            continue;
+        }
+        let relay = Relay::build(
+            &loaded,
+            &source,
+            store.clone(),
+            sinks.clone(),
+            Health::new(Duration::from_secs(3600)),
+        )
+        .await?;
+        let bar = ProgressBar::new(total as u64).with_style(
+            ProgressStyle::with_template("{bar:40} {pos}/{len} events ({per_sec}, eta {eta})")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        let mut after: Option<Cursor> = None;
+        loop {
+            let page = store.published(&filter, after.as_ref(), 500).await?;
+            let Some(last) = page.last() else { break };
+            after = Some(Cursor::after(last));
+            let n = page.len();
+            selected += n;
+            let (ok, bad) = relay.replay_batch(page, &run).await;
+            sent += ok.len();
+            failed.extend(bad);
+            bar.inc(n as u64);
+        }
+        bar.finish_and_clear();
+    }
     if a.dry_run {
-        println!("{total} published event(s) match; nothing re-published (dry run)");
         return Ok(ExitCode::SUCCESS);
     }
-    let relay = Relay::build(
-        &loaded,
-        store.clone(),
-        Health::new(Duration::from_secs(3600)),
-    )
-    .await?;
-    let bar = ProgressBar::new(total as u64).with_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} events ({per_sec}, eta {eta})")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    let (mut selected, mut sent, mut failed) = (0usize, 0usize, Vec::new());
-    let mut after: Option<Cursor> = None;
-    let run = Utc::now().format("%Y%m%dT%H%M%S").to_string();
-    loop {
-        let page = store.published(&filter, after.as_ref(), 500).await?;
-        let Some(last) = page.last() else { break };
-        after = Some(Cursor::after(last));
-        let n = page.len();
-        selected += n;
-        let (ok, bad) = relay.replay_batch(page, &run).await;
-        sent += ok.len();
-        failed.extend(bad);
-        bar.inc(n as u64);
-    }
-    bar.finish_and_clear();
-    for sink in relay.sinks.values() {
+    for sink in sinks.values() {
         sink.flush().await;
     }
     println!(
@@ -590,6 +798,58 @@ pub enum PluginAction {
     },
     /// Print the plugin's world, imports, exports, name and version.
     Inspect { plugin: PathBuf },
+    /// Try a candidate plugin on a route's recent real events (read from
+    /// the store, nothing published) and print what it would do
+    /// differently from the route's active plugin: messages, topics, keys,
+    /// headers, payloads, rejections.
+    Try {
+        /// The candidate plugin (.wasm).
+        candidate: PathBuf,
+        #[command(flatten)]
+        config: ConfigArg,
+        /// The route whose plugin the candidate would replace.
+        #[arg(long)]
+        route: String,
+        /// How many of the route's newest published events, per source.
+        #[arg(long, default_value_t = 100)]
+        last: usize,
+        /// Route config for the candidate (JSON text or @file); default:
+        /// the route's own `config`.
+        #[arg(long)]
+        candidate_config: Option<String>,
+    },
+    /// What the shadow (candidate) plugins of the running relay would have
+    /// done differently so far: per route, events compared, differing, and
+    /// the latest differing events (read from the relay's `/shadow`).
+    ShadowReport {
+        #[command(flatten)]
+        config: ConfigArg,
+    },
+    /// Make plugin PLUGIN's shadow the active version: its `path` becomes
+    /// the `shadow` file, in the config file that declares it (comments and
+    /// layout kept). The running relay applies it without a restart on
+    /// SIGHUP or at its next `relay.config_watch_interval` check.
+    Promote {
+        /// The plugin (`[plugins.<name>]`).
+        plugin: String,
+        #[command(flatten)]
+        config: ConfigArg,
+    },
+    /// Start a plugin project that builds and tests as it is: a router, a
+    /// test, a sample event, and the commands to build, test and try it.
+    New {
+        /// Plugin name: lowercase letters, digits and `-`.
+        name: String,
+        #[arg(long, value_enum, default_value = "rust")]
+        lang: crate::scaffold::Lang,
+        /// Where to create it (default: ./NAME); must be empty or new.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Rust: the outroute-guest crate (default: the one this relay was
+        /// built from).
+        #[arg(long)]
+        sdk: Option<PathBuf>,
+    },
 }
 
 fn plugin_runtime() -> Result<Runtime> {
@@ -636,6 +896,85 @@ fn read_text(arg: &str) -> Result<String> {
 
 pub async fn plugin(action: PluginAction) -> Result<ExitCode> {
     match action {
+        PluginAction::Try {
+            candidate,
+            config,
+            route,
+            last,
+            candidate_config,
+        } => try_candidate(candidate, &config, &route, last, candidate_config).await,
+        PluginAction::New {
+            name,
+            lang,
+            dir,
+            sdk,
+        } => {
+            let (dir, next) = crate::scaffold::new(&name, lang, dir, sdk)?;
+            println!(
+                "created plugin `{name}` in {}; next, in that directory:",
+                dir.display()
+            );
+            for cmd in next {
+                println!("  {cmd}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        PluginAction::ShadowReport { config } => {
+            let loaded = config.load()?;
+            let listen = &loaded.config.http.listen;
+            if listen.is_empty() {
+                bail!("http.listen is empty: the relay serves no /shadow report");
+            }
+            let body = http_get(listen, "/shadow")
+                .await
+                .with_context(|| format!("asking the relay at {listen} for /shadow"))?;
+            let routes: Vec<serde_json::Value> = serde_json::from_str(&body)
+                .with_context(|| format!("the relay's /shadow answer is not JSON: {body}"))?;
+            if routes.is_empty() {
+                println!("no shadow plugin has answered an event yet");
+            }
+            for r in routes {
+                println!(
+                    "source {} route {} (candidate {}): {} events compared, {} different",
+                    r["source"].as_str().unwrap_or("?"),
+                    r["route"].as_str().unwrap_or("?"),
+                    r["candidate"].as_str().unwrap_or("?"),
+                    r["compared"],
+                    r["differing"]
+                );
+                for sample in r["samples"].as_array().into_iter().flatten() {
+                    let d: Vec<&str> = sample["differences"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|d| d.as_str())
+                        .collect();
+                    println!(
+                        "  {} {}: {}",
+                        sample["at"].as_str().unwrap_or(""),
+                        sample["event_id"].as_str().unwrap_or("?"),
+                        d.join("; ")
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        PluginAction::Promote { plugin, config } => {
+            let loaded = config.load()?;
+            let pc = loaded.config.plugins.get(&plugin).ok_or_else(|| {
+                anyhow!("no plugin named `{plugin}` in {}", config.config.display())
+            })?;
+            if pc.shadow.is_none() {
+                bail!("plugins.{plugin}.shadow is not set: there is no candidate to promote");
+            }
+            let file = promote(&loaded.files, &plugin, pc.shadow_config.as_ref())?;
+            println!(
+                "plugins.{plugin}: the shadow is now the active version ({}). A running relay applies it \
+                 on SIGHUP or at its next config check (relay.config_watch_interval).",
+                file.display()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
         PluginAction::Inspect { plugin } => {
             let rt = plugin_runtime()?;
             let info = tokio::task::spawn_blocking(move || plugin::inspect(&rt, &plugin)).await??;
@@ -738,7 +1077,8 @@ pub async fn plugin(action: PluginAction) -> Result<ExitCode> {
     }
 }
 
-pub async fn config_check(path: &Path, store: bool) -> Result<ExitCode> {
+pub async fn config_check(arg: &ConfigArg, store: bool) -> Result<ExitCode> {
+    let path = arg.config.as_path();
     let l = match config::load(path) {
         Ok(l) => l,
         Err(e) => {
@@ -750,46 +1090,294 @@ pub async fn config_check(path: &Path, store: bool) -> Result<ExitCode> {
         eprintln!("{}:{e}", path.display());
         return Ok(ExitCode::FAILURE);
     }
+    let l = arg.load()?;
     println!(
-        "{}: ok ({} routes, {} sinks, {} plugins)",
+        "{}: ok ({} sources, {} routes, {} sinks, {} plugins{})",
         path.display(),
+        l.config.sources.len(),
         l.config.routes.len(),
         l.config.sinks.len(),
-        l.config.plugins.len()
+        l.config.plugins.len(),
+        match l.files.len() {
+            1 => String::new(),
+            n => format!(", {} included files", n - 1),
+        }
     );
-    let table = l.config.store.table();
-    if table.sequence.is_none()
-        && l.config.relay.ordering != config::Ordering::None
-        && l.config.store.url.starts_with("postgres")
-    {
-        println!(
-            "warning: store.table.sequence is unset: `{}` is ordered by ({}, id); ordering = \"{}\" orders \
-             events across transactions, but two events of one aggregate with the same timestamp (one \
-             transaction using now()) go out in id order. `outroute migrate --table --add-sequence -c {}` \
-             adds a sequence column that keeps insert order.",
-            table.name,
-            table.created_at,
-            serde_json::to_value(l.config.relay.ordering)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_string))
-                .unwrap_or_default(),
-            path.display()
-        );
-    }
-    if store {
-        let name = l.config.store.table().name;
-        let mut s = Store::connect(&l.config, "config-check")
-            .await
-            .context("store.url")?;
-        s.check_table().await?;
-        match s.missing_index() {
-            None => println!("store: table `{name}` ok, lane index usable"),
-            Some(ddl) => println!(
-                "store: table `{name}` ok\nwarning: store.table: `{name}` has no usable lane index: every claim \
-                 would scan and sort the whole backlog. Run `outroute migrate --table -c {}`, or:\n  {ddl}",
+    for source in sources(&l) {
+        let sc = l.config.source(&source)?;
+        let key = l.config.source_key(&source);
+        let table = sc.table();
+        if table.sequence.is_none()
+            && l.config.relay.ordering != config::Ordering::None
+            && sc.url.starts_with("postgres")
+        {
+            println!(
+                "warning: {key}.table.sequence is unset: `{}` is ordered by ({}, id); ordering = \"{}\" orders \
+                 events across transactions, but two events of one aggregate with the same timestamp (one \
+                 transaction using now()) go out in id order. `outroute migrate --table --add-sequence -c {}` \
+                 adds a sequence column that keeps insert order.",
+                table.name,
+                table.created_at,
+                serde_json::to_value(l.config.relay.ordering)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_string))
+                    .unwrap_or_default(),
                 path.display()
-            ),
+            );
+        }
+        if store {
+            let name = table.name;
+            let mut s = Store::connect(&l.config, &source, "config-check").await?;
+            s.check_table().await?;
+            match s.missing_index() {
+                None => println!("{key}: table `{name}` ok, lane index usable"),
+                Some(ddl) => println!(
+                    "{key}: table `{name}` ok\nwarning: {key}.table: `{name}` has no usable lane index: every claim \
+                     would scan and sort the whole backlog. Run `outroute migrate --table -c {}`, or:\n  {ddl}",
+                    path.display()
+                ),
+            }
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `outroute config diff OLD NEW`: what loading NEW over a relay running
+/// OLD would change (both must be valid).
+pub fn config_diff(old: &Path, new: &Path) -> Result<ExitCode> {
+    let a = load(old)?;
+    let b = load(new)?;
+    print!("{}", config::diff(&a.config, &b.config));
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `outroute plugin try`: the route's newest published events through the
+/// active plugin and the candidate, side by side.
+async fn try_candidate(
+    candidate: PathBuf,
+    arg: &ConfigArg,
+    route: &str,
+    last: usize,
+    candidate_config: Option<String>,
+) -> Result<ExitCode> {
+    let loaded = arg.load()?;
+    let routes = crate::routing::Routes::compile(&loaded.config).map_err(anyhow::Error::msg)?;
+    let Some(r) = routes.0.iter().find(|r| r.name() == route) else {
+        bail!("no route named `{route}` in {}", arg.config.display());
+    };
+    let active = loaded
+        .config
+        .plugins
+        .get(&r.config.plugin)
+        .map(|p| loaded.resolve(&p.path))
+        .ok_or_else(|| anyhow::anyhow!("route `{route}`: no plugin `{}`", r.config.plugin))?;
+    let candidate_config: serde_json::Value = match candidate_config {
+        Some(text) => {
+            let text = if text.starts_with('@') {
+                read_text(&text)?
+            } else {
+                text
+            };
+            serde_json::from_str(&text).context("--candidate-config is not JSON")?
+        }
+        None => r.config.config.clone(),
+    };
+    let mut events: Vec<Event> = Vec::new();
+    for source in sources(&loaded) {
+        if !config::Config::route_reads(&r.config, &source) {
+            continue;
+        }
+        let store = open_store(&loaded, &source, "plugin-try").await?;
+        let mut mine = Vec::new();
+        let mut before: Option<Cursor> = None;
+        let mut scanned = 0usize;
+        // The route selects by type: read newest first until `last` of its
+        // events (or 100 × that many rows) were seen.
+        while mine.len() < last && scanned < last.saturating_mul(100).max(1000) {
+            let page = store
+                .published_newest(&Filter::default(), before.as_ref(), 500)
+                .await?;
+            let Some(l) = page.last() else { break };
+            before = Some(Cursor::after(l));
+            scanned += page.len();
+            for c in page {
+                if let Ok(e) = c.row
+                    && r.selects(&e.aggregate_type, &e.event_type)
+                    && mine.len() < last
+                {
+                    mine.push(e);
+                }
+            }
+        }
+        mine.reverse();
+        events.extend(mine);
+    }
+    if events.is_empty() {
+        println!("route `{route}`: no published events to try the candidate on");
+        return Ok(ExitCode::SUCCESS);
+    }
+    let rt = plugin_runtime()?;
+    let limits = Limits::of(&r.config);
+    let active_config = r.config.config.clone();
+    let (candidate_path, active_path) = (candidate.clone(), active.clone());
+    let batch = events.clone();
+    let (was, would) = tokio::task::spawn_blocking(move || -> Result<_> {
+        let run = |path: &Path,
+                   config: serde_json::Value,
+                   what: &str|
+         -> Result<Vec<crate::event::Outcome>> {
+            let handle = PluginHandle::load(&rt, path, config, limits)
+                .with_context(|| format!("{what} plugin {}", path.display()))?;
+            let p = handle.current().context("plugin unavailable")?;
+            Ok(p.route_batch(&batch)
+                .into_iter()
+                .map(|a| a.into_outcome())
+                .collect())
+        };
+        Ok((
+            run(&active_path, active_config, "active")?,
+            run(&candidate_path, candidate_config, "candidate")?,
+        ))
+    })
+    .await??;
+    let mut different = 0usize;
+    let mut lines = Vec::new();
+    for ((e, a), b) in events.iter().zip(&was).zip(&would) {
+        let d = crate::shadow::differences(a, b);
+        if !d.is_empty() {
+            different += 1;
+            if lines.len() < 50 {
+                lines.push(format!(
+                    "{} ({} {} / {}): {}",
+                    e.id,
+                    e.aggregate_type,
+                    e.aggregate_id,
+                    e.event_type,
+                    d.join("; ")
+                ));
+            }
+        }
+    }
+    println!(
+        "route `{route}`: {} recent events; candidate {} vs active {}\n  same       {}\n  different  {different}",
+        events.len(),
+        candidate.display(),
+        active.display(),
+        events.len() - different
+    );
+    for l in lines {
+        println!("  {l}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// In the file of `files` that declares `[plugins.<plugin>]`, make its
+/// `shadow` the `path` and drop `shadow`; with a `shadow_config`, it becomes
+/// the `config` of every route using the plugin. Returns the plugin's file.
+/// Each file is replaced whole (written aside, then renamed), so a relay
+/// watching it never reads half of it.
+fn promote(
+    files: &[PathBuf],
+    plugin: &str,
+    shadow_config: Option<&serde_json::Value>,
+) -> Result<PathBuf> {
+    let config = shadow_config
+        .map(|c| toml_value(c).with_context(|| format!("plugins.{plugin}.shadow_config")))
+        .transpose()?;
+    let mut declared = None;
+    for file in files {
+        let text =
+            std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+        let mut doc: toml_edit::DocumentMut = text
+            .parse()
+            .with_context(|| format!("{} is not valid TOML", file.display()))?;
+        let mut changed = false;
+        if let Some(table) = doc
+            .get_mut("plugins")
+            .and_then(|p| p.get_mut(plugin))
+            .and_then(|t| t.as_table_like_mut())
+        {
+            let shadow = table
+                .remove("shadow")
+                .ok_or_else(|| anyhow!("{}: plugins.{plugin} has no `shadow`", file.display()))?;
+            table.insert("path", shadow);
+            table.remove("shadow_config");
+            declared = Some(file.clone());
+            changed = true;
+        }
+        if let Some(config) = &config
+            && let Some(routes) = doc
+                .get_mut("routes")
+                .and_then(|r| r.as_array_of_tables_mut())
+        {
+            for route in routes.iter_mut() {
+                if route.get("plugin").and_then(|p| p.as_str()) == Some(plugin) {
+                    route.insert("config", toml_edit::value(config.clone()));
+                    changed = true;
+                }
+            }
+        }
+        if changed {
+            let tmp = file.with_extension("toml.promote");
+            std::fs::write(&tmp, doc.to_string())
+                .with_context(|| format!("writing {}", tmp.display()))?;
+            std::fs::rename(&tmp, file).with_context(|| format!("replacing {}", file.display()))?;
+        }
+    }
+    declared.ok_or_else(|| anyhow!("no config file declares [plugins.{plugin}]"))
+}
+
+/// A JSON value as a TOML value (objects as inline tables); `null` has none.
+fn toml_value(v: &serde_json::Value) -> Result<toml_edit::Value> {
+    use serde_json::Value as J;
+    Ok(match v {
+        J::Null => bail!("null has no TOML form"),
+        J::Bool(b) => (*b).into(),
+        J::Number(n) => match (n.as_i64(), n.as_f64()) {
+            (Some(i), _) => i.into(),
+            (None, Some(f)) => f.into(),
+            _ => bail!("number {n} has no TOML form"),
+        },
+        J::String(s) => s.as_str().into(),
+        J::Array(items) => {
+            let mut a = toml_edit::Array::new();
+            for i in items {
+                a.push(toml_value(i)?);
+            }
+            a.into()
+        }
+        J::Object(fields) => {
+            let mut t = toml_edit::InlineTable::new();
+            for (k, v) in fields {
+                t.insert(k, toml_value(v)?);
+            }
+            t.into()
+        }
+    })
+}
+
+/// `GET path` from the relay's HTTP listener; the body.
+async fn http_get(listen: &str, path: &str) -> Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::time::timeout(
+        Duration::from_secs(5),
+        tokio::net::TcpStream::connect(listen),
+    )
+    .await
+    .map_err(|_| anyhow!("no answer within 5s"))??;
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {listen}\r\n\r\n").as_bytes())
+        .await?;
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut answer))
+        .await
+        .map_err(|_| anyhow!("no answer within 5s"))??;
+    let answer = String::from_utf8_lossy(&answer);
+    let (head, body) = answer
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| anyhow!("not an HTTP answer"))?;
+    if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
+        bail!("{}", head.lines().next().unwrap_or(head));
+    }
+    Ok(body.to_string())
 }

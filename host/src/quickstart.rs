@@ -103,7 +103,8 @@ listen = ""
         ),
     )?;
     let loaded = crate::ops::load(&config_path)?;
-    let mut store = Store::connect(&loaded.config, "quickstart").await?;
+    let mut store =
+        Store::connect(&loaded.config, crate::config::DEFAULT_SOURCE, "quickstart").await?;
     store.migrate(true).await?;
     store.check_table().await?;
     let Store::Sqlite(sq) = &store else {
@@ -152,8 +153,16 @@ listen = ""
 
     // Run the real relay until the outbox is drained.
     let store = Arc::new(store);
-    let relay =
-        Arc::new(Relay::build(&loaded, store.clone(), Health::new(Duration::from_secs(60))).await?);
+    let relay = Arc::new(
+        Relay::build(
+            &loaded,
+            crate::config::DEFAULT_SOURCE,
+            store.clone(),
+            crate::relay::build_sinks(&loaded).await?,
+            Health::new(Duration::from_secs(60)),
+        )
+        .await?,
+    );
     let shutdown = CancellationToken::new();
     let running = tokio::spawn(relay.clone().run(shutdown.clone()));
     let started = Instant::now();

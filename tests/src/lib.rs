@@ -7,6 +7,8 @@
 //! Services: PostgreSQL 127.0.0.1:5432, NATS 127.0.0.1:4222, tansu
 //! 127.0.0.1:9092 (`scripts/services` starts whatever is down).
 
+pub mod secure;
+
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -294,6 +296,29 @@ impl Report {
             "delivery invariants broken: {self}"
         );
     }
+}
+
+/// What a file sink wrote (JSON lines), as deliveries in write order.
+pub fn file_sink_deliveries(path: &Path) -> Vec<Delivered> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .map(|v| Delivered {
+            topic: v["topic"].as_str().unwrap_or_default().to_string(),
+            partition: 0,
+            key: v["key"].as_str().map(str::to_string),
+            headers: v["headers"]
+                .as_object()
+                .map(|h| {
+                    h.iter()
+                        .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string()))
+                        .collect()
+                })
+                .unwrap_or_default(),
+            payload: v["payload"].to_string().into_bytes(),
+            received_at: chrono::Utc::now(),
+        })
+        .collect()
 }
 
 /// Check one destination's deliveries (in the order the consumer read them,
@@ -687,11 +712,24 @@ pub fn free_addr() -> String {
         .unwrap_or_else(|_| "127.0.0.1:0".into())
 }
 
-/// The value of a Prometheus series (first match of `name{…labels…}`).
+/// The value of a Prometheus series: the first line of `name` that has
+/// every label given (`name{a="x",b="y"}`; other labels may be there too).
 pub fn metric(text: &str, name_and_labels: &str) -> Option<f64> {
+    let (name, labels) = match name_and_labels.split_once('{') {
+        Some((n, l)) => (n, l.trim_end_matches('}')),
+        None => (name_and_labels, ""),
+    };
+    let wanted: Vec<&str> = labels.split(',').filter(|l| !l.is_empty()).collect();
     text.lines()
         .filter(|l| !l.starts_with('#'))
-        .find(|l| l.starts_with(name_and_labels))
+        .find(|l| {
+            let series = l.rsplit_once(' ').map(|(s, _)| s).unwrap_or(l);
+            let (n, ls) = match series.split_once('{') {
+                Some((n, ls)) => (n, ls.trim_end_matches('}')),
+                None => (series, ""),
+            };
+            n == name && wanted.iter().all(|w| ls.split(',').any(|x| x == *w))
+        })
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
 }
@@ -750,7 +788,14 @@ pub fn relay_body(
 /// marks directly.
 pub async fn open_store(config: &Path, relay_id: &str) -> Result<outroute::store::Store> {
     let loaded = outroute::config::load(config).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let mut s = outroute::store::Store::connect(&loaded.config, relay_id).await?;
+    let source = loaded
+        .config
+        .sources
+        .keys()
+        .next()
+        .cloned()
+        .unwrap_or_default();
+    let mut s = outroute::store::Store::connect(&loaded.config, &source, relay_id).await?;
     s.migrate(false).await?;
     s.check_table().await?;
     Ok(s)

@@ -145,6 +145,8 @@ async fn jetstream_drops_a_resent_duplicate_and_refuses_oversize() -> anyhow::Re
         max_message_bytes: 1 << 20,
         max_in_flight: 100,
         create_stream: None,
+        tls: None,
+        auth: None,
     };
     let sink = NatsSink::build("nats", &cfg, &[format!("d{t}.*")], Duration::from_secs(5)).await?;
     let headers = vec![("ce_id".to_string(), "event-1".to_string())];

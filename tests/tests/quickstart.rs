@@ -152,5 +152,31 @@ fn shipped_example_configs_pass_config_check() -> anyhow::Result<()> {
         assert_eq!(code, 0, "{name}: {out}{err}");
         assert!(out.contains(": ok ("), "{out}");
     }
+    // The platform example: three sources, three team files; its secrets
+    // come from the environment, and without them it says which are missing.
+    let platform = workspace().join("examples/platform/outroute.toml");
+    let p = platform.to_str().unwrap_or_default();
+    let (code, _, err) = cli(&["config", "check", "-c", p])?;
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("sinks.kafka.sasl.password") && err.contains("sinks.nats.auth"),
+        "{err}"
+    );
+    let out = std::process::Command::new(bin())
+        .args(["config", "check", "-c", p])
+        .env("OUTROUTE_SINKS__KAFKA__SASL__PASSWORD", "kafka-s3cr3t")
+        .env("OUTROUTE_SINKS__NATS__AUTH__PASSWORD", "nats-s3cr3t")
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("(3 sources, 4 routes, 2 sinks, 4 plugins, 3 included files)"),
+        "{text}"
+    );
+    assert!(!text.contains("s3cr3t"), "a secret was printed: {text}");
     Ok(())
 }

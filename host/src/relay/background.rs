@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use super::{Relay, sleep_or_cancel};
 use crate::metrics as m;
 use crate::pipeline::LeaseView;
+use crate::plugin::PluginHandle;
 use crate::store::Store;
 
 /// How often a relay reads the store's quarantine records.
@@ -62,7 +63,8 @@ impl Relay {
                 Ok(l) => {
                     self.health.set_store_ok(true);
                     if l.acquired > 0 {
-                        metrics::counter!(m::LEASE_HANDOVERS).increment(l.acquired as u64);
+                        metrics::counter!(m::LEASE_HANDOVERS, "source" => self.source.clone())
+                            .increment(l.acquired as u64);
                         tracing::info!(
                             acquired = l.acquired,
                             owned = l.lanes.len(),
@@ -71,7 +73,8 @@ impl Relay {
                         );
                         wake.notify_waiters();
                     }
-                    metrics::gauge!(m::LANES_OWNED).set(l.lanes.len() as f64);
+                    metrics::gauge!(m::LANES_OWNED, "source" => self.source.clone())
+                        .set(l.lanes.len() as f64);
                     // Stop using the lease a safety margin before it lapses.
                     let valid_until =
                         round_started + ttl - every.min(Duration::from_secs(2)).max(ttl / 10);
@@ -97,8 +100,9 @@ impl Relay {
         while !shutdown.is_cancelled() {
             match self.store.backlog().await {
                 Ok((n, oldest)) => {
-                    metrics::gauge!(m::BACKLOG).set(n as f64);
-                    metrics::gauge!(m::OLDEST_PENDING_AGE).set(oldest.unwrap_or(0.0));
+                    metrics::gauge!(m::BACKLOG, "source" => self.source.clone()).set(n as f64);
+                    metrics::gauge!(m::OLDEST_PENDING_AGE, "source" => self.source.clone())
+                        .set(oldest.unwrap_or(0.0));
                     self.health.set_backlog(n);
                     self.health.set_store_ok(true);
                 }
@@ -130,21 +134,29 @@ impl Relay {
                     continue;
                 }
                 next[i] = Instant::now() + interval;
-                let h = handle.clone();
-                let route = self.routes.0[i].name().to_string();
-                match tokio::task::spawn_blocking(move || h.reload_if_changed()).await {
-                    Ok(Ok(Some(info))) => {
-                        metrics::counter!(m::PLUGIN_RELOADS, "route" => route.clone(), "result" => "ok").increment(1);
-                        tracing::info!(%route, plugin = %info.name, version = %info.version, "plugin reloaded");
-                    }
-                    Ok(Ok(None)) => {}
-                    Ok(Err(e)) => {
-                        metrics::counter!(m::PLUGIN_RELOADS, "route" => route.clone(), "result" => "error").increment(1);
-                        tracing::error!(%route, "plugin reload failed, the previous version keeps running: {e:#}");
-                    }
-                    Err(e) => tracing::error!(%route, "plugin reload panicked: {e}"),
-                }
+                self.reload_plugin(i, handle).await;
             }
+        }
+    }
+
+    /// Switch route `i`'s plugin to a new version of its file, if there is
+    /// one (a bad file keeps the running version).
+    pub(crate) async fn reload_plugin(&self, i: usize, handle: &Arc<PluginHandle>) {
+        let h = handle.clone();
+        let route = self.routes.0[i].name().to_string();
+        match tokio::task::spawn_blocking(move || h.reload_if_changed()).await {
+            Ok(Ok(Some(info))) => {
+                metrics::counter!(m::PLUGIN_RELOADS, "route" => route.clone(), "result" => "ok")
+                    .increment(1);
+                tracing::info!(%route, plugin = %info.name, version = %info.version, "plugin reloaded");
+            }
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => {
+                metrics::counter!(m::PLUGIN_RELOADS, "route" => route.clone(), "result" => "error")
+                    .increment(1);
+                tracing::error!(%route, "plugin reload failed, the previous version keeps running: {e:#}");
+            }
+            Err(e) => tracing::error!(%route, "plugin reload panicked: {e}"),
         }
     }
 
@@ -153,7 +165,7 @@ impl Relay {
             loop {
                 match self.store.purge_published(retention, 1000).await {
                     Ok(n) => {
-                        metrics::counter!(m::PURGED).increment(n);
+                        metrics::counter!(m::PURGED, "source" => self.source.clone()).increment(n);
                         if n < 1000 {
                             break;
                         }

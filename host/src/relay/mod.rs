@@ -44,10 +44,15 @@ mod background;
 
 /// Everything a batch needs, shared by the workers.
 pub struct Relay {
+    /// The source (`[sources.<name>]`, `default` for `[store]`) this relay
+    /// drains: a label on its metrics and log lines.
+    pub source: String,
     pub store: Arc<Store>,
     pub routes: Arc<Routes>,
     /// One plugin handle per route (same index as `routes`).
     pub plugins: Vec<Arc<PluginHandle>>,
+    /// Per route, the candidate version run in its shadow (`plugins.X.shadow`).
+    pub shadows: Vec<Option<Shadow>>,
     /// How often each route's plugin file is checked for a new version
     /// (`plugins.<name>.reload_interval`; `None`: never).
     pub reload: Vec<Option<Duration>>,
@@ -58,6 +63,10 @@ pub struct Relay {
     pub quarantine: Quarantine,
     pub config: RelayConfig,
     pub health: Arc<Health>,
+    /// Set before shutdown when a new relay of this process takes over the
+    /// source (config reload): the lanes are kept, not released, and the
+    /// successor renews them under the same relay id.
+    pub handing_over: std::sync::atomic::AtomicBool,
 }
 
 /// How many events a batch published, held and failed.
@@ -78,54 +87,142 @@ pub struct BatchReport {
     pub deferred: usize,
 }
 
+/// A route's shadow: the candidate plugin and its file, for reports.
+pub struct Shadow {
+    pub plugin: Arc<PluginHandle>,
+    pub file: String,
+}
+
+/// Compile (or take from the cache) and `init` a plugin. Both run guest
+/// code that may block (a WASI write): off the async workers, like every
+/// other plugin call.
+async fn load_plugin(
+    runtime: &Runtime,
+    path: std::path::PathBuf,
+    config: serde_json::Value,
+    limits: Limits,
+) -> Result<PluginHandle> {
+    let rt = runtime.clone();
+    tokio::task::spawn_blocking(move || PluginHandle::load(&rt, &path, config, limits))
+        .await
+        .map_err(|e| anyhow::anyhow!("loading the plugin failed: {e}"))?
+}
+
+/// Seconds from `then` to `now` (0 if the clocks disagree).
+fn seconds_since(then: chrono::DateTime<Utc>, now: chrono::DateTime<Utc>) -> f64 {
+    ((now - then).num_microseconds().unwrap_or(0) as f64 / 1e6).max(0.0)
+}
+
+/// Spawn a task in the current span (so a source's background tasks and
+/// workers log with its `source` field).
+fn spawn_here<F>(f: F) -> tokio::task::JoinHandle<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    tokio::spawn(f.in_current_span())
+}
+
+/// The sinks of `loaded`, shared by every source's relay.
+pub async fn build_sinks(loaded: &Loaded) -> Result<Sinks> {
+    let routes = Routes::compile(&loaded.config).map_err(anyhow::Error::msg)?;
+    crate::sink::build_all(
+        &loaded.config.sinks,
+        &routes,
+        &loaded.base_dir,
+        loaded.config.relay.publish_timeout,
+    )
+    .await
+}
+
 impl Relay {
-    /// Build routes, plugins and sinks from a loaded config.
-    pub async fn build(loaded: &Loaded, store: Arc<Store>, health: Arc<Health>) -> Result<Self> {
+    /// Build the relay of source `source`: the routes that read it, their
+    /// plugins, over the process's shared `sinks` (see [`build_sinks`]).
+    pub async fn build(
+        loaded: &Loaded,
+        source: &str,
+        store: Arc<Store>,
+        sinks: Sinks,
+        health: Arc<Health>,
+    ) -> Result<Self> {
         let config = &loaded.config;
-        let routes = Routes::compile(config).map_err(anyhow::Error::msg)?;
+        let mut routes = Routes::compile(config).map_err(anyhow::Error::msg)?;
+        routes
+            .0
+            .retain(|r| crate::config::Config::route_reads(&r.config, source));
+        // From here on a route's index is its place in this relay's list
+        // (the plugin handles and quarantine slots follow it).
+        for (i, r) in routes.0.iter_mut().enumerate() {
+            r.index = i;
+        }
         let runtime = Runtime::new(loaded.cache_dir())?;
         let mut plugins = Vec::new();
         let mut reload = Vec::new();
+        let mut shadows = Vec::new();
         for r in &routes.0 {
             let pc = config.plugins.get(&r.config.plugin).ok_or_else(|| {
                 anyhow::anyhow!("routes.{}: no plugin `{}`", r.name(), r.config.plugin)
             })?;
             let limits = Limits::of(&r.config);
-            let handle = PluginHandle::load(
+            let handle = load_plugin(
                 &runtime,
-                &loaded.resolve(&pc.path),
+                loaded.resolve(&pc.path),
                 r.config.config.clone(),
                 limits,
             )
-            .map_err(|e| anyhow::anyhow!("routes[{}] ({}): {e:#}", r.index, r.name()))?;
+            .await
+            .map_err(|e| anyhow::anyhow!("route `{}`: {e:#}", r.name()))?;
             reload.push(pc.reload_interval);
             plugins.push(Arc::new(handle));
+            let shadow = match &pc.shadow {
+                None => None,
+                Some(file) => {
+                    let path = loaded.resolve(file);
+                    let cfg = pc
+                        .shadow_config
+                        .clone()
+                        .unwrap_or_else(|| r.config.config.clone());
+                    let handle = load_plugin(&runtime, path.clone(), cfg, limits)
+                        .await
+                        .map_err(|e| {
+                            anyhow::anyhow!("route `{}`: shadow plugin: {e:#}", r.name())
+                        })?;
+                    Some(Shadow {
+                        plugin: Arc::new(handle),
+                        file: path.display().to_string(),
+                    })
+                }
+            };
+            shadows.push(shadow);
         }
-        let sinks = crate::sink::build_all(
-            &config.sinks,
-            &routes,
-            &loaded.base_dir,
-            config.relay.publish_timeout,
-        )
-        .await?;
         let routes = Arc::new(routes);
+        let table = config.source(source)?.table().name;
         let pipeline = Pipeline {
             routes: routes.clone(),
             sinks: sinks.clone(),
             ordering: config.relay.ordering,
             publish_timeout: config.relay.publish_timeout,
-            source: format!("/outroute/{}", config.store.table().name),
+            // CloudEvents `source`: the table, and the source's name when
+            // the relay serves named sources.
+            source: if config.store_shorthand {
+                format!("/outroute/{table}")
+            } else {
+                format!("/outroute/{source}/{table}")
+            },
         };
         Ok(Relay {
+            source: source.to_string(),
             quarantine: Quarantine::new(&routes),
             store,
             routes,
             plugins,
+            shadows,
             reload,
             sinks,
             pipeline,
             config: config.relay.clone(),
             health,
+            handing_over: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -141,21 +238,19 @@ impl Relay {
         });
         let stop_leasing = CancellationToken::new();
         let mut background = vec![
-            tokio::spawn(
+            spawn_here(
                 self.clone()
                     .keep_leases(lease_tx, stop_leasing.clone(), wake.clone()),
             ),
-            tokio::spawn(self.clone().watch_backlog(shutdown.clone())),
-            tokio::spawn(self.clone().reload_plugins(shutdown.clone())),
-            tokio::spawn(self.clone().follow_quarantines(shutdown.clone())),
+            spawn_here(self.clone().watch_backlog(shutdown.clone())),
+            spawn_here(self.clone().reload_plugins(shutdown.clone())),
+            spawn_here(self.clone().follow_quarantines(shutdown.clone())),
         ];
         if let Some(retention) = self.config.retention {
-            background.push(tokio::spawn(
-                self.clone().purge(retention, shutdown.clone()),
-            ));
+            background.push(spawn_here(self.clone().purge(retention, shutdown.clone())));
         }
         if let Some(channel) = self.config.notify_channel.clone() {
-            background.push(tokio::spawn(self.clone().listen(
+            background.push(spawn_here(self.clone().listen(
                 channel,
                 wake.clone(),
                 shutdown.clone(),
@@ -163,7 +258,7 @@ impl Relay {
         }
         let workers: Vec<_> = (0..self.config.concurrency)
             .map(|i| {
-                tokio::spawn(self.clone().supervise(
+                spawn_here(self.clone().supervise(
                     i,
                     lease_rx.clone(),
                     wake.clone(),
@@ -173,7 +268,7 @@ impl Relay {
             .collect();
 
         shutdown.cancelled().await;
-        tracing::info!("shutting down: finishing in-flight batches");
+        tracing::info!(source = %self.source, "stopping: finishing in-flight batches");
         let drained = tokio::time::timeout(self.config.shutdown_timeout, join_all(workers)).await;
         if drained.is_err() {
             tracing::warn!(
@@ -189,6 +284,7 @@ impl Relay {
             sink.flush().await;
         }
         if drained.is_ok()
+            && !self.handing_over.load(std::sync::atomic::Ordering::Acquire)
             && let Err(e) = self.store.release_all().await
         {
             tracing::warn!("could not release lanes (they lapse after lease_ttl): {e:#}");
@@ -206,7 +302,7 @@ impl Relay {
         shutdown: CancellationToken,
     ) {
         loop {
-            let worker = tokio::spawn(self.clone().work(
+            let worker = spawn_here(self.clone().work(
                 index,
                 leases.clone(),
                 wake.clone(),
@@ -268,7 +364,7 @@ impl Relay {
             let claim_started = Instant::now();
             let claims = match self.store.claim(&lanes, self.config.batch_size).await {
                 Ok(c) => {
-                    metrics::histogram!(m::CLAIM_SECONDS)
+                    metrics::histogram!(m::CLAIM_SECONDS, "source" => self.source.clone())
                         .record(claim_started.elapsed().as_secs_f64());
                     self.health.set_store_ok(true);
                     c
@@ -290,10 +386,10 @@ impl Relay {
             }
             let full = claims.len() as u32 >= self.config.batch_size;
             let now = Utc::now();
+            let pickup = metrics::histogram!(m::PICKUP, "source" => self.source.clone());
             for ev in claims.iter().filter_map(|c| c.row.as_ref().ok()) {
                 if ev.attempts == 0 {
-                    let age = (now - ev.created_at).num_microseconds().unwrap_or(0) as f64 / 1e6;
-                    metrics::histogram!(m::PICKUP).record(age.max(0.0));
+                    pickup.record(seconds_since(ev.created_at, now));
                 }
             }
             failpoint::hit("after-claim");
@@ -366,27 +462,28 @@ impl Relay {
         let mut failures: Vec<Failure> = Vec::new();
         let mut without_messages: HashMap<String, u64> = HashMap::new();
         let now = Utc::now();
+        // Metric handles once per batch, counts added up per route/sink.
+        let commit_to_ack = metrics::histogram!(m::COMMIT_TO_ACK, "source" => self.source.clone());
+        let mut published: BTreeMap<usize, u64> = BTreeMap::new();
+        let mut messages_sent: BTreeMap<(usize, &str), u64> = BTreeMap::new();
         for ((claim, plan), fate) in events.iter().zip(&delivery.fates) {
             match fate {
                 Fate::Held => report.held += 1,
                 Fate::Publish => {
                     to_mark.push(claim);
                     if let Ok(ev) = &claim.row {
-                        let age =
-                            (now - ev.created_at).num_microseconds().unwrap_or(0) as f64 / 1e6;
-                        metrics::histogram!(m::COMMIT_TO_ACK).record(age.max(0.0));
+                        commit_to_ack.record(seconds_since(ev.created_at, now));
                     }
                     if let Plan::Publish { route, messages } = plan {
-                        let r = self.routes.0[*route].name().to_string();
-                        metrics::counter!(m::EVENTS_PUBLISHED, "route" => r.clone()).increment(1);
+                        *published.entry(*route).or_default() += 1;
                         if messages.is_empty() {
-                            metrics::counter!(m::EVENTS_WITHOUT_MESSAGES, "route" => r.clone())
-                                .increment(1);
-                            *without_messages.entry(r.clone()).or_default() += 1;
+                            let r = self.routes.0[*route].name().to_string();
+                            *without_messages.entry(r).or_default() += 1;
                         }
                         for msg in messages {
-                            metrics::counter!(m::MESSAGES_PUBLISHED, "route" => r.clone(), "sink" => msg.sink.clone())
-                                .increment(1);
+                            *messages_sent
+                                .entry((*route, msg.sink.as_str()))
+                                .or_default() += 1;
                         }
                     }
                 }
@@ -406,17 +503,31 @@ impl Relay {
                     delay,
                 } => {
                     report.deferred += 1;
-                    metrics::counter!(m::EVENTS_DEFERRED, "route" => self.routes.0[*route].name().to_string())
+                    metrics::counter!(m::EVENTS_DEFERRED, "route" => self.routes.0[*route].name().to_string(), "source" => self.source.clone())
                         .increment(1);
                     failures.push(self.deferral(claim, *route, reason, *delay));
                 }
             }
         }
+        for (route, n) in published {
+            let r = self.routes.0[route].name().to_string();
+            metrics::counter!(m::EVENTS_PUBLISHED, "route" => r, "source" => self.source.clone())
+                .increment(n);
+        }
+        for ((route, sink), n) in messages_sent {
+            let r = self.routes.0[route].name().to_string();
+            metrics::counter!(m::MESSAGES_PUBLISHED, "route" => r, "sink" => sink.to_string())
+                .increment(n);
+        }
+        for (r, n) in &without_messages {
+            metrics::counter!(m::EVENTS_WITHOUT_MESSAGES, "route" => r.clone()).increment(*n);
+        }
         let marked = self.mark(&to_mark).await?;
         report.published = to_mark.len();
         if (marked as usize) < to_mark.len() {
             let fenced = to_mark.len() - marked as usize;
-            metrics::counter!(m::MARK_FENCED).increment(fenced as u64);
+            metrics::counter!(m::MARK_FENCED, "source" => self.source.clone())
+                .increment(fenced as u64);
             tracing::warn!(
                 fenced,
                 "lane lease lost: rows were published but not marked (they will be re-published with the same ids)"
@@ -435,7 +546,8 @@ impl Relay {
         if !failures.is_empty() {
             self.store.record_failures(&failures).await?;
         }
-        metrics::histogram!(m::BATCH_SECONDS).record(started.elapsed().as_secs_f64());
+        metrics::histogram!(m::BATCH_SECONDS, "source" => self.source.clone())
+            .record(started.elapsed().as_secs_f64());
         Ok(report)
     }
 
@@ -509,7 +621,21 @@ impl Relay {
                 .iter()
                 .filter_map(|i| events[*i].0.row.as_ref().ok().cloned())
                 .collect();
-            calls.push(async move { (route_idx, idxs, self.call_plugin(route_idx, batch).await) });
+            calls.push(async move {
+                let answers = match &self.shadows[route_idx] {
+                    None => self.call_plugin(route_idx, batch).await,
+                    Some(shadow) => {
+                        let ids: Vec<String> = batch.iter().map(|e| e.id.clone()).collect();
+                        let (candidate, answers) = futures::join!(
+                            self.call_shadow(shadow, batch.clone()),
+                            self.call_plugin(route_idx, batch)
+                        );
+                        self.compare_shadow(route_idx, shadow, &ids, &answers, candidate);
+                        answers
+                    }
+                };
+                (route_idx, idxs, answers)
+            });
         }
         for (route_idx, idxs, answers) in join_all(calls).await {
             let route = &self.routes.0[route_idx];
@@ -623,6 +749,48 @@ impl Relay {
         }
     }
 
+    /// The shadow's answers to a batch (its limits are the route's; an
+    /// unusable candidate answers nothing and is not compared).
+    async fn call_shadow(&self, shadow: &Shadow, batch: Vec<Event>) -> Option<Vec<Answer>> {
+        let plugin = shadow.plugin.current()?;
+        tokio::task::spawn_blocking(move || plugin.route_batch(&batch))
+            .await
+            .ok()
+    }
+
+    /// Compare the candidate's answers with the active plugin's (events the
+    /// active plugin answered; nothing of the candidate's is published).
+    fn compare_shadow(
+        &self,
+        route_idx: usize,
+        shadow: &Shadow,
+        ids: &[String],
+        answers: &[Answer],
+        candidate: Option<Vec<Answer>>,
+    ) {
+        let Some(candidate) = candidate else {
+            return;
+        };
+        let mut compared = Vec::with_capacity(ids.len());
+        for ((id, was), would) in ids.iter().zip(answers).zip(candidate) {
+            let Answer::Outcome(was) = was else {
+                continue;
+            };
+            let differences = match would {
+                Answer::Outcome(would) => crate::shadow::differences(was, &would),
+                Answer::Breach { reason, .. } => vec![format!("candidate broke a limit: {reason}")],
+                Answer::Later => continue,
+            };
+            compared.push((id.clone(), differences));
+        }
+        crate::shadow::record(
+            &self.source,
+            self.routes.0[route_idx].name(),
+            &shadow.file,
+            compared,
+        );
+    }
+
     async fn mark(&self, claims: &[&Claim]) -> Result<u64> {
         if failpoint::armed("mid-mark") && claims.len() > 1 {
             let (a, b) = claims.split_at(claims.len() / 2);
@@ -665,11 +833,11 @@ impl Relay {
         match kind {
             FailureKind::Retry { .. } => {
                 report.retried += 1;
-                metrics::counter!(m::RETRIES, "route" => route_name.clone()).increment(1);
+                metrics::counter!(m::RETRIES, "route" => route_name.clone(), "source" => self.source.clone()).increment(1);
             }
             FailureKind::Failed { .. } => {
                 report.failed += 1;
-                metrics::counter!(m::EVENTS_FAILED, "route" => route_name.clone()).increment(1);
+                metrics::counter!(m::EVENTS_FAILED, "route" => route_name.clone(), "source" => self.source.clone()).increment(1);
                 tracing::warn!(event_id = %claim.id(), route = %route_name, attempts, reason = %rejection.reason(), "event failed");
             }
         }

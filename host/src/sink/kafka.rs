@@ -17,11 +17,12 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use rdkafka::ClientConfig;
+use rdkafka::client::ClientContext;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use rdkafka::producer::DeliveryFuture;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -70,15 +71,107 @@ pub const PROTECTED_OPTIONS: &[(&str, &str)] = &[
     ("bootstrap.servers", "set from sinks.<name>.brokers"),
     ("metadata.broker.list", "set from sinks.<name>.brokers"),
     ("partitioner", "one key always goes to one partition"),
+    ("security.protocol", "set from sinks.<name>.tls and .sasl"),
+    ("sasl.mechanism", "set from sinks.<name>.sasl"),
+    ("sasl.mechanisms", "set from sinks.<name>.sasl"),
+    ("sasl.username", "set from sinks.<name>.sasl"),
+    (
+        "sasl.password",
+        "set from sinks.<name>.sasl (password_file keeps it out of the file)",
+    ),
+    ("ssl.ca.location", "set from sinks.<name>.tls.ca_file"),
+    (
+        "ssl.certificate.location",
+        "set from sinks.<name>.tls.cert_file",
+    ),
+    ("ssl.key.location", "set from sinks.<name>.tls.key_file"),
 ];
+
+/// The producer type: librdkafka with our [`SinkContext`].
+type KafkaProducer = FutureProducer<SinkContext>;
+
+/// librdkafka's client context for a sink: remembers the last
+/// connection-level error librdkafka reported (TLS handshake, SASL, broker
+/// down), so start-up can say why the brokers cannot be used instead of
+/// retrying silently.
+#[derive(Clone, Default)]
+pub struct SinkContext {
+    last_error: Arc<Mutex<Option<LastError>>>,
+}
+
+/// An error librdkafka reported: its code (if any) and text.
+type LastError = (Option<RDKafkaErrorCode>, String);
+
+impl ClientContext for SinkContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        tracing::warn!(target: "librdkafka", "librdkafka: {error}: {reason}");
+        self.remember(error.rdkafka_error_code(), reason);
+    }
+
+    /// librdkafka reports a failed TLS handshake or SASL exchange in its log
+    /// (the error callback only says the broker is down): keep those too.
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
+        use rdkafka::config::RDKafkaLogLevel as L;
+        match level {
+            L::Emerg | L::Alert | L::Critical | L::Error => {
+                tracing::error!(target: "librdkafka", "librdkafka: {fac} {message}")
+            }
+            L::Warning => tracing::warn!(target: "librdkafka", "librdkafka: {fac} {message}"),
+            L::Notice | L::Info => {
+                tracing::info!(target: "librdkafka", "librdkafka: {fac} {message}")
+            }
+            L::Debug => tracing::debug!(target: "librdkafka", "librdkafka: {fac} {message}"),
+        }
+        if is_config_error(None, message) {
+            self.remember(None, message);
+        }
+    }
+}
+
+impl SinkContext {
+    fn remember(&self, code: Option<RDKafkaErrorCode>, reason: &str) {
+        let mut slot = match self.last_error.lock() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        // A TLS or SASL failure explains the "all brokers down" after it.
+        if slot.as_ref().is_some_and(|(c, r)| is_config_error(*c, r))
+            && !is_config_error(code, reason)
+        {
+            return;
+        }
+        *slot = Some((code, reason.to_string()));
+    }
+
+    fn last_error(&self) -> Option<LastError> {
+        match self.last_error.lock() {
+            Ok(g) => g.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+}
+
+/// Errors no retry fixes: the configuration (certificate, credentials) is
+/// wrong for these brokers.
+fn is_config_error(code: Option<RDKafkaErrorCode>, reason: &str) -> bool {
+    use RDKafkaErrorCode as C;
+    matches!(
+        code,
+        Some(C::SSL | C::Authentication | C::SaslAuthenticationFailed)
+    ) || reason.contains("SSL handshake failed")
+        || reason.contains("SSL routines")
+        || reason.contains("SASL")
+        || reason.contains("Authentication")
+}
 
 pub struct KafkaSink {
     name: String,
     /// Replaced when librdkafka reports a fatal error (e.g. the idempotent
     /// producer lost its sequence after a broker stall): a fatal producer
     /// never recovers on its own.
-    producer: RwLock<FutureProducer>,
+    producer: RwLock<KafkaProducer>,
     client_config: ClientConfig,
+    context: SinkContext,
     /// Set when the broker stopped accepting this producer's identity.
     reset: Arc<AtomicBool>,
     /// How many times the producer was replaced ([`Sink::session`]).
@@ -158,13 +251,16 @@ impl KafkaSink {
             }
             cc.set(k, v);
         }
-        let producer: FutureProducer = cc
-            .create()
+        secure(&mut cc, c);
+        let context = SinkContext::default();
+        let producer: KafkaProducer = cc
+            .create_with_context(context.clone())
             .with_context(|| format!("sinks.{name}: cannot create the Kafka producer"))?;
         Ok(KafkaSink {
             name: name.to_string(),
             producer: RwLock::new(producer),
             client_config: cc,
+            context,
             reset: Arc::new(AtomicBool::new(false)),
             generation: AtomicU64::new(0),
             in_flight: Arc::new(Semaphore::new(c.max_in_flight.max(1))),
@@ -215,8 +311,44 @@ impl KafkaSink {
         })
     }
 
+    /// Start-up check: reach the brokers. A TLS or SASL failure (wrong CA,
+    /// client certificate refused, bad credentials, a server that does not
+    /// speak SASL) is an error naming the sink; brokers that are merely down
+    /// are an outage — the relay starts and waits for them.
+    pub async fn verify(&self) -> Result<()> {
+        let started = std::time::Instant::now();
+        while started.elapsed() < Duration::from_secs(5) {
+            let p = self.healthy_producer();
+            let reached = tokio::task::spawn_blocking(move || {
+                p.client()
+                    .fetch_metadata(None, Duration::from_millis(500))
+                    .is_ok()
+            })
+            .await
+            .unwrap_or(false);
+            if reached {
+                return Ok(());
+            }
+            if let Some((code, reason)) = self.context.last_error()
+                && is_config_error(code, &reason)
+            {
+                anyhow::bail!(
+                    "sinks.{}: cannot use the Kafka brokers: {reason} (check sinks.{0}.tls and sinks.{0}.sasl)",
+                    self.name
+                );
+            }
+        }
+        let why = self
+            .context
+            .last_error()
+            .map(|(_, r)| r)
+            .unwrap_or_else(|| "no answer".into());
+        tracing::warn!(sink = %self.name, "Kafka brokers not reachable yet ({why}); publishing waits for them");
+        Ok(())
+    }
+
     /// The current producer, replaced first if librdkafka declared it dead.
-    fn healthy_producer(&self) -> FutureProducer {
+    fn healthy_producer(&self) -> KafkaProducer {
         let generation = self.generation.load(Ordering::Acquire);
         let current = match self.producer.read() {
             Ok(p) => p.clone(),
@@ -235,7 +367,10 @@ impl KafkaSink {
             return slot.clone();
         }
         tracing::warn!(sink = %self.name, ?fatal, "the broker no longer accepts this Kafka producer; creating a new one");
-        match self.client_config.create::<FutureProducer>() {
+        match self
+            .client_config
+            .create_with_context::<SinkContext, KafkaProducer>(self.context.clone())
+        {
             Ok(fresh) => {
                 let old = std::mem::replace(&mut *slot, fresh.clone());
                 self.generation.fetch_add(1, Ordering::AcqRel);
@@ -256,6 +391,34 @@ impl KafkaSink {
                 current
             }
         }
+    }
+}
+
+/// librdkafka's TLS and SASL settings from `tls` and `sasl`.
+fn secure(cc: &mut ClientConfig, c: &KafkaSinkConfig) {
+    let protocol = match (&c.tls, &c.sasl) {
+        (None, None) => return,
+        (Some(_), None) => "ssl",
+        (None, Some(_)) => "sasl_plaintext",
+        (Some(_), Some(_)) => "sasl_ssl",
+    };
+    cc.set("security.protocol", protocol);
+    if let Some(t) = &c.tls {
+        if let Some(ca) = &t.ca_file {
+            cc.set("ssl.ca.location", ca.display().to_string());
+        }
+        if let (Some(cert), Some(key)) = (&t.cert_file, &t.key_file) {
+            cc.set("ssl.certificate.location", cert.display().to_string())
+                .set("ssl.key.location", key.display().to_string());
+        }
+    }
+    if let Some(s) = &c.sasl {
+        cc.set("sasl.mechanism", s.mechanism.librdkafka())
+            .set("sasl.username", &s.username)
+            .set(
+                "sasl.password",
+                s.password.as_ref().map(|p| p.expose()).unwrap_or_default(),
+            );
     }
 }
 

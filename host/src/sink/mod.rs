@@ -173,7 +173,11 @@ pub async fn build_all(
     let mut sinks: BTreeMap<String, Arc<dyn Sink>> = BTreeMap::new();
     for (name, cfg) in configs {
         let sink: Arc<dyn Sink> = match cfg {
-            SinkConfig::Kafka(k) => Arc::new(kafka::KafkaSink::build(name, k, publish_timeout)?),
+            SinkConfig::Kafka(k) => {
+                let sink = kafka::KafkaSink::build(name, k, publish_timeout)?;
+                sink.verify().await?;
+                Arc::new(sink)
+            }
             SinkConfig::Nats(n) => {
                 let patterns = routes.patterns_for_sink(name);
                 Arc::new(nats::NatsSink::build(name, n, &patterns, publish_timeout).await?)

@@ -134,6 +134,90 @@ fn classify(
     }
 }
 
+/// Connection options from the sink's config: name, timeouts, TLS and
+/// credentials; problems after start-up are logged naming the sink.
+async fn connect_options(
+    name: &str,
+    c: &NatsSinkConfig,
+    publish_timeout: Duration,
+) -> Result<async_nats::ConnectOptions> {
+    let mut o = async_nats::ConnectOptions::new()
+        .name(format!("outroute/{name}"))
+        .connection_timeout(Duration::from_secs(2))
+        .request_timeout(Some(publish_timeout));
+    if let Some(t) = &c.tls {
+        o = o.require_tls(true);
+        if let Some(ca) = &t.ca_file {
+            o = o.add_root_certificates(ca.clone());
+        }
+        if let (Some(cert), Some(key)) = (&t.cert_file, &t.key_file) {
+            o = o.add_client_certificate(cert.clone(), key.clone());
+        }
+    }
+    if let Some(a) = &c.auth {
+        if let (Some(user), Some(password)) = (&a.user, &a.password) {
+            o = o.user_and_password(user.clone(), password.expose().to_string());
+        } else if let Some(token) = &a.token {
+            o = o.token(token.expose().to_string());
+        } else if let Some(seed) = &a.nkey_seed {
+            o = o.nkey(seed.expose().to_string());
+        } else if let Some(creds) = &a.creds_file {
+            o = o.credentials_file(creds).await.with_context(|| {
+                format!(
+                    "sinks.{name}.auth.creds_file: {} is not a NATS credentials file",
+                    creds.display()
+                )
+            })?;
+        }
+    }
+    let sink = name.to_string();
+    Ok(o.event_callback(move |event| {
+        let sink = sink.clone();
+        async move {
+            use async_nats::Event as E;
+            match event {
+                E::ServerError(_) | E::ClientError(_) => {
+                    tracing::warn!(sink = %sink, "NATS: {event}")
+                }
+                _ => tracing::debug!(sink = %sink, "NATS: {event}"),
+            }
+        }
+    }))
+}
+
+/// Failures no retry fixes: credentials, certificates, the URL itself.
+fn is_config_error(e: &async_nats::ConnectError) -> bool {
+    use async_nats::ConnectErrorKind as K;
+    let text = e.to_string().to_lowercase();
+    matches!(
+        e.kind(),
+        K::Authentication | K::AuthorizationViolation | K::Tls | K::ServerParse
+    ) || text.contains("certificate")
+        || text.contains("authorization")
+}
+
+/// Which key to look at for a connection refused for its configuration.
+fn config_hint(name: &str, c: &NatsSinkConfig, e: &async_nats::ConnectError) -> String {
+    use async_nats::ConnectErrorKind as K;
+    match e.kind() {
+        K::Authentication | K::AuthorizationViolation if c.auth.is_none() => {
+            format!(" (the server requires credentials: set sinks.{name}.auth)")
+        }
+        K::Authentication | K::AuthorizationViolation => {
+            format!(" (the server refused the credentials in sinks.{name}.auth)")
+        }
+        _ if e.to_string().to_lowercase().contains("certificate") => format!(
+            " (the server's certificate is not trusted{}: check sinks.{name}.tls.ca_file)",
+            match c.tls.as_ref().and_then(|t| t.ca_file.as_ref()) {
+                Some(ca) => format!(" by {}", ca.display()),
+                None => " by the system's roots".into(),
+            }
+        ),
+        K::Tls => format!(" (check sinks.{name}.tls)"),
+        _ => String::new(),
+    }
+}
+
 impl NatsSink {
     pub async fn build(
         name: &str,
@@ -141,14 +225,30 @@ impl NatsSink {
         patterns: &[String],
         publish_timeout: Duration,
     ) -> Result<Self> {
-        let client = async_nats::ConnectOptions::new()
-            .name(format!("outroute/{name}"))
-            .retry_on_initial_connect()
-            .connection_timeout(Duration::from_secs(2))
-            .request_timeout(Some(publish_timeout))
+        // A first attempt that does not retry tells wrong credentials or an
+        // untrusted certificate (refuse to start, naming the sink) from a
+        // server that is down (an outage: start, and keep trying).
+        let client = match connect_options(name, c, publish_timeout)
+            .await?
             .connect(&c.url)
             .await
-            .with_context(|| format!("sinks.{name}: cannot connect to {}", c.url))?;
+        {
+            Ok(client) => client,
+            Err(e) if is_config_error(&e) => bail!(
+                "sinks.{name}: cannot connect to {}: {e}{}",
+                c.url,
+                config_hint(name, c, &e)
+            ),
+            Err(e) => {
+                tracing::warn!(sink = %name, "NATS server not reachable yet ({e}); publishing waits for it");
+                connect_options(name, c, publish_timeout)
+                    .await?
+                    .retry_on_initial_connect()
+                    .connect(&c.url)
+                    .await
+                    .with_context(|| format!("sinks.{name}: cannot connect to {}", c.url))?
+            }
+        };
         let js = match c.mode {
             NatsMode::Core => None,
             NatsMode::Jetstream => {
@@ -181,6 +281,12 @@ impl NatsSink {
                     .map_err(|_| anyhow::anyhow!("timed out"))
                     .and_then(|r| r.map_err(anyhow::Error::from))
                     {
+                        // No answer is an outage (publishing waits for the
+                        // server); an answer without a stream is a mistake.
+                        if format!("{e:#}").contains("timed out") {
+                            tracing::warn!(sink = %name, subject = %sample, "could not check the JetStream stream (the server did not answer); publishing waits for it");
+                            continue;
+                        }
                         bail!(
                             "sinks.{name}: no JetStream stream captures subject `{sample}` (allowed pattern `{p}`): {e}; \
                              create the stream or set sinks.{name}.create_stream"

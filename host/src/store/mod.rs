@@ -231,13 +231,14 @@ macro_rules! dispatch {
 }
 
 impl Store {
-    /// Connect and check that the configured table and columns exist.
-    pub async fn connect(config: &Config, relay_id: &str) -> anyhow::Result<Store> {
-        let sc: &StoreConfig = &config.store;
+    /// Connect to source `source` of `config` (`config.sources`).
+    pub async fn connect(config: &Config, source: &str, relay_id: &str) -> anyhow::Result<Store> {
+        let sc: &StoreConfig = config.source(source)?;
+        let key = config.source_key(source);
         if sc.url.starts_with("sqlite:") {
-            Ok(Store::Sqlite(sqlite::SqliteStore::connect(sc).await?))
+            Ok(Store::Sqlite(sqlite::SqliteStore::connect(&key, sc).await?))
         } else {
-            let pg = postgres::PgStore::connect(config, relay_id).await?;
+            let pg = postgres::PgStore::connect(config, &key, sc, relay_id).await?;
             Ok(Store::Postgres(Box::new(pg)))
         }
     }
@@ -357,7 +358,17 @@ impl Store {
         after: Option<&Cursor>,
         limit: i64,
     ) -> anyhow::Result<Vec<Claim>> {
-        dispatch!(self, s => s.published(f, after, limit).await)
+        dispatch!(self, s => s.published_page(f, after, limit, false).await)
+    }
+
+    /// Published events newest first, before `before`.
+    pub async fn published_newest(
+        &self,
+        f: &Filter,
+        before: Option<&Cursor>,
+        limit: i64,
+    ) -> anyhow::Result<Vec<Claim>> {
+        dispatch!(self, s => s.published_page(f, before, limit, true).await)
     }
 
     /// Count of published events matching `f` (replay progress).

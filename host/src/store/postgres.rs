@@ -308,6 +308,8 @@ impl TableSql {
 
 pub struct PgStore {
     pool: PgPool,
+    /// The source's config key (`store` or `sources.<name>`), for errors.
+    key: String,
     source: String,
     relay_id: String,
     lanes: u32,
@@ -324,13 +326,74 @@ pub struct PgStore {
     missing_index: Option<String>,
 }
 
+/// The URL's options with `store.password` and `store.tls` applied.
+fn connect_options(key: &str, sc: &crate::config::StoreConfig) -> Result<PgConnectOptions> {
+    use crate::config::PgTlsMode as M;
+    use sqlx::postgres::PgSslMode;
+    let mut opts = sc
+        .url
+        .parse::<PgConnectOptions>()
+        .map_err(|e| anyhow!("{key}.url: {e}"))?;
+    if let Some(p) = &sc.password {
+        opts = opts.password(p.expose());
+    }
+    if let Some(t) = &sc.tls {
+        opts = opts.ssl_mode(match t.mode {
+            M::Disable => PgSslMode::Disable,
+            M::Prefer => PgSslMode::Prefer,
+            M::Require => PgSslMode::Require,
+            M::VerifyCa => PgSslMode::VerifyCa,
+            M::VerifyFull => PgSslMode::VerifyFull,
+        });
+        if let Some(ca) = &t.ca_file {
+            opts = opts.ssl_root_cert(ca);
+        }
+        if let (Some(cert), Some(key)) = (&t.cert_file, &t.key_file) {
+            opts = opts.ssl_client_cert(cert).ssl_client_key(key);
+        }
+    }
+    Ok(opts)
+}
+
+/// A failed first connection, said so an operator knows which setting to
+/// look at (the password itself is never shown).
+fn connect_error(key: &str, sc: &crate::config::StoreConfig, e: sqlx::Error) -> anyhow::Error {
+    let url = crate::config::redact_url(&sc.url);
+    let tls_problem = matches!(e, sqlx::Error::Tls(_))
+        || e.to_string().contains("certificate")
+        || e.to_string().contains("UnknownIssuer");
+    let hint = match &e {
+        _ if tls_problem => match sc.tls.as_ref().and_then(|t| t.ca_file.as_ref()) {
+            Some(ca) => format!(
+                " (TLS: the server's certificate is not trusted by {key}.tls.ca_file {} or is not issued for this host)",
+                ca.display()
+            ),
+            None => format!(
+                " (TLS: the server's certificate is not trusted by the system's roots; set {key}.tls.ca_file)"
+            ),
+        },
+        sqlx::Error::Database(d) if d.code().as_deref() == Some("28P01") => {
+            format!(" (wrong password: check {key}.password / {key}.password_file)")
+        }
+        sqlx::Error::Database(d) if d.code().as_deref() == Some("28000") => {
+            format!(
+                " (the server's pg_hba.conf refuses this role, database or connection type: TLS may be required, see {key}.tls)"
+            )
+        }
+        _ => String::new(),
+    };
+    anyhow!("{key}: cannot connect to {url}: {e}{hint}")
+}
+
 impl PgStore {
-    pub async fn connect(config: &Config, relay_id: &str) -> Result<Self> {
-        let sc = &config.store;
-        let opts: PgConnectOptions = sc
-            .url
-            .parse::<PgConnectOptions>()
-            .map_err(|e| anyhow!("store.url: {e}"))?
+    /// Connect to the source `sc` (`key`: its config key, for errors).
+    pub async fn connect(
+        config: &Config,
+        key: &str,
+        sc: &crate::config::StoreConfig,
+        relay_id: &str,
+    ) -> Result<Self> {
+        let opts = connect_options(key, sc)?
             .application_name("outroute")
             // The claim must walk the lane index in order. A planner that
             // knows the table's row count but has no column statistics (an
@@ -346,12 +409,13 @@ impl PgStore {
             .acquire_timeout(Duration::from_secs(5))
             .connect_with(opts)
             .await
-            .with_context(|| format!("connecting to {}", crate::config::redact_url(&sc.url)))?;
+            .map_err(|e| connect_error(key, sc, e))?;
         Ok(PgStore {
             pool,
+            key: key.to_string(),
             source: sc.table().name,
             relay_id: relay_id.to_string(),
-            lanes: config.relay.lanes,
+            lanes: sc.lanes.unwrap_or(config.relay.lanes),
             lease_ttl: config.relay.lease_ttl,
             ordering: config.relay.ordering,
             batch_size: config.relay.batch_size,
@@ -399,30 +463,12 @@ impl PgStore {
             .await?;
         if exists.is_none() {
             bail!(
-                "store.table.name: table `{}` does not exist (run `outroute migrate` for the canonical table)",
+                "{}.table.name: table `{}` does not exist (run `outroute migrate` for the canonical table)",
+                self.key,
                 t.name
             );
         }
-        let mut cols: Vec<(&str, &String)> = vec![
-            ("id", &t.id),
-            ("aggregate_id", &t.aggregate_id),
-            ("event_type", &t.event_type),
-            ("payload", &t.payload),
-            ("created_at", &t.created_at),
-        ];
-        for (k, v) in [
-            ("sequence", &t.sequence),
-            ("aggregate_type", &t.aggregate_type),
-            ("event_version", &t.event_version),
-            ("headers", &t.headers),
-            ("attempts", &t.attempts),
-            ("last_error", &t.last_error),
-            ("failed_at", &t.failed_at),
-        ] {
-            if let Some(v) = v {
-                cols.push((k, v));
-            }
-        }
+        let mut cols = t.columns();
         if let Marking::PublishedAt { column } | Marking::Status { column, .. } = &t.marking {
             cols.push(("marking.column", column));
         }
@@ -438,7 +484,8 @@ impl PgStore {
             .await?;
             match ty {
                 None => bail!(
-                    "store.table.{key}: column `{col}` not found in table `{}`",
+                    "{}.table.{key}: column `{col}` not found in table `{}`",
+                    self.key,
                     t.name
                 ),
                 Some(ty) if key == "id" => id_type = ty,
@@ -452,14 +499,18 @@ impl PgStore {
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || " _(),".contains(c))
         {
-            bail!("store.table.id: unsupported id column type `{id_type}`");
+            bail!(
+                "{}.table.id: unsupported id column type `{id_type}`",
+                self.key
+            );
         }
         if t.sequence.is_none() && self.ordering != Ordering::None {
             tracing::warn!(
                 table = %t.name,
-                "store.table.sequence is unset: events are ordered by (created_at, id), so events of one aggregate \
+                "{}.table.sequence is unset: events are ordered by (created_at, id), so events of one aggregate \
                  written with the same timestamp (one transaction using now()) go out in id order. \
-                 `outroute migrate --table --add-sequence` adds a sequence column that keeps insert order"
+                 `outroute migrate --table --add-sequence` adds a sequence column that keeps insert order",
+                self.key
             );
         }
         let sql = TableSql::new(t, self.lanes, &base);
@@ -1339,20 +1390,28 @@ impl PgStore {
         )
     }
 
-    pub async fn published(
+    /// A page of published events in outbox order after `cursor`, or
+    /// (`newest`) in reverse order before it.
+    pub async fn published_page(
         &self,
         f: &Filter,
-        after: Option<&Cursor>,
+        cursor: Option<&Cursor>,
         limit: i64,
+        newest: bool,
     ) -> Result<Vec<Claim>> {
         let s = self.sql()?;
         if matches!(s.cfg.marking, Marking::Delete) {
-            bail!("replay: marking style `delete` keeps no published events to replay");
+            bail!("marking style `delete` keeps no published events (nothing to replay or try)");
         }
+        let (cmp, dir, start) = if newest {
+            ("<", " DESC", i64::MAX)
+        } else {
+            (">", "", i64::MIN)
+        };
         // Ids compare as text on both sides, so the cursor works for any id type.
         let q = format!(
             "SELECT {cols}, NULL::text AS tid, NULL::int AS state_attempts FROM {table} o WHERE {w} \
-               AND ({seq} > $6 OR ({seq} = $6 AND {id}::text > $8)) ORDER BY {seq}, {id}::text LIMIT $7",
+               AND ({seq} {cmp} $6 OR ({seq} = $6 AND {id}::text {cmp} $8)) ORDER BY {seq}{dir}, {id}::text{dir} LIMIT $7",
             cols = s.select_cols,
             table = s.table,
             w = self.published_where(s),
@@ -1365,9 +1424,9 @@ impl PgStore {
             .bind(&f.aggregate_type)
             .bind(&f.aggregate_id)
             .bind(&f.event_type)
-            .bind(after.map(|c| c.seq).unwrap_or(i64::MIN))
+            .bind(cursor.map(|c| c.seq).unwrap_or(start))
             .bind(limit)
-            .bind(after.map(|c| c.id.as_str()).unwrap_or(""))
+            .bind(cursor.map(|c| c.id.as_str()).unwrap_or(""))
             .fetch_all(&self.pool)
             .await?;
         rows.iter().map(to_claim).collect()

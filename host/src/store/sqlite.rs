@@ -39,14 +39,14 @@ const COLS: &str = "o.id AS id, o.seq AS seq, CAST(o.aggregate_type AS TEXT) AS 
     CAST(o.headers AS TEXT) AS headers, CAST(o.created_at AS TEXT) AS created_at";
 
 impl SqliteStore {
-    pub async fn connect(c: &StoreConfig) -> Result<Self> {
+    pub async fn connect(key: &str, c: &StoreConfig) -> Result<Self> {
         if c.table() != TableConfig::canonical() {
             bail!(
-                "store.table: the SQLite store supports only the canonical table; map existing tables on PostgreSQL"
+                "{key}.table: the SQLite store supports only the canonical table; map existing tables on PostgreSQL"
             );
         }
         let opts = SqliteConnectOptions::from_str(&c.url)
-            .with_context(|| format!("store.url: `{}`", c.url))?
+            .with_context(|| format!("{key}.url: `{}`", c.url))?
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             .busy_timeout(Duration::from_secs(5));
@@ -54,7 +54,7 @@ impl SqliteStore {
             .max_connections(c.max_connections.clamp(1, 4))
             .connect_with(opts)
             .await
-            .with_context(|| format!("opening {}", c.url))?;
+            .with_context(|| format!("{key}: opening {}", c.url))?;
         Ok(SqliteStore { pool })
     }
 
@@ -441,24 +441,32 @@ impl SqliteStore {
         qb
     }
 
-    pub async fn published(
+    /// A page of published events in outbox order after `cursor`, or
+    /// (`newest`) in reverse order before it.
+    pub async fn published_page(
         &self,
         f: &Filter,
-        after: Option<&Cursor>,
+        cursor: Option<&Cursor>,
         limit: i64,
+        newest: bool,
     ) -> Result<Vec<Claim>> {
+        let (cmp, dir, start) = if newest {
+            (" < ", " DESC", i64::MAX)
+        } else {
+            (" > ", "", i64::MIN)
+        };
         let mut qb =
             Self::published_query(&format!("SELECT {COLS}, 0 AS attempts FROM outbox o"), f);
-        let (seq, id) = after
+        let (seq, id) = cursor
             .map(|c| (c.seq, c.id.clone()))
-            .unwrap_or((i64::MIN, String::new()));
-        qb.push(" AND (o.seq > ")
+            .unwrap_or((start, String::new()));
+        qb.push(format!(" AND (o.seq{cmp}"))
             .push_bind(seq)
             .push(" OR (o.seq = ")
             .push_bind(seq)
-            .push(" AND o.id > ")
+            .push(format!(" AND o.id{cmp}"))
             .push_bind(id)
-            .push(")) ORDER BY o.seq, o.id LIMIT ")
+            .push(format!(")) ORDER BY o.seq{dir}, o.id{dir} LIMIT "))
             .push_bind(limit);
         let rows = qb.build().fetch_all(&self.pool).await?;
         rows.iter().map(to_claim).collect()

@@ -1,0 +1,278 @@
+//! Cross-checks of a loaded config: every reference resolves (routes →
+//! plugins, sinks and sources), names and identifiers are safe, budgets are
+//! in range. Each problem is a `(key, reason)`; [`super::load`] turns them
+//! into `file:key: reason` lines and refuses the config.
+
+use super::*;
+
+impl Loaded {
+    /// What `run` needs beyond a valid file: at least one route. (`migrate`,
+    /// `status` and `failed` need only the store.)
+    pub fn check_runnable(&self) -> Result<(), String> {
+        if self.config.routes.is_empty() {
+            return Err("routes: no routes: the relay would route nothing".into());
+        }
+        Ok(())
+    }
+
+    /// The checks of one source (`key`: `store` or `sources.<name>`).
+    fn validate_source(&self, key: &str, sc: &StoreConfig, err: &mut impl FnMut(String, String)) {
+        if !(sc.url.starts_with("postgres://")
+            || sc.url.starts_with("postgresql://")
+            || sc.url.starts_with("sqlite:"))
+        {
+            err(
+                format!("{key}.url"),
+                format!(
+                    "`{}` is neither a postgres:// nor a sqlite: URL",
+                    redact_url(&sc.url)
+                ),
+            );
+        }
+        let t = &sc.table();
+        let cols = t.columns();
+        if let Err(e) = check_identifier(&t.name, true) {
+            err(format!("{key}.table.name"), e);
+        }
+        for (k, v) in cols {
+            if let Err(e) = check_identifier(v, false) {
+                err(format!("{key}.table.{k}"), e);
+            }
+        }
+        match &t.marking {
+            Marking::PublishedAt { column } | Marking::Status { column, .. } => {
+                if let Err(e) = check_identifier(column, false) {
+                    err(format!("{key}.table.marking.column"), e);
+                }
+            }
+            Marking::Delete => {
+                if self.config.relay.retention.is_some() {
+                    err(
+                        "relay.retention".into(),
+                        "has no effect with marking style `delete` (published rows are already gone)".into(),
+                    );
+                }
+            }
+        }
+        if t.aggregate_type.is_none() && t.aggregate_type_value.is_none() {
+            err(
+                format!("{key}.table.aggregate_type_value"),
+                "the table has no aggregate_type column; set a constant aggregate type here".into(),
+            );
+        }
+
+        if let Some(l) = sc.lanes
+            && (l == 0 || l > 4096)
+        {
+            err(format!("{key}.lanes"), "must be between 1 and 4096".into());
+        }
+    }
+
+    /// Every cross-reference and value check; returns `(key, reason)` pairs.
+    pub fn validate(&self) -> Vec<(String, String)> {
+        let c = &self.config;
+        let mut p: Vec<(String, String)> = Vec::new();
+        let mut err = |k: String, r: String| p.push((k, r));
+
+        if c.relay.batch_size == 0 || c.relay.batch_size > 10_000 {
+            err(
+                "relay.batch_size".into(),
+                "must be between 1 and 10000".into(),
+            );
+        }
+        if c.relay.concurrency == 0 || c.relay.concurrency > 64 {
+            err(
+                "relay.concurrency".into(),
+                "must be between 1 and 64".into(),
+            );
+        }
+        if c.relay.lanes == 0 || c.relay.lanes > 4096 {
+            err("relay.lanes".into(), "must be between 1 and 4096".into());
+        }
+        if c.relay.lease_ttl < Duration::from_secs(1) {
+            err("relay.lease_ttl".into(), "must be at least 1s".into());
+        }
+        if c.relay.poll_min > c.relay.poll_max {
+            err(
+                "relay.poll_min".into(),
+                "must not exceed relay.poll_max".into(),
+            );
+        }
+        if let Some(ch) = &c.relay.notify_channel
+            && let Err(e) = check_identifier(ch, false)
+        {
+            err("relay.notify_channel".into(), e);
+        }
+
+        for (source, sc) in &c.sources {
+            let key = c.source_key(source);
+            if !c.store_shorthand
+                && (source.is_empty()
+                    || !source
+                        .chars()
+                        .all(|ch| ch.is_ascii_alphanumeric() || ch == '_' || ch == '-'))
+            {
+                err(
+                    key.clone(),
+                    "source names use letters, digits, `_` and `-`".into(),
+                );
+            }
+            self.validate_source(&key, sc, &mut err);
+        }
+        // Two sources on one table would share its leases and mark each
+        // other's rows: one outbox, one source.
+        let mut seen: BTreeMap<(String, String), &str> = BTreeMap::new();
+        for (source, sc) in &c.sources {
+            let at = sc.url.rsplit('@').next().unwrap_or(&sc.url).to_string();
+            if let Some(first) = seen.insert((at, sc.table().name), source) {
+                err(
+                    c.source_key(source),
+                    format!("reads the same table as source `{first}`: one outbox, one source"),
+                );
+            }
+        }
+        for (i, r) in c.routes.iter().enumerate() {
+            for s in &r.sources {
+                if !c.sources.contains_key(s) {
+                    err(
+                        format!("routes[{i}].sources"),
+                        format!(
+                            "no source named `{s}` (sources: {})",
+                            c.sources.keys().cloned().collect::<Vec<_>>().join(", ")
+                        ),
+                    );
+                }
+            }
+        }
+
+        for (name, sink) in &c.sinks {
+            if name.is_empty()
+                || !name
+                    .chars()
+                    .all(|ch| ch.is_ascii_alphanumeric() || ch == '-' || ch == '_')
+            {
+                err(
+                    format!("sinks.{name}"),
+                    "sink names use letters, digits, `-` and `_`".into(),
+                );
+            }
+            if sink.max_message_bytes() == 0 {
+                err(
+                    format!("sinks.{name}.max_message_bytes"),
+                    "must be positive".into(),
+                );
+            }
+            if let SinkConfig::Kafka(k) = sink {
+                for key in k.options.keys() {
+                    if let Some((_, why)) = crate::sink::kafka::PROTECTED_OPTIONS
+                        .iter()
+                        .find(|(p, _)| p == key)
+                    {
+                        err(
+                            format!("sinks.{name}.options.\"{key}\""),
+                            format!("outroute sets this itself ({why}); remove it"),
+                        );
+                    }
+                }
+            }
+            if let SinkConfig::Nats(n) = sink
+                && !n.url.starts_with("nats://")
+                && !n.url.starts_with("tls://")
+                && !n.url.contains(':')
+            {
+                err(
+                    format!("sinks.{name}.url"),
+                    format!("`{}` is not a NATS URL", n.url),
+                );
+            }
+        }
+        for (name, plugin) in &c.plugins {
+            let path = self.resolve(&plugin.path);
+            if !path.is_file() {
+                err(
+                    format!("plugins.{name}.path"),
+                    format!("{} does not exist", path.display()),
+                );
+            }
+            if let Some(shadow) = &plugin.shadow
+                && !self.resolve(shadow).is_file()
+            {
+                err(
+                    format!("plugins.{name}.shadow"),
+                    format!("{} does not exist", self.resolve(shadow).display()),
+                );
+            }
+            if plugin.shadow_config.is_some() && plugin.shadow.is_none() {
+                err(
+                    format!("plugins.{name}.shadow_config"),
+                    "is set but `shadow` (the candidate plugin) is not".into(),
+                );
+            }
+            if plugin
+                .reload_interval
+                .is_some_and(|d| d < Duration::from_millis(100))
+            {
+                err(
+                    format!("plugins.{name}.reload_interval"),
+                    "must be at least 100ms".into(),
+                );
+            }
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for (i, r) in c.routes.iter().enumerate() {
+            let key = |f: &str| format!("routes[{i}].{f}");
+            if !seen.insert(r.name.clone()) {
+                err(
+                    key("name"),
+                    format!("route name `{}` is used twice", r.name),
+                );
+            }
+            if !c.plugins.contains_key(&r.plugin) {
+                err(
+                    key("plugin"),
+                    format!("no plugin named `{}` in [plugins]", r.plugin),
+                );
+            }
+            if r.allow.is_empty() {
+                err(
+                    key("allow"),
+                    "allows no sink: every message would be rejected".into(),
+                );
+            }
+            for (sink, patterns) in &r.allow {
+                if !c.sinks.contains_key(sink) {
+                    err(
+                        key(&format!("allow.{sink}")),
+                        format!("no sink named `{sink}` in [sinks]"),
+                    );
+                }
+                for pat in patterns {
+                    if let Err(e) = crate::routing::topic_matcher(pat) {
+                        err(key(&format!("allow.{sink}")), e);
+                    }
+                }
+            }
+            for pat in r.aggregate_types.iter().chain(&r.event_types) {
+                if let Err(e) = crate::routing::name_matcher(pat) {
+                    err(key("event_types"), e);
+                }
+            }
+            if r.max_attempts == 0 {
+                err(key("max_attempts"), "must be at least 1".into());
+            }
+            if r.memory_mib < 1 || r.memory_mib > 4096 {
+                err(key("memory_mib"), "must be between 1 and 4096".into());
+            }
+            if r.cpu_budget.is_zero() {
+                err(key("cpu_budget"), "must be positive".into());
+            }
+            if r.quarantine_probe_interval.is_zero() {
+                err(key("quarantine_probe_interval"), "must be positive".into());
+            }
+            if r.backoff_min > r.backoff_max {
+                err(key("backoff_min"), "must not exceed backoff_max".into());
+            }
+        }
+        p
+    }
+}

@@ -1,0 +1,392 @@
+//! outroute as a shared platform relay: one process serving three sources
+//! (the canonical table and two existing table shapes, in three databases)
+//! for two teams whose routes live in their own files; and a team file
+//! change applied on SIGHUP while events flow — no restart, no loss — while a
+//! change that reaches outside the team's grant is refused and the running
+//! config keeps working.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Result;
+use outroute_e2e::*;
+
+/// Every `n` of a source's events delivered, and per aggregate the first
+/// deliveries in increasing `n` (the order they were written).
+fn check_numbered(delivered: &[Delivered], source: &str, want: usize) {
+    let mut seen = HashSet::new();
+    let mut last: BTreeMap<String, i64> = BTreeMap::new();
+    for d in delivered.iter().filter(|d| {
+        d.headers
+            .get("ce_source")
+            .is_some_and(|s| s.contains(&format!("/{source}/")))
+    }) {
+        if !seen.insert(d.id().to_string()) {
+            continue;
+        }
+        let n = serde_json::from_slice::<serde_json::Value>(&d.payload)
+            .ok()
+            .and_then(|v| v["n"].as_i64())
+            .unwrap_or(-1);
+        let prev = last.insert(d.aggregate().to_string(), n).unwrap_or(0);
+        assert!(
+            n > prev,
+            "source {source}: aggregate {} went {prev} → {n}",
+            d.aggregate()
+        );
+    }
+    assert_eq!(seen.len(), want, "source {source}: events delivered");
+}
+
+async fn seed_billing(db: &TestDb, from: i32, to: i32) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO t_outbox (event_id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid()::text, 'invoice', 'inv-' || (g % 20), 'invoice-issued', \
+                json_build_object('n', g)::text FROM generate_series($1::int, $2::int) g",
+    )
+    .bind(from)
+    .bind(to)
+    .execute(&db.pool)
+    .await?;
+    Ok(())
+}
+
+async fn seed_shipping(db: &TestDb, from: i32, to: i32) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO outbox_events (id, event_type, aggregate_id, payload) \
+         SELECT gen_random_uuid(), 'shipment-sent', md5('ship' || (g % 20))::uuid, \
+                json_build_object('n', g) FROM generate_series($1::int, $2::int) g",
+    )
+    .bind(from)
+    .bind(to)
+    .execute(&db.pool)
+    .await?;
+    Ok(())
+}
+
+fn grants_and_sinks(out: &Path, payments_sources: &str) -> String {
+    format!(
+        "[sinks.file]\nkind = \"file\"\npath = \"{}\"\n\
+         [grants.payments]\nsources = [{payments_sources}]\nallow = {{ file = [\"payments.*\"] }}\n\
+         [grants.logistics]\nsources = [\"shipping\"]\nallow = {{ file = [\"logistics.**\"] }}\n",
+        out.display(),
+    )
+}
+
+fn team(name: &str, plugin: &str, route: &str, extra: &str) -> String {
+    format!(
+        "team = \"{name}\"\n[plugins.{plugin}]\npath = \"{}\"\n[[routes]]\nname = \"{route}\"\nplugin = \"{plugin}\"\n{extra}\n",
+        plugin_path("order-router").display()
+    )
+}
+
+fn plugin_path(name: &str) -> std::path::PathBuf {
+    plugin(name)
+}
+
+fn cache() -> String {
+    std::env::temp_dir()
+        .join("outroute-test-cache")
+        .display()
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_relay_three_sources_two_teams() -> Result<()> {
+    let orders = TestDb::new().await?;
+    let billing = TestDb::new().await?;
+    let shipping = TestDb::new().await?;
+    sqlx::query(seed::T_OUTBOX_DDL)
+        .execute(&billing.pool)
+        .await?;
+    sqlx::query(seed::OUTBOX_EVENTS_DDL)
+        .execute(&shipping.pool)
+        .await?;
+    let dir = test_dir("platform");
+    let out = dir.join("out.jsonl");
+    let main = format!(
+        "include = [\"teams/*.toml\"]\n[relay]\ncache_dir = \"{}\"\nlanes = 16\n\
+         [sources.orders]\nurl = \"{}\"\n\
+         [sources.billing]\nurl = \"{}\"\n{}\n\
+         [sources.shipping]\nurl = \"{}\"\nlanes = 8\n{}\n\
+         {}[http]\nlisten = \"\"\n",
+        cache(),
+        orders.url,
+        billing.url,
+        seed::T_OUTBOX_MAPPING.replace("[store.table]", "[sources.billing.table]"),
+        shipping.url,
+        seed::OUTBOX_EVENTS_MAPPING
+            .replace("[store.table]", "[sources.shipping.table]")
+            .replace(
+                "aggregate_type_value = \"order\"",
+                "aggregate_type_value = \"shipment\""
+            ),
+        grants_and_sinks(&out, "\"orders\", \"billing\""),
+    );
+    std::fs::create_dir_all(dir.join("teams"))?;
+    let config = dir.join("outroute.toml");
+    std::fs::write(&config, main)?;
+    // Payments reads both of its granted sources (no `sources` key).
+    std::fs::write(
+        dir.join("teams/payments.toml"),
+        team(
+            "payments",
+            "payments-router",
+            "payments",
+            "aggregate_types = [\"order\", \"invoice\"]\nconfig = { sink = \"file\", topic = \"payments.{aggregate_type}\" }\nallow = { file = [\"payments.*\"] }",
+        ),
+    )?;
+    std::fs::write(
+        dir.join("teams/logistics.toml"),
+        team(
+            "logistics",
+            "logistics-router",
+            "shipments",
+            "sources = [\"shipping\"]\nconfig = { sink = \"file\", topic = \"logistics.{aggregate_type}.{event_type}\" }\nallow = { file = [\"logistics.**\"] }",
+        ),
+    )?;
+    let c = config.display().to_string();
+    let (code, o, e) = cli(&["config", "check", "-c", &c])?;
+    assert_eq!(code, 0, "{o}{e}");
+    assert!(
+        o.contains("3 sources, 2 routes") && o.contains("2 included files"),
+        "{o}"
+    );
+    let (code, o, e) = cli(&["migrate", "-c", &c])?;
+    assert_eq!(code, 0, "migrate: {o}{e}");
+    let (code, o, e) = cli(&["migrate", "--table", "-c", &c])?;
+    assert_eq!(code, 0, "migrate --table: {o}{e}");
+    assert!(
+        o.contains("source billing:") && o.contains("source shipping:"),
+        "{o}"
+    );
+
+    let w = produce(&orders.pool, "ord", 20, 10, 7).await?;
+    seed_billing(&billing, 1, 200).await?;
+    seed_shipping(&shipping, 1, 200).await?;
+    let relay = Relay::start(&config, &[])?;
+    let want = w.committed.len() + 400;
+    let all = eventually(Duration::from_secs(60), || async {
+        file_sink_deliveries(&out)
+            .iter()
+            .map(|d| d.id().to_string())
+            .collect::<HashSet<_>>()
+            .len()
+            >= want
+    })
+    .await;
+    assert!(all, "all sources drained: {}", relay.log_text());
+    let delivered = file_sink_deliveries(&out);
+    let from_orders: Vec<Delivered> = delivered
+        .iter()
+        .filter(|d| {
+            d.headers
+                .get("ce_source")
+                .is_some_and(|s| s.contains("/orders/"))
+        })
+        .cloned()
+        .collect();
+    check(&w, &from_orders).assert_clean();
+    check_numbered(&delivered, "billing", 200);
+    check_numbered(&delivered, "shipping", 200);
+    assert!(
+        delivered
+            .iter()
+            .all(|d| d.topic.starts_with("payments.") || d.topic.starts_with("logistics.")),
+        "topics within the grants"
+    );
+
+    // Operator commands per source.
+    let (code, o, e) = cli(&["status", "--json", "-c", &c])?;
+    assert_eq!(code, 0, "{o}{e}");
+    let v: serde_json::Value = serde_json::from_str(&o)?;
+    for s in ["orders", "billing", "shipping"] {
+        assert_eq!(v[s]["backlog"], 0, "{s}: {o}");
+    }
+    let (code, o, e) = cli(&["failed", "list", "--source", "billing", "-c", &c])?;
+    assert_eq!(code, 0, "{o}{e}");
+    assert!(o.contains("no failed events"), "{o}");
+    let (code, _, e) = cli(&["status", "--source", "nope", "-c", &c])?;
+    assert_ne!(code, 0);
+    assert!(e.contains("no source named `nope`"), "{e}");
+    drop(relay);
+    for db in [orders, billing, shipping] {
+        db.drop_db().await;
+    }
+    Ok(())
+}
+
+fn hup(relay: &Relay) {
+    // SAFETY: plain kill(2) on our own child's pid.
+    unsafe {
+        libc::kill(relay.child.id() as i32, libc::SIGHUP);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_team_file_change_applies_without_restart() -> Result<()> {
+    let orders = TestDb::new().await?;
+    let shipping = TestDb::new().await?;
+    sqlx::query(seed::OUTBOX_EVENTS_DDL)
+        .execute(&shipping.pool)
+        .await?;
+    let dir = test_dir("reload");
+    let out = dir.join("out.jsonl");
+    let http = free_addr();
+    let main = format!(
+        "include = [\"teams/*.toml\"]\n[relay]\ncache_dir = \"{}\"\nlanes = 16\n\
+         [sources.orders]\nurl = \"{}\"\n\
+         [sources.shipping]\nurl = \"{}\"\n{}\n\
+         {}[http]\nlisten = \"{http}\"\n",
+        cache(),
+        orders.url,
+        shipping.url,
+        seed::OUTBOX_EVENTS_MAPPING
+            .replace("[store.table]", "[sources.shipping.table]")
+            .replace(
+                "aggregate_type_value = \"order\"",
+                "aggregate_type_value = \"shipment\""
+            ),
+        grants_and_sinks(&out, "\"orders\""),
+    );
+    std::fs::create_dir_all(dir.join("teams"))?;
+    let config = dir.join("outroute.toml");
+    std::fs::write(&config, main)?;
+    std::fs::write(
+        dir.join("teams/payments.toml"),
+        team(
+            "payments",
+            "payments-router",
+            "payments",
+            "sources = [\"orders\"]\nconfig = { sink = \"file\", topic = \"payments.{event_type}\" }\nallow = { file = [\"payments.*\"] }",
+        ),
+    )?;
+    let c = config.display().to_string();
+    let (code, o, e) = cli(&["migrate", "-c", &c])?;
+    assert_eq!(code, 0, "migrate: {o}{e}");
+    // Shipping's events wait: no route reads that source yet.
+    seed_shipping(&shipping, 1, 100).await?;
+    let relay = Relay::start(&config, &[])?;
+
+    // Orders keep flowing through both reloads.
+    let pool = orders.pool.clone();
+    let producer = tokio::spawn(async move {
+        let mut all = Workload::default();
+        for round in 0..10 {
+            let w = produce(&pool, &format!("r{round}"), 8, 5, 0).await?;
+            all.committed.extend(w.committed);
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        anyhow::Ok(all)
+    });
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let shipped = |d: &[Delivered]| {
+        d.iter()
+            .filter(|d| d.topic.starts_with("logistics."))
+            .count()
+    };
+    assert_eq!(
+        shipped(&file_sink_deliveries(&out)),
+        0,
+        "no route for shipping yet"
+    );
+
+    // A new team file: a plugin and a route for the shipping source.
+    std::fs::write(
+        dir.join("teams/logistics.toml"),
+        team(
+            "logistics",
+            "logistics-router",
+            "shipments",
+            "config = { sink = \"file\", topic = \"logistics.{event_type}\" }\nallow = { file = [\"logistics.**\"] }",
+        ),
+    )?;
+    let (code, o, e) = cli(&["config", "check", "-c", &c])?;
+    assert_eq!(code, 0, "{o}{e}");
+    hup(&relay);
+    let applied = eventually(Duration::from_secs(30), || async {
+        shipped(&file_sink_deliveries(&out)) >= 100
+    })
+    .await;
+    assert!(applied, "the new route took effect: {}", relay.log_text());
+    check_numbered(&file_sink_deliveries(&out), "shipping", 100);
+
+    // A team file reaching outside its grant: refused, old config kept.
+    std::fs::write(
+        dir.join("teams/rogue.toml"),
+        team(
+            "logistics",
+            "rogue-router",
+            "rogue",
+            "config = { sink = \"file\", topic = \"payments.stolen\" }\nallow = { file = [\"payments.*\"] }",
+        ),
+    )?;
+    let (code, o, e) = cli(&["config", "check", "-c", &c])?;
+    assert_ne!(code, 0, "{o}");
+    assert!(
+        e.contains("teams/rogue.toml:routes[0].allow.file")
+            && e.contains("outside team `logistics`'s grant"),
+        "{e}"
+    );
+    hup(&relay);
+    let rejected = eventually(Duration::from_secs(20), || async {
+        http_get(&http, "/metrics")
+            .await
+            .ok()
+            .and_then(|(_, m)| metric(&m, "outroute_config_reloads_total{result=\"rejected\"}"))
+            == Some(1.0)
+    })
+    .await;
+    assert!(rejected, "the bad change was refused: {}", relay.log_text());
+    let (_, m) = http_get(&http, "/metrics").await?;
+    assert_eq!(
+        metric(&m, "outroute_config_reloads_total{result=\"applied\"}"),
+        Some(1.0)
+    );
+    let (status, body) = http_get(&http, "/readyz").await?;
+    assert_eq!(status, 200, "still ready: {body}");
+    assert!(relay.log_text().contains("config reload rejected"));
+
+    // Everything written while the config changed twice went out, in order.
+    let w = producer.await??;
+    seed_shipping(&shipping, 101, 150).await?;
+    let all = eventually(Duration::from_secs(60), || async {
+        let d = file_sink_deliveries(&out);
+        let ids: HashSet<String> = d.iter().map(|d| d.id().to_string()).collect();
+        ids.len() >= w.committed.len() + 150
+    })
+    .await;
+    assert!(all, "drained after the reloads: {}", relay.log_text());
+    let delivered = file_sink_deliveries(&out);
+    let from_orders: Vec<Delivered> = delivered
+        .iter()
+        .filter(|d| d.topic.starts_with("payments."))
+        .cloned()
+        .collect();
+    let report = check(&w, &from_orders);
+    report.assert_clean();
+    assert_eq!(report.lost, 0);
+    check_numbered(&delivered, "shipping", 150);
+    let log = relay.log_text();
+    assert_eq!(
+        log.matches("outroute relay started").count(),
+        1,
+        "one start, no restart"
+    );
+    let applied = log
+        .lines()
+        .find(|l| l.contains("config reload applied in"))
+        .unwrap_or_default();
+    eprintln!("{applied}");
+    // Only the new source was started; orders kept its relay and lanes.
+    assert_eq!(
+        log.matches("source started").count(),
+        2,
+        "orders started once, shipping once: {log}"
+    );
+    drop(relay);
+    orders.drop_db().await;
+    shipping.drop_db().await;
+    Ok(())
+}
