@@ -53,7 +53,7 @@ struct Args {
     /// Where to write the figures.
     #[arg(long, default_value = "bench-results.json")]
     json: PathBuf,
-    /// Only these sections (plugin, ceiling, produce, drain, sources, tables,
+    /// Only these sections (plugin, ceiling, produce, drain, marking, sources, tables,
     /// baseline, wakeup, latency, backlog, history).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
@@ -240,6 +240,30 @@ async fn main() -> Result<()> {
             format!("{:.2} s", f("finish_spread_s")),
         ));
         results.insert("drain_3_sources_kafka".into(), d);
+    }
+    if want("marking") {
+        // The same drain with the row updated (`published_at`, the default)
+        // or deleted once published: what marking costs PostgreSQL.
+        for shape in [Shape::Canonical, Shape::CanonicalDelete] {
+            eprintln!("== outroute drain of {} → kafka", shape.name());
+            let d = drain_table(args.events, "kafka", args.concurrency, shape).await?;
+            let f = |k: &str| d[k].as_f64().unwrap_or(0.0);
+            table.push((
+                format!("outroute drain of {} → kafka", shape.name()),
+                format!(
+                    "{:.0} events/s; relay + PostgreSQL {:.1} + {:.1} = {:.1} µs/event",
+                    f("events_per_s"),
+                    f("relay_us_per_event"),
+                    f("postgres_us_per_event"),
+                    f("relay_us_per_event") + f("postgres_us_per_event")
+                ),
+            ));
+            let key = match shape {
+                Shape::CanonicalDelete => "drain_kafka_marking_delete",
+                _ => "drain_kafka_marking_update",
+            };
+            results.insert(key.into(), d);
+        }
     }
     if want("tables") {
         for shape in [Shape::TOutbox, Shape::OutboxEvents] {
@@ -816,6 +840,8 @@ async fn pg_cpu(pool: &PgPool) -> f64 {
 #[derive(Clone, Copy, PartialEq)]
 enum Shape {
     Canonical,
+    /// The canonical table, rows deleted once published (`marking = delete`).
+    CanonicalDelete,
     TOutbox,
     OutboxEvents,
 }
@@ -824,6 +850,7 @@ impl Shape {
     fn name(self) -> &'static str {
         match self {
             Shape::Canonical => "outbox",
+            Shape::CanonicalDelete => "outbox, marking delete",
             Shape::TOutbox => "t_outbox",
             Shape::OutboxEvents => "outbox_events",
         }
@@ -832,6 +859,7 @@ impl Shape {
     fn mapping(self) -> &'static str {
         match self {
             Shape::Canonical => "",
+            Shape::CanonicalDelete => "[store.table]\nmarking = { style = \"delete\" }\n",
             Shape::TOutbox => seed::T_OUTBOX_MAPPING,
             Shape::OutboxEvents => seed::OUTBOX_EVENTS_MAPPING,
         }
@@ -840,6 +868,7 @@ impl Shape {
     fn pending(self) -> &'static str {
         match self {
             Shape::Canonical => "SELECT count(*) FROM outbox WHERE published_at IS NULL",
+            Shape::CanonicalDelete => "SELECT count(*) FROM outbox",
             Shape::TOutbox => "SELECT count(*) FROM t_outbox WHERE status = 'PENDING'",
             Shape::OutboxEvents => "SELECT count(*) FROM outbox_events WHERE published_at IS NULL",
         }
@@ -849,7 +878,7 @@ impl Shape {
     /// aggregate each, in the seed articles' DDL.
     async fn create_and_fill(self, pool: &PgPool, n: usize) -> Result<()> {
         let (create, insert) = match self {
-            Shape::Canonical => return fill(pool, n).await,
+            Shape::Canonical | Shape::CanonicalDelete => return fill(pool, n).await,
             Shape::TOutbox => (
                 seed::T_OUTBOX_DDL,
                 "INSERT INTO t_outbox (event_id, aggregate_type, aggregate_id, event_type, payload) \

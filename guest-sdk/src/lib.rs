@@ -47,8 +47,10 @@ mod runtime;
 pub use message::Message;
 
 /// CloudEvents header names (Kafka and NATS protocol bindings). The relay
-/// sets these on every message; plugins may read them from event headers or
-/// add their own `ce_*` extension attributes.
+/// sets the envelope (`ce_id`, `ce_type`, …) on every message and refuses a
+/// message whose plugin set a `ce_*` header itself — except
+/// [`DATA_SCHEMA`](headers::DATA_SCHEMA), the schema of the payload the
+/// plugin produced. Other headers (`content-type`, `x-…`) are the plugin's.
 pub mod headers {
     pub const ID: &str = "ce_id";
     pub const TYPE: &str = "ce_type";
@@ -57,6 +59,9 @@ pub mod headers {
     pub const TIME: &str = "ce_time";
     pub const SUBJECT: &str = "ce_subject";
     pub const DATA_CONTENT_TYPE: &str = "content-type";
+    /// The schema of the payload the plugin produced: the one `ce_*`
+    /// header a plugin may set (the relay sets the rest of the envelope).
+    pub const DATA_SCHEMA: &str = "ce_dataschema";
     /// W3C trace context, carried from the event into every message.
     pub const TRACEPARENT: &str = "traceparent";
 }
@@ -214,6 +219,24 @@ pub enum Level {
 /// standard error.
 pub fn log(level: Level, message: impl AsRef<str>) {
     runtime::log(level, message.as_ref());
+}
+
+/// Add `delta` to this plugin's counter `name` (contract 0.1.1): the relay
+/// exports it as `outroute_plugin_count_total{route, plugin, name}`. Names
+/// are 1–64 characters of `a-z`, `0-9` and `_`, at most 32 per plugin; a bad
+/// name fails the event with a reason saying so. Increments made while
+/// routing an event that then fails are not kept.
+///
+/// Natively (in `cargo test`) the counts are kept per thread: read them
+/// with [`counted`].
+pub fn count(name: &str, delta: u64) {
+    runtime::count(name, delta);
+}
+
+/// What [`count`] added to `name` on this thread so far, in native tests
+/// (inside a component the relay keeps the counts, and this is 0).
+pub fn counted(name: &str) -> u64 {
+    runtime::counted(name)
 }
 
 /// Implement this for your plugin type and export it with [`export_router!`].

@@ -126,3 +126,34 @@ pub fn log(level: Level, message: &str) {
     let _ = host::log; // the import exists only inside a component
     eprintln!("[{level:?}] {message}");
 }
+
+#[cfg(target_arch = "wasm32")]
+pub fn count(name: &str, delta: u64) {
+    host::count(name, delta);
+}
+
+#[cfg(target_arch = "wasm32")]
+pub fn counted(_name: &str) -> u64 {
+    0
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+thread_local! {
+    static COUNTS: RefCell<std::collections::BTreeMap<String, u64>> =
+        const { RefCell::new(std::collections::BTreeMap::new()) };
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+pub fn count(name: &str, delta: u64) {
+    let _ = host::count; // the import exists only inside a component
+    COUNTS.with(|c| {
+        let mut c = c.borrow_mut();
+        let total = c.entry(name.to_string()).or_default();
+        *total = total.saturating_add(delta);
+    });
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+pub fn counted(name: &str) -> u64 {
+    COUNTS.with(|c| c.borrow().get(name).copied().unwrap_or(0))
+}

@@ -183,6 +183,9 @@ pub mod ce {
     pub const SPEC_VERSION: &str = "ce_specversion";
     pub const TIME: &str = "ce_time";
     pub const SUBJECT: &str = "ce_subject";
+    /// The one CloudEvents attribute a plugin may set: the schema of the
+    /// payload it produced.
+    pub const DATA_SCHEMA: &str = "ce_dataschema";
     /// Extension attributes (lower-case alphanumerics, per the spec).
     pub const AGGREGATE_TYPE: &str = "ce_aggregatetype";
     pub const AGGREGATE_ID: &str = "ce_aggregateid";

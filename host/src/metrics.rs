@@ -51,6 +51,9 @@ pub const EVENTS_WITHOUT_MESSAGES: &str = "outroute_events_without_messages_tota
 /// Plugin calls stopped by a route limit (`limit`: cpu_budget, wall_clock,
 /// memory, log, messages_per_event, bytes_per_event).
 pub const LIMIT_BREACHES: &str = "outroute_plugin_limit_breaches_total";
+/// What a plugin counted itself (`host.count`, contract 0.1.1), by route,
+/// plugin and counter name; only calls that succeeded count.
+pub const PLUGIN_COUNT: &str = "outroute_plugin_count_total";
 /// 1 while a route is quarantined (its plugin kept breaking its limits).
 pub const ROUTE_QUARANTINED: &str = "outroute_route_quarantined";
 /// Events of a quarantined route recorded as waiting (no attempt counted).

@@ -1031,16 +1031,22 @@ pub async fn plugin(action: PluginAction) -> Result<ExitCode> {
                 log_bytes_per_event: 64 << 10,
                 max_idle_bytes: 0,
             };
-            let outcomes = tokio::task::spawn_blocking(move || -> Result<_> {
+            let (outcomes, counts) = tokio::task::spawn_blocking(move || -> Result<_> {
                 let handle = PluginHandle::load(&rt, &plugin, config, limits)?;
                 let p = handle.current().context("plugin unavailable")?;
-                Ok(events
+                let outcomes = events
                     .iter()
                     .zip(p.route_batch(&events))
                     .map(|(e, a)| (e.id.clone(), a.into_outcome()))
-                    .collect::<Vec<_>>())
+                    .collect::<Vec<_>>();
+                Ok((outcomes, p.take_counts()))
             })
             .await??;
+            // What the plugin counted (`host.count`): on stderr, so the
+            // JSON on stdout keeps its shape.
+            for (name, n) in &counts {
+                eprintln!("counted: {name} += {n}");
+            }
             let mut all_ok = true;
             let out: Vec<serde_json::Value> = outcomes
                 .into_iter()

@@ -22,7 +22,8 @@
 //!   event). A batch call's own deadline follows the plugin's measured cost
 //!   per event, so a loop inside `route-batch` is found in a few times what
 //!   the batch should take, not in events × budget.
-//! * **No ambient authority.** Plugins get the `host.log` import and an
+//! * **No ambient authority.** Plugins get the `host` imports (`log`,
+//!   `count`) and an
 //!   empty WASI context (no preopened dirs, no env, no args, no sockets, no
 //!   inherited stdio; frozen clocks whose waits are over at once;
 //!   deterministic randomness). std-built Rust guests import WASI even when
@@ -31,6 +32,10 @@
 //!   version compiles in the background and takes over new batches, batches
 //!   in flight finish on the old one, and a version that fails to compile or
 //!   initialise is reported and ignored.
+//! * **One contract, versioned.** A plugin built against any 0.1.x up to
+//!   [`CONTRACT`] runs (wasmtime's linker resolves its older imports to the
+//!   newer interfaces); one built against a newer contract is refused with
+//!   both versions named, before anything else can go wrong.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -50,11 +55,50 @@ mod sandbox;
 pub use sandbox::Limit;
 use sandbox::{Caps, HostState, TICK, WALL_FACTOR};
 
+/// The contract this relay speaks: the `package` line of `wit/router.wit`
+/// (a unit test keeps them equal).
+pub const CONTRACT: &str = "outroute:router@0.1.1";
+
+/// The contract version a component was built against, read from its
+/// `outroute:router/…@x.y.z` imports (`None` if it imports none).
+pub fn contract_of(imports: &[String]) -> Option<String> {
+    imports.iter().find_map(|i| {
+        let (iface, version) = i.strip_prefix("outroute:router/")?.split_once('@')?;
+        (!iface.is_empty()).then(|| format!("outroute:router@{version}"))
+    })
+}
+
+/// Whether a plugin built against `theirs` (`outroute:router@x.y.z`) runs
+/// on this relay: same semver-compatible series (for 0.x, the same minor),
+/// and not newer than [`CONTRACT`].
+pub fn contract_supported(theirs: &str) -> bool {
+    let parse = |c: &str| {
+        c.strip_prefix("outroute:router@")
+            .and_then(|v| semver::Version::parse(v).ok())
+    };
+    match (parse(theirs), parse(CONTRACT)) {
+        (Some(t), Some(h)) => {
+            let series = |v: &semver::Version| {
+                if v.major == 0 {
+                    (0, v.minor)
+                } else {
+                    (v.major, 0)
+                }
+            };
+            t.pre.is_empty() && series(&t) == series(&h) && t <= h
+        }
+        _ => false,
+    }
+}
+
 mod bindings {
     wasmtime::component::bindgen!({
         path: "../wit",
         world: "router",
-        imports: { "outroute:router/host.log": trappable },
+        imports: {
+            "outroute:router/host.log": trappable,
+            "outroute:router/host.count": trappable,
+        },
     });
 }
 
@@ -183,6 +227,21 @@ impl Runtime {
                 )
             }
         };
+        let imports: Vec<String> = component
+            .component_type()
+            .imports(&self.engine)
+            .map(|(n, _)| n.to_string())
+            .collect();
+        if let Some(theirs) = contract_of(&imports)
+            && !contract_supported(&theirs)
+        {
+            anyhow::bail!(
+                "{} was built against {theirs}, but this relay speaks {} (it runs plugins built against 0.1.0 up to {}): build the plugin against a contract this relay knows, or upgrade the relay",
+                path.display(),
+                CONTRACT.trim_start_matches("outroute:router@"),
+                CONTRACT.trim_start_matches("outroute:router@"),
+            );
+        }
         let pre = self.linker.instantiate_pre(&component).map_err(|e| {
             anyhow!(
                 "{} does not fit the outroute `router` world: {e:#}",
@@ -269,6 +328,10 @@ pub struct Inspection {
     pub file: String,
     pub sha256: String,
     pub world: &'static str,
+    /// The contract the plugin was built against (from its imports).
+    pub contract: String,
+    /// The contract this relay speaks.
+    pub host_contract: &'static str,
     pub name: String,
     pub version: String,
     pub imports: Vec<String>,
@@ -376,6 +439,8 @@ pub struct Plugin {
     max_idle: usize,
     /// Measured CPU time per event of batch calls (ns, moving average).
     cost_ns: AtomicU64,
+    /// `host.count` totals of successful calls not yet taken by the relay.
+    counts: Mutex<Vec<(String, u64)>>,
 }
 
 impl Plugin {
@@ -404,6 +469,7 @@ impl Plugin {
             pool: Mutex::new(Pool::default()),
             max_idle: 8,
             cost_ns: AtomicU64::new(INITIAL_COST_PER_EVENT.as_nanos() as u64),
+            counts: Mutex::new(Vec::new()),
         };
         let mut inst = plugin.instantiate()?;
         let deadline = inst.store.data_mut().begin_call(limits.cpu_budget, 1);
@@ -517,6 +583,7 @@ impl Plugin {
         match inst.router.call_route_batch(&mut inst.store, &wit_events) {
             Ok(outcomes) if outcomes.len() == n => {
                 self.measured(inst.store.data().cpu_used(), n);
+                self.keep_counts(&mut inst);
                 self.checkin(inst);
                 outcomes
                     .into_iter()
@@ -571,6 +638,7 @@ impl Plugin {
         match inst.router.call_route(&mut inst.store, &to_wit(event)) {
             Ok(outcome) => {
                 self.measured(inst.store.data().cpu_used(), 1);
+                self.keep_counts(&mut inst);
                 self.checkin(inst);
                 Answer::Outcome(from_wit(outcome))
             }
@@ -587,6 +655,31 @@ impl Plugin {
                 }
             }
         }
+    }
+
+    /// Keep the `host.count` increments of a call that succeeded.
+    fn keep_counts(&self, inst: &mut Instance) {
+        let made = std::mem::take(&mut inst.store.data_mut().call.counts);
+        if made.is_empty() {
+            return;
+        }
+        if let Ok(mut kept) = self.counts.lock() {
+            for (name, delta) in made {
+                match kept.iter_mut().find(|(n, _)| *n == name) {
+                    Some((_, total)) => *total = total.saturating_add(delta),
+                    None => kept.push((name, delta)),
+                }
+            }
+        }
+    }
+
+    /// The `host.count` totals since the last call, by name (the relay
+    /// adds them to `outroute_plugin_count_total`).
+    pub fn take_counts(&self) -> Vec<(String, u64)> {
+        self.counts
+            .lock()
+            .map(|mut c| std::mem::take(&mut *c))
+            .unwrap_or_default()
     }
 
     fn not_instantiated(&self, n: usize, e: &anyhow::Error) -> Vec<Answer> {
@@ -708,7 +801,7 @@ pub fn inspect(runtime: &Runtime, path: &Path) -> Result<Inspection> {
     let compiled = runtime.compile(path)?;
     let ty = compiled.component.component_type();
     let engine = &runtime.engine;
-    let imports = ty.imports(engine).map(|(n, _)| n.to_string()).collect();
+    let imports: Vec<String> = ty.imports(engine).map(|(n, _)| n.to_string()).collect();
     let exports = ty.exports(engine).map(|(n, _)| n.to_string()).collect();
     let hash = compiled.hash.clone();
     let limits = Limits {
@@ -728,7 +821,10 @@ pub fn inspect(runtime: &Runtime, path: &Path) -> Result<Inspection> {
     Ok(Inspection {
         file: path.display().to_string(),
         sha256: hash,
-        world: "outroute:router/router@0.1.0",
+        world: "outroute:router/router",
+        contract: contract_of(&imports)
+            .unwrap_or_else(|| "none (imports no outroute interface)".into()),
+        host_contract: CONTRACT,
         name: info.name,
         version: info.version,
         imports,
@@ -813,5 +909,45 @@ impl PluginHandle {
             *cur = Arc::new(plugin);
         }
         Ok(Some(info))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn contract_matches_the_wit_package() {
+        let wit = include_str!("../../wit/router.wit");
+        assert!(
+            wit.lines()
+                .any(|l| l.trim() == format!("package {CONTRACT};")),
+            "wit/router.wit's package line is not `package {CONTRACT};`"
+        );
+    }
+
+    #[test]
+    fn older_minors_of_the_series_are_supported_newer_and_other_series_not() {
+        assert!(contract_supported("outroute:router@0.1.0"));
+        assert!(contract_supported(CONTRACT));
+        assert!(!contract_supported("outroute:router@0.1.99"));
+        assert!(!contract_supported("outroute:router@0.2.0"));
+        assert!(!contract_supported("outroute:router@1.0.0"));
+        assert!(!contract_supported("outroute:router@0.1.0-rc1"));
+        assert!(!contract_supported("outroute:router@zero"));
+    }
+
+    #[test]
+    fn the_contract_is_read_from_the_imports() {
+        let imports = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            contract_of(&imports(&[
+                "wasi:io/error@0.2.6",
+                "outroute:router/types@0.1.0"
+            ]))
+            .as_deref(),
+            Some("outroute:router@0.1.0")
+        );
+        assert_eq!(contract_of(&imports(&["wasi:io/error@0.2.6"])), None);
     }
 }

@@ -135,9 +135,13 @@ fn check_headers(headers: &[(String, String)]) -> Result<(), String> {
             return Err(format!("the value of header `{k}` contains CR, LF or NUL"));
         }
         let lower = k.to_ascii_lowercase();
-        if lower.starts_with("ce_") || lower.starts_with("nats-") {
+        // The envelope is the relay's; of the CloudEvents attributes only
+        // `dataschema` describes what the plugin made of the payload.
+        if (lower.starts_with("ce_") && lower != crate::event::ce::DATA_SCHEMA)
+            || lower.starts_with("nats-")
+        {
             return Err(format!(
-                "header `{k}` is reserved: `ce_*` and `Nats-*` headers are set by the relay only"
+                "header `{k}` is reserved: `ce_*` (but `ce_dataschema`) and `Nats-*` headers are set by the relay only"
             ));
         }
     }
@@ -339,6 +343,9 @@ mod tests {
             assert!(e.contains(needle), "{k}: {e}");
         }
         msg.headers = vec![("x-team".into(), "payments".into())];
+        assert!(orders.check(&msg).is_ok());
+        // The schema of the data the plugin made is the plugin's to say.
+        msg.headers = vec![("ce_dataschema".into(), "urn:schema:order:2".into())];
         assert!(orders.check(&msg).is_ok());
     }
 

@@ -15,6 +15,10 @@
 //! * **Logs.** `host.log` lines and bytes are counted per call (limit per
 //!   event × events in the call); stderr is a ring buffer of its last bytes
 //!   that never fails a write, quoted in failure reasons.
+//! * **Counters.** `host.count` (contract 0.1.1) adds to a named counter:
+//!   names are checked (`a-z0-9_`, at most [`MAX_COUNTERS`] per instance, so
+//!   a plugin cannot blow up the metrics' series) and the increments of a
+//!   call are held in [`CallState::counts`] until the call succeeds.
 //! * **Randomness.** `wasi:random` is granted (std-built guests seed their
 //!   hash maps from it) but deterministic: the same bytes for every
 //!   instance, so routing stays a pure function of the event — replay,
@@ -24,7 +28,7 @@
 //! When a limit stops a call, [`CallState::breach`] says which, so the
 //! failure reason names it and the route's quarantine counts it.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::io;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -107,6 +111,9 @@ pub struct CallState {
     log_bytes_left: u64,
     /// The limit that stopped the call, if one did.
     pub breach: Option<Limit>,
+    /// `host.count` increments made during the call, by name; the plugin
+    /// keeps them only if the call succeeds.
+    pub counts: Vec<(String, u64)>,
 }
 
 impl CallState {
@@ -118,6 +125,7 @@ impl CallState {
             log_lines_left: u64::MAX,
             log_bytes_left: u64::MAX,
             breach: None,
+            counts: Vec::new(),
         }
     }
 }
@@ -131,6 +139,8 @@ pub struct HostState {
     wasi: WasiCtx,
     table: ResourceTable,
     pub stderr: StderrRing,
+    /// The counter names this instance has used (`host.count`).
+    counter_names: BTreeSet<String>,
 }
 
 impl HostState {
@@ -157,6 +167,7 @@ impl HostState {
             wasi,
             table: ResourceTable::new(),
             stderr,
+            counter_names: BTreeSet::new(),
         }
     }
 
@@ -171,6 +182,7 @@ impl HostState {
             log_lines_left: (self.caps.log_lines_per_event as u64).saturating_mul(events),
             log_bytes_left: self.caps.log_bytes_per_event.saturating_mul(events),
             breach: None,
+            counts: Vec::new(),
         };
         self.limiter.breach = None;
         self.stderr.clear();
@@ -263,7 +275,42 @@ impl Host for HostState {
         }
         Ok(())
     }
+
+    fn count(&mut self, name: String, delta: u64) -> wasmtime::Result<()> {
+        let well_formed = !name.is_empty()
+            && name.len() <= MAX_COUNTER_NAME
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+        if !well_formed {
+            let shown: String = name.chars().take(80).collect();
+            return Err(wasmtime::Error::msg(format!(
+                "count: counter name `{shown}` is not 1-{MAX_COUNTER_NAME} characters of a-z, 0-9 and _"
+            )));
+        }
+        if !self.counter_names.contains(&name) {
+            if self.counter_names.len() >= MAX_COUNTERS {
+                return Err(wasmtime::Error::msg(format!(
+                    "count: `{name}` would be counter name number {}; a plugin may use at most {MAX_COUNTERS}",
+                    MAX_COUNTERS + 1
+                )));
+            }
+            self.counter_names.insert(name.clone());
+        }
+        let counts = &mut self.call.counts;
+        match counts.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, total)) => *total = total.saturating_add(delta),
+            None => counts.push((name, delta)),
+        }
+        Ok(())
+    }
 }
+
+/// At most this many distinct `host.count` names per plugin (each is a
+/// metrics series).
+pub const MAX_COUNTERS: usize = 32;
+/// The longest `host.count` name.
+const MAX_COUNTER_NAME: usize = 64;
 
 /// Caps all memories and tables of one instance together.
 #[derive(Debug)]

@@ -734,11 +734,21 @@ impl Relay {
         };
         let route = self.routes.0[route_idx].name().to_string();
         let started = Instant::now();
-        let result = tokio::task::spawn_blocking(move || plugin.route_batch(&batch)).await;
+        let result = tokio::task::spawn_blocking(move || {
+            let answers = plugin.route_batch(&batch);
+            (answers, plugin.take_counts(), plugin)
+        })
+        .await;
         let per_event = started.elapsed().as_secs_f64() / n.max(1) as f64;
-        metrics::histogram!(m::PLUGIN_CALL, "route" => route).record(per_event);
+        metrics::histogram!(m::PLUGIN_CALL, "route" => route.clone()).record(per_event);
         match result {
-            Ok(answers) => answers,
+            Ok((answers, counts, plugin)) => {
+                for (name, delta) in counts {
+                    metrics::counter!(m::PLUGIN_COUNT, "route" => route.clone(), "plugin" => plugin.info.name.clone(), "name" => name)
+                        .increment(delta);
+                }
+                answers
+            }
             Err(e) => (0..n)
                 .map(|_| {
                     Answer::Outcome(Err(Rejection::Retryable(format!(

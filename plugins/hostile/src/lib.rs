@@ -11,9 +11,10 @@
 //! forever), `stderr-flood` (writes 1 MiB to stderr, then routes normally),
 //! `log-flood` (10,000 `host.log` lines), `slow` (a few ms of CPU, then
 //! routes normally), `wrong-count` (route config only: `route-batch`
-//! answers one outcome short).
+//! answers one outcome short), `counter-name` (`host.count` with a name
+//! that breaks the rules), `counter-flood` (100 distinct counter names).
 
-use outroute_guest::{Event, Level, Message, Outcome, Rejection, Router, log, parse_config};
+use outroute_guest::{Event, Level, Message, Outcome, Rejection, Router, count, log, parse_config};
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -103,6 +104,16 @@ impl Router for Hostile {
             "log-flood" => {
                 for i in 0..10_000 {
                     log(Level::Info, format!("hostile log line {i}"));
+                }
+                Ok(vec![good])
+            }
+            "counter-name" => {
+                count("Bad Name!", 1);
+                Ok(vec![good])
+            }
+            "counter-flood" => {
+                for i in 0..100 {
+                    count(&format!("counter_{i}"), 1);
                 }
                 Ok(vec![good])
             }

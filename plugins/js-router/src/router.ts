@@ -13,8 +13,8 @@
  *
  * Route config: {"sink": "kafka", "prefix": "orders", "priority_cents": 100000}
  */
-import { log } from 'outroute:router/host@0.1.0';
-import type { Event as RouterEvent, Header, Outcome } from 'outroute:router/types@0.1.0';
+import { log } from 'outroute:router/host@0.1.1';
+import type { Event as RouterEvent, Header, Outcome } from 'outroute:router/types@0.1.1';
 
 interface Config {
   sink: string;

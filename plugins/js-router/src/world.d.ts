@@ -2,15 +2,20 @@
 // JavaScript: records are objects with camelCase fields, list<u8> is a
 // Uint8Array, option<T> is T | undefined, a variant is {tag, val}.
 
-declare module 'outroute:router/host@0.1.0' {
+declare module 'outroute:router/host@0.1.1' {
   export type Level = 'trace' | 'debug' | 'info' | 'warn' | 'error';
   /** A line in the relay's log, tagged with the plugin and event. */
   export function log(level: Level, message: string): void;
+  /**
+   * Add `delta` to the plugin's counter `name` (a-z, 0-9, _; at most 32
+   * names): `outroute_plugin_count_total{route, plugin, name}`. Since 0.1.1.
+   */
+  export function count(name: string, delta: bigint): void;
 }
 
 // The records of `interface types`, for type annotations only (`import type`
 // is erased by tsc: the component imports nothing for them).
-declare module 'outroute:router/types@0.1.0' {
+declare module 'outroute:router/types@0.1.1' {
   export type Header = [string, string];
 
   export interface Event {

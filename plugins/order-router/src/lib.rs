@@ -5,7 +5,7 @@
 //! Route config (all optional):
 //! `{"sink": "kafka", "topic": "orders.{event_type}"}`
 
-use outroute_guest::{Event, Message, Outcome, Router, headers, parse_config};
+use outroute_guest::{Event, Level, Message, Outcome, Router, headers, log, parse_config};
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -41,6 +41,10 @@ impl Router for OrderRouter {
         } else {
             parse_config(Self::NAME, config)?
         };
+        log(
+            Level::Info,
+            format!("routing to {} `{}`", config.sink, config.topic),
+        );
         Ok(OrderRouter { config })
     }
 

@@ -7,10 +7,13 @@
 //! Versions outside `[min_version, max_version]` are `invalid` (permanent):
 //! a producer emitting an unknown version is a bug to look at, not to retry.
 //!
+//! Every upcast is counted (`outroute_plugin_count_total{name="upcast_v1"}`):
+//! the figure that says when v1 support can be dropped.
+//!
 //! Route config: `{"sink": "kafka", "topic": "orders.v2", "min_version": 1,
 //! "max_version": 2, "default_currency": "EUR"}`
 
-use outroute_guest::{Event, Message, Outcome, Rejection, Router, headers, parse_config};
+use outroute_guest::{Event, Message, Outcome, Rejection, Router, count, headers, parse_config};
 use serde::{Deserialize, Serialize};
 
 #[derive(Deserialize)]
@@ -59,6 +62,9 @@ impl SchemaGate {
         match event.event_version {
             1 => {
                 let v1: OrderV1 = event.parse()?;
+                // How many v1 events still arrive: when this reaches zero
+                // for long enough, v1 support can go.
+                count("upcast_v1", 1);
                 Ok(OrderV2 {
                     order_id: v1.order_id,
                     customer_id: v1.customer,
@@ -104,7 +110,7 @@ impl Router for SchemaGate {
             Message::to(&self.config.sink, event.expand(&self.config.topic))
                 .key(&event.aggregate_id)
                 .header(headers::DATA_CONTENT_TYPE, "application/json")
-                .header("ce_dataschema", "urn:schema:order:2")
+                .header(headers::DATA_SCHEMA, "urn:schema:order:2")
                 .payload(payload),
         ])
     }
@@ -129,10 +135,16 @@ mod tests {
             "order-created",
             json!({"order_id": "o1", "customer": "c9", "total": 12.5}),
         );
+        let before = outroute_guest::counted("upcast_v1");
         let m = &gate().route(&e).unwrap()[0];
         assert_eq!(
             m.payload_json().unwrap(),
             json!({"order_id": "o1", "customer_id": "c9", "total_cents": 1250, "currency": "EUR"})
+        );
+        assert_eq!(
+            outroute_guest::counted("upcast_v1"),
+            before + 1,
+            "the upcast is counted"
         );
     }
 
@@ -140,7 +152,13 @@ mod tests {
     fn v2_passes_through() {
         let p = json!({"order_id": "o1", "customer_id": "c9", "total_cents": 5, "currency": "USD"});
         let e = Event::new("order", "o1", "order-created", p.clone()).with_version(2);
+        let before = outroute_guest::counted("upcast_v1");
         assert_eq!(gate().route(&e).unwrap()[0].payload_json().unwrap(), p);
+        assert_eq!(
+            outroute_guest::counted("upcast_v1"),
+            before,
+            "v2 is not an upcast"
+        );
     }
 
     #[test]

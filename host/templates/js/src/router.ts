@@ -13,8 +13,8 @@
  * Test:  ./test.sh   (builds, then runs sample-event.json through the
  *                     relay's own sandbox with `outroute plugin test`)
  */
-import { log } from 'outroute:router/host@0.1.0';
-import type { Event as RouterEvent, Outcome } from 'outroute:router/types@0.1.0';
+import { log } from 'outroute:router/host@0.1.1';
+import type { Event as RouterEvent, Outcome } from 'outroute:router/types@0.1.1';
 
 const config = { sink: 'kafka', prefix: 'orders' };
 const encoder = new TextEncoder();
