@@ -243,7 +243,8 @@ async fn main() -> Result<()> {
     }
     if want("marking") {
         // The same drain with the row updated (`published_at`, the default)
-        // or deleted once published: what marking costs PostgreSQL.
+        // or deleted once published (the mapping of examples/outbox-delete.toml):
+        // what marking costs PostgreSQL.
         for shape in [Shape::Canonical, Shape::CanonicalDelete] {
             eprintln!("== outroute drain of {} → kafka", shape.name());
             let d = drain_table(args.events, "kafka", args.concurrency, shape).await?;
@@ -311,7 +312,7 @@ async fn main() -> Result<()> {
     }
     if want("latency") && args.latency_secs > 0 {
         eprintln!("== steady-state latency");
-        let l = latency(args.latency_secs, args.rate, 0, 0).await?;
+        let l = latency(args.latency_secs, args.rate, 0, 0, args.concurrency).await?;
         table.push((
             format!("latency @{}/s commit→consumer", args.rate),
             format!(
@@ -341,6 +342,7 @@ async fn main() -> Result<()> {
             args.rate,
             args.history,
             args.history_payload,
+            args.concurrency,
         )
         .await?;
         let label = format!(
@@ -859,7 +861,14 @@ impl Shape {
     fn mapping(self) -> &'static str {
         match self {
             Shape::Canonical => "",
-            Shape::CanonicalDelete => "[store.table]\nmarking = { style = \"delete\" }\n",
+            Shape::CanonicalDelete => {
+                "[store.table]\nname = \"outbox\"\nid = \"id\"\nsequence = \"seq\"\n\
+                 aggregate_type = \"aggregate_type\"\naggregate_id = \"aggregate_id\"\n\
+                 event_type = \"event_type\"\nevent_version = \"event_version\"\n\
+                 payload = \"payload\"\nheaders = \"headers\"\ncreated_at = \"created_at\"\n\
+                 attempts = \"attempts\"\nlast_error = \"last_error\"\nfailed_at = \"failed_at\"\n\
+                 marking = { style = \"delete\" }\n"
+            }
             Shape::TOutbox => seed::T_OUTBOX_MAPPING,
             Shape::OutboxEvents => seed::OUTBOX_EVENTS_MAPPING,
         }
@@ -1259,14 +1268,25 @@ fn bucket_quantile(metrics: &str, name: &str, q: f64) -> Value {
 ///
 /// `history`: that many already-published rows (`history_payload` bytes of
 /// payload each) are in the table first, as after months without retention.
-async fn latency(secs: u64, rate: u64, history: usize, history_payload: usize) -> Result<Value> {
+async fn latency(
+    secs: u64,
+    rate: u64,
+    history: usize,
+    history_payload: usize,
+    concurrency: u32,
+) -> Result<Value> {
     let db = TestDb::new().await?;
     let t = tag();
     let topic = format!("b{t}.order-created");
     create_topic(&topic, 3).await?;
     let dir = test_dir("latency");
     let http = outroute_e2e::free_addr();
-    let config = write_config(&dir, &db.url, "", &relay_body("kafka", &t, &http))?;
+    let config = write_config(
+        &dir,
+        &db.url,
+        &format!("concurrency = {concurrency}"),
+        &relay_body("kafka", &t, &http),
+    )?;
     db.migrate(&config)?;
     let mut chunk = 0;
     while chunk < history {

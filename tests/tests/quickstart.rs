@@ -148,7 +148,12 @@ fn python_plugin_runs_in_the_same_host() -> anyhow::Result<()> {
 #[test]
 fn shipped_example_configs_pass_config_check() -> anyhow::Result<()> {
     let _ = plugin("order-router"); // built by scripts/build-plugins
-    for name in ["outroute.toml", "outbox_events.toml", "t_outbox.toml"] {
+    for name in [
+        "outroute.toml",
+        "outbox_events.toml",
+        "t_outbox.toml",
+        "outbox-delete.toml",
+    ] {
         let path = workspace().join("examples").join(name);
         let (code, out, err) = cli(&["config", "check", "-c", path.to_str().unwrap_or_default()])?;
         assert_eq!(code, 0, "{name}: {out}{err}");
