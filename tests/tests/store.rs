@@ -509,3 +509,70 @@ async fn fixed_width_char_ids_are_marked() -> anyhow::Result<()> {
     db.drop_db().await;
     Ok(())
 }
+
+/// The canonical table marked by `delete` (examples/outbox-delete.toml's
+/// mapping): published rows are gone, a failed one stays, marked by
+/// `failed_at` and listed by `outroute failed list`.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_canonical_table_marked_by_delete_keeps_only_failed_rows() -> anyhow::Result<()> {
+    let example = std::fs::read_to_string(workspace().join("examples/outbox-delete.toml"))?;
+    let mapping = example
+        .split_once("[store.table]")
+        .and_then(|(_, rest)| rest.split_once("[sinks."))
+        .map(|(table, _)| format!("[store.table]{table}"))
+        .ok_or_else(|| anyhow::anyhow!("examples/outbox-delete.toml has no [store.table]"))?;
+    assert!(mapping.contains("style = \"delete\""), "{mapping}");
+    let db = TestDb::new().await?;
+    let dir = test_dir("delete-marking");
+    let body = file_sink_body(&dir, &mapping).replace(
+        &plugin("order-router").display().to_string(),
+        &plugin("hostile").display().to_string(),
+    );
+    let config = write_config(&dir, &db.url, "", &body)?;
+    db.migrate(&config)?;
+    let c = config.to_string_lossy().to_string();
+    let (code, out, err) = cli(&["migrate", "--table", "-c", &c])?;
+    assert_eq!(code, 0, "{out}{err}");
+    let insert = |agg: String, payload: serde_json::Value| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1::uuid, 'order', $2, 'order-updated', $3)")
+                .bind(uuid::Uuid::new_v4().to_string())
+                .bind(agg)
+                .bind(payload)
+                .execute(&pool)
+                .await
+        }
+    };
+    for i in 0..20 {
+        insert(format!("o-{}", i % 4), serde_json::json!({"n": i})).await?;
+    }
+    insert("bad".into(), serde_json::json!({"hostile": "reject"})).await?;
+
+    let relay = Relay::start(&config, &[])?;
+    let out = dir.join("out.jsonl");
+    let drained = eventually(Duration::from_secs(60), || async {
+        let delivered = std::fs::read_to_string(&out)
+            .map(|t| t.lines().count())
+            .unwrap_or(0);
+        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap_or(-1);
+        delivered >= 20 && left == 1
+    })
+    .await;
+    assert!(drained, "published rows deleted: {}", relay.log_text());
+    let (agg, failed): (String, bool) =
+        sqlx::query_as("SELECT aggregate_id, failed_at IS NOT NULL FROM outbox")
+            .fetch_one(&db.pool)
+            .await?;
+    assert_eq!(agg, "bad");
+    assert!(failed, "the failed row is marked by failed_at");
+    let (code, out, err) = cli(&["failed", "list", "-c", &c])?;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("hostile plugin rejects this event"), "{out}");
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}
