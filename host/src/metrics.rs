@@ -65,9 +65,10 @@ pub const CONFIG_RELOADS: &str = "outroute_config_reloads_total";
 
 /// Install the Prometheus recorder (once per process).
 pub fn install() -> Result<PrometheusHandle> {
+    // Fine around 1–10 ms, where pickup and batch times sit at steady load.
     let latency = [
-        0.001, 0.002, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2,
-        0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
+        0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04,
+        0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
     ];
     let fast = [
         0.000_002, 0.000_005, 0.000_01, 0.000_02, 0.000_05, 0.000_1, 0.000_5, 0.001, 0.005, 0.01,

@@ -498,7 +498,18 @@ impl Plugin {
     }
 
     fn instantiate(&self) -> Result<Instance> {
-        let mut store = self.runtime.new_store(&self.info.name, self.limits.caps());
+        // The first instance is made before `describe` named the plugin:
+        // its log lines carry the file's name meanwhile.
+        let name = if self.info.name.is_empty() {
+            self.compiled
+                .path
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        } else {
+            self.info.name.clone()
+        };
+        let mut store = self.runtime.new_store(&name, self.limits.caps());
         // Instantiation and `init` get at least 100 ms (a plugin may build
         // tables once there).
         let deadline = store
