@@ -511,6 +511,17 @@ where
     false
 }
 
+/// Wait until the file sink at `path` holds at least `n` messages (lines)
+/// or the timeout passes; returns whether it did.
+pub async fn file_sink_reaches(path: &Path, n: usize, timeout: Duration) -> bool {
+    eventually(timeout, || async {
+        std::fs::read_to_string(path)
+            .map(|t| t.lines().count() >= n)
+            .unwrap_or(false)
+    })
+    .await
+}
+
 /// Create a Kafka topic on tansu.
 pub async fn create_topic(name: &str, partitions: i32) -> Result<()> {
     create_topic_at(KAFKA, name, partitions).await

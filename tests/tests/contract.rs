@@ -82,12 +82,7 @@ async fn a_plugin_built_against_the_0_1_0_contract_still_routes() -> Result<()> 
     db.migrate(&config)?;
     let w = produce(&db.pool, "old", 5, 4, 0).await?;
     let relay = Relay::start(&config, &[])?;
-    let all = eventually(Duration::from_secs(60), || async {
-        std::fs::read_to_string(&out)
-            .map(|t| t.lines().count() >= w.committed.len())
-            .unwrap_or(false)
-    })
-    .await;
+    let all = file_sink_reaches(&out, w.committed.len(), Duration::from_secs(60)).await;
     assert!(
         all,
         "events routed by the 0.1.0 plugin: {}",
@@ -185,12 +180,7 @@ async fn plugin_counters_reach_the_metrics() -> Result<()> {
             .await?;
     }
     let relay = Relay::start(&config, &[])?;
-    let all = eventually(Duration::from_secs(60), || async {
-        std::fs::read_to_string(&out)
-            .map(|t| t.lines().count() >= 7)
-            .unwrap_or(false)
-    })
-    .await;
+    let all = file_sink_reaches(&out, 7, Duration::from_secs(60)).await;
     assert!(all, "events routed by schema-gate: {}", relay.log_text());
     let (_, metrics) = http_get(&http, "/metrics").await?;
     assert_eq!(

@@ -226,12 +226,7 @@ async fn the_typescript_plugin_routes_events_end_to_end() -> Result<()> {
     db.migrate(&config)?;
     let w = produce(&db.pool, "js", 5, 4, 0).await?;
     let relay = Relay::start(&config, &[])?;
-    let all = eventually(std::time::Duration::from_secs(60), || async {
-        std::fs::read_to_string(&out)
-            .map(|t| t.lines().count() >= w.committed.len())
-            .unwrap_or(false)
-    })
-    .await;
+    let all = file_sink_reaches(&out, w.committed.len(), std::time::Duration::from_secs(60)).await;
     assert!(
         all,
         "events routed by the TypeScript plugin: {}",

@@ -430,12 +430,7 @@ async fn postgres_over_tls_with_a_password_role() -> Result<()> {
     assert_eq!(code, 0, "migrate over TLS: {o}{e}");
     let mut relay = Relay::start(Path::new(&good), &[])?;
     let w = produce(&pool, "tls", 10, 5, 0).await?;
-    let all = eventually(Duration::from_secs(30), || async {
-        std::fs::read_to_string(&out)
-            .map(|t| t.lines().count() >= w.committed.len())
-            .unwrap_or(false)
-    })
-    .await;
+    let all = file_sink_reaches(&out, w.committed.len(), Duration::from_secs(30)).await;
     assert!(all, "events relayed over TLS: {}", relay.log_text());
     // The sink wrote them; the mark follows the ack.
     let marked = eventually(Duration::from_secs(10), || async {
