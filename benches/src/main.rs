@@ -191,24 +191,10 @@ async fn main() -> Result<()> {
         for sink in ["kafka", "nats"] {
             eprintln!("== outroute drain → {sink}");
             let d = drain(args.events, sink, args.concurrency).await?;
-            let f = |k: &str| d[k].as_f64().unwrap_or(0.0);
-            table.push((
-                format!("outroute drain → {sink}"),
-                format!(
-                    "{:.0} events/s, {:.2} cores, peak RSS {:.0} MiB",
-                    f("events_per_s"),
-                    f("cores"),
-                    f("peak_rss_mib")
-                ),
-            ));
+            table.push((format!("outroute drain → {sink}"), rate_line(&d)));
             table.push((
                 format!("  CPU per event → {sink}: relay + PostgreSQL"),
-                format!(
-                    "{:.1} + {:.1} = {:.1} µs",
-                    f("relay_us_per_event"),
-                    f("postgres_us_per_event"),
-                    f("relay_us_per_event") + f("postgres_us_per_event")
-                ),
+                cpu_line(&d),
             ));
             results.insert(format!("drain_{sink}"), d);
         }
@@ -216,28 +202,17 @@ async fn main() -> Result<()> {
     if want("sources") {
         eprintln!("== outroute drain of 3 sources in one process → kafka");
         let d = drain_sources(args.events, 3, args.concurrency).await?;
-        let f = |k: &str| d[k].as_f64().unwrap_or(0.0);
         table.push((
             "outroute drain, 3 sources (1/3 each) → kafka".into(),
-            format!(
-                "{:.0} events/s, {:.2} cores, peak RSS {:.0} MiB",
-                f("events_per_s"),
-                f("cores"),
-                f("peak_rss_mib")
-            ),
+            rate_line(&d),
         ));
         table.push((
             "  CPU per event, 3 sources: relay + PostgreSQL".into(),
-            format!(
-                "{:.1} + {:.1} = {:.1} µs",
-                f("relay_us_per_event"),
-                f("postgres_us_per_event"),
-                f("relay_us_per_event") + f("postgres_us_per_event")
-            ),
+            cpu_line(&d),
         ));
         table.push((
             "  slowest source finished after the fastest".into(),
-            format!("{:.2} s", f("finish_spread_s")),
+            format!("{:.2} s", d["finish_spread_s"].as_f64().unwrap_or(0.0)),
         ));
         results.insert("drain_3_sources_kafka".into(), d);
     }
@@ -252,11 +227,9 @@ async fn main() -> Result<()> {
             table.push((
                 format!("outroute drain of {} → kafka", shape.name()),
                 format!(
-                    "{:.0} events/s; relay + PostgreSQL {:.1} + {:.1} = {:.1} µs/event",
+                    "{:.0} events/s; relay + PostgreSQL {}",
                     f("events_per_s"),
-                    f("relay_us_per_event"),
-                    f("postgres_us_per_event"),
-                    f("relay_us_per_event") + f("postgres_us_per_event")
+                    cpu_line(&d)
                 ),
             ));
             let key = match shape {
@@ -1223,6 +1196,24 @@ async fn drain_backlog(n: usize, concurrency: u32) -> Result<Value> {
         "last_100k_per_s": rate(n as f64 - span, n as f64),
         "events_per_s": n as f64 / (end - first).max(1e-3),
     }))
+}
+
+/// "N events/s, C cores, peak RSS M MiB" of a drain's figures.
+fn rate_line(d: &Value) -> String {
+    let f = |k: &str| d[k].as_f64().unwrap_or(0.0);
+    format!(
+        "{:.0} events/s, {:.2} cores, peak RSS {:.0} MiB",
+        f("events_per_s"),
+        f("cores"),
+        f("peak_rss_mib")
+    )
+}
+
+/// "relay + PostgreSQL = total µs" CPU per event of a drain's figures.
+fn cpu_line(d: &Value) -> String {
+    let f = |k: &str| d[k].as_f64().unwrap_or(0.0);
+    let (relay, pg) = (f("relay_us_per_event"), f("postgres_us_per_event"));
+    format!("{relay:.1} + {pg:.1} = {:.1} µs", relay + pg)
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {

@@ -92,6 +92,17 @@ fn cache() -> String {
         .to_string()
 }
 
+/// The `shipping` source's table: seed article 000's `outbox_events`
+/// shape, its events of aggregate type `shipment`.
+fn shipping_table() -> String {
+    seed::OUTBOX_EVENTS_MAPPING
+        .replace("[store.table]", "[sources.shipping.table]")
+        .replace(
+            "aggregate_type_value = \"order\"",
+            "aggregate_type_value = \"shipment\"",
+        )
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn one_relay_three_sources_two_teams() -> Result<()> {
     let orders = TestDb::new().await?;
@@ -116,12 +127,7 @@ async fn one_relay_three_sources_two_teams() -> Result<()> {
         billing.url,
         seed::T_OUTBOX_MAPPING.replace("[store.table]", "[sources.billing.table]"),
         shipping.url,
-        seed::OUTBOX_EVENTS_MAPPING
-            .replace("[store.table]", "[sources.shipping.table]")
-            .replace(
-                "aggregate_type_value = \"order\"",
-                "aggregate_type_value = \"shipment\""
-            ),
+        shipping_table(),
         grants_and_sinks(&out, "\"orders\", \"billing\""),
     );
     std::fs::create_dir_all(dir.join("teams"))?;
@@ -242,12 +248,7 @@ async fn a_team_file_change_applies_without_restart() -> Result<()> {
         cache(),
         orders.url,
         shipping.url,
-        seed::OUTBOX_EVENTS_MAPPING
-            .replace("[store.table]", "[sources.shipping.table]")
-            .replace(
-                "aggregate_type_value = \"order\"",
-                "aggregate_type_value = \"shipment\""
-            ),
+        shipping_table(),
         grants_and_sinks(&out, "\"orders\""),
     );
     std::fs::create_dir_all(dir.join("teams"))?;
