@@ -213,6 +213,119 @@ pub struct StoreConfig {
     /// TLS to PostgreSQL. Unset: the URL's `sslmode` (default `prefer`).
     #[serde(default)]
     pub tls: Option<PgTlsConfig>,
+    /// How the relay reads events: `lease` (claim pending rows of the
+    /// table under lane leases; any PostgreSQL or SQLite) or `logical`
+    /// (stream committed inserts, or `pg_logical_emit_message` envelopes,
+    /// from a logical replication slot; PostgreSQL with `wal_level =
+    /// logical`). See `capture/mod.rs`.
+    #[serde(default)]
+    pub capture: CaptureMode,
+    /// Settings of `capture = "logical"`.
+    #[serde(default)]
+    pub logical: Option<LogicalConfig>,
+}
+
+/// How a source's events are read.
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, JsonSchema, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum CaptureMode {
+    /// Poll the table's lane index under lane leases; mark rows published.
+    #[default]
+    Lease,
+    /// Stream from a logical replication slot (pgoutput); confirm the
+    /// slot's position only past handled events.
+    Logical,
+}
+
+/// Where a logical source's events come from.
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, JsonSchema, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LogicalInput {
+    /// Inserts into the outbox table (its mapping, `table`).
+    #[default]
+    Table,
+    /// `pg_logical_emit_message(true, <message_prefix>, <envelope>)` calls
+    /// in producer transactions: no table at all.
+    Messages,
+}
+
+/// What becomes of captured rows of the outbox table.
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, JsonSchema, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Cleanup {
+    /// Delete them in bulk (by ranges of the sequence column) once handled.
+    #[default]
+    Delete,
+    /// Leave them (the table is pruned by other means, e.g. partitions).
+    Keep,
+}
+
+/// `[sources.<name>.logical]`: the slot and publication a logical source
+/// reads, and what is read.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, JsonSchema, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct LogicalConfig {
+    /// Replication slot (pgoutput). Default `outroute_<source>`.
+    #[serde(default)]
+    pub slot: Option<String>,
+    /// Publication of the outbox table. Default `outroute_<source>`.
+    #[serde(default)]
+    pub publication: Option<String>,
+    /// `table` (default) or `messages`.
+    #[serde(default)]
+    pub input: LogicalInput,
+    /// Prefix of the logical messages read under `input = "messages"`.
+    #[serde(default = "default_message_prefix")]
+    pub message_prefix: String,
+    /// `delete` (default) or `keep` captured rows.
+    #[serde(default)]
+    pub cleanup: Cleanup,
+}
+
+fn default_message_prefix() -> String {
+    "outroute".into()
+}
+
+/// A logical source's settings with their defaults filled in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Logical {
+    pub slot: String,
+    pub publication: String,
+    pub input: LogicalInput,
+    pub message_prefix: String,
+    pub cleanup: Cleanup,
+}
+
+impl StoreConfig {
+    /// The logical-capture settings of source `source`, if it streams.
+    pub fn logical(&self, source: &str) -> Option<Logical> {
+        if self.capture != CaptureMode::Logical {
+            return None;
+        }
+        let l = self.logical.clone().unwrap_or_default();
+        let base: String = format!("outroute_{source}")
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() {
+                    c.to_ascii_lowercase()
+                } else {
+                    '_'
+                }
+            })
+            .take(63)
+            .collect();
+        Some(Logical {
+            slot: l.slot.unwrap_or_else(|| base.clone()),
+            publication: l.publication.unwrap_or(base),
+            input: l.input,
+            message_prefix: if l.message_prefix.is_empty() {
+                default_message_prefix()
+            } else {
+                l.message_prefix
+            },
+            cleanup: l.cleanup,
+        })
+    }
 }
 
 impl Config {

@@ -4,6 +4,7 @@
 //!
 //! * `relay`   — the run loop (row → event → plugin → messages → acks → mark)
 //! * `store`   — the outbox table, leases, failure state (PostgreSQL, SQLite)
+//! * `capture` — log-based capture: events streamed from a replication slot
 //! * `plugin`  — the sandboxed wasmtime runtime for routing plugins
 //! * `sink`    — Kafka, NATS and file publishers that wait for acks
 //! * `routing` — which route handles an event, what its messages may do
@@ -12,6 +13,7 @@
 //! * `shadow`  — a candidate plugin version compared on live events
 //! * `ops`     — status, failed events, replay, plugin test (operator tools)
 
+pub mod capture;
 pub mod config;
 pub mod event;
 pub mod failpoint;

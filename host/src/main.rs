@@ -62,6 +62,11 @@ enum Command {
         #[command(subcommand)]
         action: ops::RouteAction,
     },
+    /// Replication slots of `capture = "logical"` sources.
+    Slot {
+        #[command(subcommand)]
+        action: ops::SlotAction,
+    },
     /// Re-publish already-published events.
     Replay(ops::ReplayArgs),
     /// Try and inspect plugins.
@@ -136,6 +141,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Status { config, json } => ops::status(&config, json).await,
         Command::Failed { action } => ops::failed(action).await,
         Command::Route { action } => ops::route(action).await,
+        Command::Slot { action } => ops::slot(action).await,
         Command::Replay(args) => ops::replay(args).await,
         Command::Plugin { action } => ops::plugin(action).await,
         Command::Config {

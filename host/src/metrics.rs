@@ -63,6 +63,12 @@ pub const EVENTS_DEFERRED: &str = "outroute_events_deferred_total";
 /// `unchanged`, `rejected` (the running config kept).
 pub const CONFIG_RELOADS: &str = "outroute_config_reloads_total";
 
+/// `capture = "logical"`: WAL the slot keeps past its confirmed position
+/// (bytes), and how far behind the producers' commits the relay is
+/// (seconds, the last handled transaction's commit time).
+pub const SLOT_LAG_BYTES: &str = "outroute_slot_lag_bytes";
+pub const SLOT_LAG_SECONDS: &str = "outroute_slot_lag_seconds";
+
 /// Install the Prometheus recorder (once per process).
 pub fn install() -> Result<PrometheusHandle> {
     // Fine around 1–10 ms, where pickup and batch times sit at steady load.

@@ -294,9 +294,23 @@ async fn migrate_source(
 ) -> Result<()> {
     let sc = loaded.config.source(source)?;
     let key = loaded.config.source_key(source);
+    let logical = sc.logical(source);
+    // Tableless capture reads logical messages: no outbox table to create.
+    let outbox = outbox
+        && !logical
+            .as_ref()
+            .is_some_and(|l| l.input == config::LogicalInput::Messages);
     let mut store = Store::connect(&loaded.config, source, "migrate").await?;
     store.migrate(outbox).await?;
     println!("migrations applied to {}", config::redact_url(&sc.url));
+    if let Some(pg) = store.logical() {
+        for line in pg.setup_capture().await? {
+            println!("{line}");
+        }
+        if logical.is_some_and(|l| l.input == config::LogicalInput::Messages) {
+            return Ok(());
+        }
+    }
     let canonical = outbox && sc.table() == config::TableConfig::canonical();
     if !(canonical || table) {
         return Ok(());
@@ -399,6 +413,23 @@ fn print_status(s: &crate::store::Status) {
             q.reason
         );
     }
+    if let Some(slot) = &s.slot {
+        println!(
+            "slot             {} ({}), confirmed {}, {} bytes of WAL kept behind it{}",
+            slot.slot,
+            match slot.active_pid {
+                Some(p) => format!("streaming, backend {p}"),
+                None => "idle".into(),
+            },
+            slot.confirmed_flush_lsn.as_deref().unwrap_or("-"),
+            slot.lag_bytes,
+            match slot.wal_status.as_deref() {
+                Some("lost") => ": LOST (WAL past max_slot_wal_keep_size was removed)".to_string(),
+                Some(w) => format!(", WAL {w}"),
+                None => String::new(),
+            }
+        );
+    }
     println!("relays           {}", s.relays.len());
     for r in &s.relays {
         println!(
@@ -411,6 +442,44 @@ fn print_status(s: &crate::store::Status) {
             r.lanes
         );
     }
+}
+
+#[derive(Subcommand)]
+pub enum SlotAction {
+    /// Drop the replication slot of each `capture = "logical"` source (or
+    /// `--source`): the server stops keeping WAL for it. Events not yet
+    /// confirmed are then only in the table (table input) — or gone
+    /// (message input). Refused while a relay streams from it.
+    Drop {
+        #[command(flatten)]
+        config: ConfigArg,
+    },
+}
+
+/// `outroute slot drop`.
+pub async fn slot(action: SlotAction) -> Result<ExitCode> {
+    let SlotAction::Drop { config } = action;
+    let loaded = config.load()?;
+    let mut any = false;
+    for source in sources(&loaded) {
+        let store = Store::connect(&loaded.config, &source, "slot").await?;
+        let Some(pg) = store.logical() else {
+            continue;
+        };
+        any = true;
+        let slot = pg.logical().map(|l| l.slot.clone()).unwrap_or_default();
+        match pg.drop_slot().await? {
+            true => println!("source {source}: dropped replication slot `{slot}`"),
+            false => println!("source {source}: replication slot `{slot}` does not exist"),
+        }
+    }
+    if !any {
+        bail!(
+            "no source of {} has `capture = \"logical\"`",
+            config.config.display()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 #[derive(Subcommand)]

@@ -860,6 +860,7 @@ mod tests {
                     has_state: false,
                     done_legs: Vec::new(),
                     epoch: None,
+                    captured: None,
                     row: Ok(ev),
                 };
                 let plan = Plan::Publish {

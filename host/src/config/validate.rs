@@ -66,6 +66,54 @@ impl Loaded {
         {
             err(format!("{key}.lanes"), "must be between 1 and 4096".into());
         }
+        if sc.capture != CaptureMode::Logical {
+            if sc.logical.is_some() {
+                err(
+                    format!("{key}.logical"),
+                    "is only read with `capture = \"logical\"`".into(),
+                );
+            }
+            return;
+        }
+        if sc.url.starts_with("sqlite:") {
+            err(
+                format!("{key}.capture"),
+                "`logical` needs PostgreSQL (a replication slot); SQLite sources use `lease`"
+                    .into(),
+            );
+        }
+        let l = sc.logical.clone().unwrap_or_default();
+        for (k, v) in [("slot", &l.slot), ("publication", &l.publication)] {
+            if let Some(v) = v
+                && (v.is_empty()
+                    || v.len() > 63
+                    || !v
+                        .chars()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'))
+            {
+                err(
+                    format!("{key}.logical.{k}"),
+                    format!("`{v}`: use 1 to 63 of a-z, 0-9 and _"),
+                );
+            }
+        }
+        if l.input == LogicalInput::Table
+            && l.cleanup == Cleanup::Delete
+            && sc.table().sequence.is_none()
+        {
+            err(
+                format!("{key}.logical.cleanup"),
+                "`delete` removes captured rows by ranges of the sequence column and this table maps none: \
+                 map `table.sequence` (`outroute migrate --table --add-sequence`) or set `cleanup = \"keep\"`"
+                    .into(),
+            );
+        }
+        if l.input == LogicalInput::Messages && sc.table.is_some() {
+            err(
+                format!("{key}.table"),
+                "has no effect with `logical.input = \"messages\"` (events come from logical messages)".into(),
+            );
+        }
     }
 
     /// Every cross-reference and value check; returns `(key, reason)` pairs.

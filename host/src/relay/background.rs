@@ -96,6 +96,27 @@ impl Relay {
         }
     }
 
+    /// A logical source's slot: how much WAL it keeps (every second).
+    pub(super) async fn watch_slot(self: Arc<Self>, shutdown: CancellationToken) {
+        let Some(pg) = self.store.logical() else {
+            return;
+        };
+        while !shutdown.is_cancelled() {
+            match pg.slot_status().await {
+                Ok(Some(s)) => {
+                    metrics::gauge!(m::SLOT_LAG_BYTES, "source" => self.source.clone())
+                        .set(s.lag_bytes as f64);
+                    if s.wal_status.as_deref() == Some("lost") {
+                        tracing::error!(slot = %s.slot, "the replication slot lost WAL it needed (max_slot_wal_keep_size): events may be missing; see README \"Log-based capture\"");
+                    }
+                }
+                Ok(None) => tracing::warn!("the replication slot is gone (dropped?)"),
+                Err(e) => tracing::debug!("slot query failed: {e:#}"),
+            }
+            sleep_or_cancel(Duration::from_secs(1), &shutdown).await;
+        }
+    }
+
     pub(super) async fn watch_backlog(self: Arc<Self>, shutdown: CancellationToken) {
         while !shutdown.is_cancelled() {
             match self.store.backlog().await {

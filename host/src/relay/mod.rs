@@ -67,6 +67,15 @@ pub struct Relay {
     /// source (config reload): the lanes are kept, not released, and the
     /// successor renews them under the same relay id.
     pub handing_over: std::sync::atomic::AtomicBool,
+    /// `capture = "logical"`: the slot this source streams from (see
+    /// `capture/mod.rs`); `None`: lease mode.
+    pub capture: Option<crate::config::Logical>,
+    /// The source's config, its key (`store`, `sources.<name>`) and table
+    /// mapping, for the replication connection and decoding rows.
+    pub store_config: crate::config::StoreConfig,
+    pub store_key: String,
+    pub store_table: crate::config::TableConfig,
+    pub relay_id: String,
 }
 
 /// How many events a batch published, held and failed.
@@ -196,7 +205,9 @@ impl Relay {
             shadows.push(shadow);
         }
         let routes = Arc::new(routes);
-        let table = config.source(source)?.table().name;
+        let store_config = config.source(source)?.clone();
+        let relay_id = store.relay_id().to_string();
+        let table = store_config.table().name;
         let pipeline = Pipeline {
             routes: routes.clone(),
             sinks: sinks.clone(),
@@ -223,6 +234,11 @@ impl Relay {
             config: config.relay.clone(),
             health,
             handing_over: std::sync::atomic::AtomicBool::new(false),
+            capture: store_config.logical(source),
+            store_key: config.source_key(source),
+            store_table: store_config.table(),
+            relay_id,
+            store_config,
         })
     }
 
@@ -246,6 +262,34 @@ impl Relay {
             spawn_here(self.clone().reload_plugins(shutdown.clone())),
             spawn_here(self.clone().follow_quarantines(shutdown.clone())),
         ];
+        if self.capture.is_some() {
+            // One stream from the slot instead of lane workers.
+            background.push(spawn_here(self.clone().watch_slot(shutdown.clone())));
+            let capture = spawn_here(self.clone().capture(lease_rx, shutdown.clone()));
+            shutdown.cancelled().await;
+            tracing::info!(source = %self.source, "stopping: finishing the in-flight batch");
+            if tokio::time::timeout(self.config.shutdown_timeout, capture)
+                .await
+                .is_err()
+            {
+                tracing::warn!("the in-flight batch did not finish in time; the slot re-reads it");
+            }
+            stop_leasing.cancel();
+            for t in background {
+                t.abort();
+            }
+            for sink in self.sinks.values() {
+                sink.flush().await;
+            }
+            if !self.handing_over.load(std::sync::atomic::Ordering::Acquire)
+                && let Err(e) = self.store.release_all().await
+            {
+                tracing::warn!(
+                    "could not release the capture lease (it lapses after lease_ttl): {e:#}"
+                );
+            }
+            return Ok(());
+        }
         if let Some(retention) = self.config.retention {
             background.push(spawn_here(self.clone().purge(retention, shutdown.clone())));
         }
@@ -429,7 +473,7 @@ impl Relay {
 
     /// One batch, start to finish. `lease`: the lanes the batch was claimed
     /// from; nothing is sent for them once another relay may own them.
-    async fn process(
+    pub(crate) async fn process(
         &self,
         claims: Vec<Claim>,
         mut lease: Option<&mut LeaseGuard>,
@@ -468,7 +512,14 @@ impl Relay {
         let mut messages_sent: BTreeMap<(usize, &str), u64> = BTreeMap::new();
         for ((claim, plan), fate) in events.iter().zip(&delivery.fates) {
             match fate {
-                Fate::Held => report.held += 1,
+                Fate::Held => {
+                    report.held += 1;
+                    // A captured event cannot stay "pending": the slot moves
+                    // on. It waits in the parked queue (once).
+                    if claim.captured.is_some_and(|c| !c.parked) {
+                        failures.push(crate::relay::Relay::waiting(self, claim));
+                    }
+                }
                 Fate::Publish => {
                     to_mark.push(claim);
                     if let Ok(ev) = &claim.row {
@@ -544,7 +595,12 @@ impl Relay {
             }
         }
         if !failures.is_empty() {
-            self.store.record_failures(&failures).await?;
+            let recorded = self.store.record_failures(&failures).await?;
+            if self.capture.is_some() && (recorded as usize) < failures.len() {
+                anyhow::bail!(
+                    "capture lease lost while recording failed and waiting events; the slot is not confirmed"
+                );
+            }
         }
         metrics::histogram!(m::BATCH_SECONDS, "source" => self.source.clone())
             .record(started.elapsed().as_secs_f64());
@@ -802,6 +858,19 @@ impl Relay {
     }
 
     async fn mark(&self, claims: &[&Claim]) -> Result<u64> {
+        if let Some(pg) = self.store.logical() {
+            // Streamed events are marked by confirming the slot (capture
+            // loop); parked ones by removing them from the queue.
+            let (parked, streamed): (Vec<&Claim>, Vec<&Claim>) = claims
+                .iter()
+                .partition(|c| c.captured.is_some_and(|c| c.parked));
+            let unparked = if parked.is_empty() {
+                0
+            } else {
+                pg.unpark(&parked).await?
+            };
+            return Ok(streamed.len() as u64 + unparked);
+        }
         if failpoint::armed("mid-mark") && claims.len() > 1 {
             let (a, b) = claims.split_at(claims.len() / 2);
             let n = self.store.mark_published(a).await?;
@@ -861,7 +930,7 @@ impl Relay {
     }
 
     /// What the store keeps about an event that did not go out.
-    fn record(
+    pub(crate) fn record(
         &self,
         claim: &Claim,
         route: Option<usize>,
@@ -907,6 +976,7 @@ impl Relay {
             plugin_version: plugin.map(|p| p.version),
             kind,
             done_legs: Vec::new(),
+            parked: None,
         }
     }
 }

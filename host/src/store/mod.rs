@@ -40,7 +40,98 @@ pub struct Claim {
     /// the mark refuses the row if the lane changed hands since, even if it
     /// came back to this relay.
     pub epoch: Option<i64>,
+    /// Set for events read from a replication slot (`capture = "logical"`).
+    pub captured: Option<Captured>,
     pub row: Result<Event, Malformed>,
+}
+
+/// Where a logically captured event came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Captured {
+    /// Commit LSN of the producer's transaction: orders events across
+    /// transactions (then `sequence` within one).
+    pub commit_lsn: i64,
+    /// Read back from the parked queue (`outroute_event_state`) instead of
+    /// the stream: "marked" by deleting its state row.
+    pub parked: bool,
+}
+
+/// A logically captured event as it waits in `outroute_event_state.event`
+/// (the stream has moved on and the table row may be gone): everything
+/// needed to route it again. The payload stays a string so its bytes are
+/// exactly the producer's.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
+pub struct ParkedEvent {
+    pub sequence: i64,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub event_type: String,
+    #[serde(default)]
+    pub event_version: u32,
+    #[serde(default)]
+    pub payload: String,
+    #[serde(default)]
+    pub headers: Vec<(String, String)>,
+    pub created_at: DateTime<Utc>,
+    /// Set for a row that could not become an event: the reason.
+    #[serde(default)]
+    pub malformed: Option<String>,
+}
+
+impl ParkedEvent {
+    pub fn of(row: &Result<Event, Malformed>) -> Self {
+        match row {
+            Ok(e) => ParkedEvent {
+                sequence: e.sequence,
+                aggregate_type: e.aggregate_type.clone(),
+                aggregate_id: e.aggregate_id.clone(),
+                event_type: e.event_type.clone(),
+                event_version: e.event_version,
+                payload: String::from_utf8_lossy(&e.payload).into_owned(),
+                headers: e.headers.clone(),
+                created_at: e.created_at,
+                malformed: None,
+            },
+            Err(m) => ParkedEvent {
+                sequence: m.sequence,
+                aggregate_type: m.aggregate_type.clone(),
+                aggregate_id: m.aggregate_id.clone(),
+                event_type: m.event_type.clone(),
+                event_version: 0,
+                payload: String::new(),
+                headers: Vec::new(),
+                created_at: Utc::now(),
+                malformed: Some(m.reason.clone()),
+            },
+        }
+    }
+
+    /// The event again (`attempts`: from its state row).
+    #[allow(clippy::result_large_err)]
+    pub fn into_row(self, id: String, attempts: u32) -> Result<Event, Malformed> {
+        match self.malformed {
+            Some(reason) => Err(Malformed {
+                id,
+                sequence: self.sequence,
+                aggregate_type: self.aggregate_type,
+                aggregate_id: self.aggregate_id,
+                event_type: self.event_type,
+                reason,
+            }),
+            None => Ok(Event {
+                id,
+                sequence: self.sequence,
+                aggregate_type: self.aggregate_type,
+                aggregate_id: self.aggregate_id,
+                event_type: self.event_type,
+                event_version: self.event_version,
+                payload: self.payload.into_bytes(),
+                headers: self.headers,
+                created_at: self.created_at,
+                attempts,
+            }),
+        }
+    }
 }
 
 impl Claim {
@@ -101,6 +192,9 @@ pub struct Failure {
     /// one sink is down, the legs that reached the others are not re-sent
     /// on every retry.
     pub done_legs: Vec<String>,
+    /// A logically captured event waits in the state table itself (the
+    /// stream has moved on): its commit LSN and the event.
+    pub parked: Option<(i64, ParkedEvent)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -183,6 +277,22 @@ pub struct Status {
     /// Routes whose plugin kept breaking its limits: their events wait.
     pub quarantined_routes: Vec<QuarantinedRoute>,
     pub relays: Vec<RelayStatus>,
+    /// The replication slot of a `capture = "logical"` source.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slot: Option<SlotStatus>,
+}
+
+/// A logical source's replication slot, as `status` and the metrics show it.
+#[derive(Debug, Clone, Serialize, Default, PartialEq)]
+pub struct SlotStatus {
+    pub slot: String,
+    /// A relay is streaming from it (its backend pid).
+    pub active_pid: Option<i32>,
+    pub confirmed_flush_lsn: Option<String>,
+    /// WAL written since the confirmed position: what the slot keeps.
+    pub lag_bytes: i64,
+    /// `reserved`, `extended`, `unreserved` or `lost` (past `max_slot_wal_keep_size`).
+    pub wal_status: Option<String>,
 }
 
 /// A quarantined route as the store records it.
@@ -383,6 +493,22 @@ impl Store {
         batch: i64,
     ) -> anyhow::Result<u64> {
         dispatch!(self, s => s.purge_published(older_than, batch).await)
+    }
+
+    /// The relay id this store leases under.
+    pub fn relay_id(&self) -> &str {
+        match self {
+            Store::Postgres(s) => s.relay_id(),
+            Store::Sqlite(_) => "embedded",
+        }
+    }
+
+    /// The PostgreSQL store of a `capture = "logical"` source.
+    pub fn logical(&self) -> Option<&postgres::PgStore> {
+        match self {
+            Store::Postgres(s) if s.logical().is_some() => Some(s),
+            _ => None,
+        }
     }
 
     /// Is the database reachable?

@@ -58,8 +58,11 @@ use super::{
     Claim, Cursor, FailedEvent, Failure, FailureKind, Filter, Leases, QuarantinedRoute,
     RelayStatus, Status,
 };
-use crate::config::{Config, Marking, Ordering, TableConfig};
+use crate::config::{Config, Logical, LogicalInput, Marking, Ordering, TableConfig};
 use crate::event::RawRow;
+
+mod logical;
+pub use logical::CAPTURE_LANE;
 
 /// Quote a validated identifier (`schema.table` → `"schema"."table"`).
 fn quote(ident: &str) -> String {
@@ -324,6 +327,9 @@ pub struct PgStore {
     /// Set when the claim cannot use a lane index: the statement that
     /// would make it cheap.
     missing_index: Option<String>,
+    /// `capture = "logical"`: the slot and publication read (see
+    /// `postgres/logical.rs`); leases are then the one capture lease.
+    logical: Option<Logical>,
 }
 
 /// The URL's options with `store.password` and `store.tls` applied.
@@ -410,10 +416,22 @@ impl PgStore {
             .connect_with(opts)
             .await
             .map_err(|e| connect_error(key, sc, e))?;
+        let source_name = key
+            .strip_prefix("sources.")
+            .unwrap_or(crate::config::DEFAULT_SOURCE);
+        let logical = sc.logical(source_name);
         Ok(PgStore {
             pool,
             key: key.to_string(),
-            source: sc.table().name,
+            // The key of this source's coordination rows: the table, or for
+            // tableless capture the message prefix.
+            source: match &logical {
+                Some(l) if l.input == LogicalInput::Messages => {
+                    format!("messages:{}", l.message_prefix)
+                }
+                _ => sc.table().name,
+            },
+            logical,
             relay_id: relay_id.to_string(),
             lanes: sc.lanes.unwrap_or(config.relay.lanes),
             lease_ttl: config.relay.lease_ttl,
@@ -456,6 +474,14 @@ impl PgStore {
     /// Look up every mapped column; refuse to start on the first missing
     /// one, naming the config key.
     pub async fn check_table(&mut self) -> Result<()> {
+        if let Some(l) = &self.logical {
+            self.check_capture().await?;
+            if l.input == LogicalInput::Messages {
+                // No table: the canonical shape only names the state rows' columns.
+                self.sql = Some(TableSql::new(&self.cfg, self.lanes, "uuid"));
+                return Ok(());
+            }
+        }
         let t = &self.cfg;
         let exists: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
             .bind(quote(&t.name))
@@ -514,6 +540,11 @@ impl PgStore {
             );
         }
         let sql = TableSql::new(t, self.lanes, &base);
+        if self.logical.is_some() {
+            // Streamed, never claimed: no lane index, no lane rows.
+            self.sql = Some(sql);
+            return Ok(());
+        }
         self.missing_index = if self.lane_index_usable(&sql).await? {
             None
         } else {
@@ -673,6 +704,9 @@ impl PgStore {
     }
 
     pub async fn lease_round(&self) -> Result<Leases> {
+        if self.logical.is_some() {
+            return self.capture_lease().await;
+        }
         let ttl = self.lease_ttl.as_secs_f64();
         let mut tx = self.pool.begin().await?;
         sqlx::query(
@@ -940,15 +974,22 @@ impl PgStore {
             );
             let q = format!(
                 "INSERT INTO outroute_event_state AS st (source, event_id, aggregate_type, aggregate_id, seq, event_type, \
-                   attempts, next_attempt_at, blocks_until, last_error, route, plugin, plugin_version, failed_at, done_legs) \
-                 SELECT $1, $3, $4, $5, $6, $7, $9, {next}, {blocks_sql}, $11, $12, $13, $14, CASE WHEN $15 THEN now() END, $17 \
+                   attempts, next_attempt_at, blocks_until, last_error, route, plugin, plugin_version, failed_at, done_legs, \
+                   event, commit_lsn) \
+                 SELECT $1, $3, $4, $5, $6, $7, $9, {next}, {blocks_sql}, $11, $12, $13, $14, CASE WHEN $15 THEN now() END, $17, \
+                   $18::text::jsonb, $19 \
                  WHERE EXISTS (SELECT 1 FROM outroute_lanes WHERE source = $1 AND owner = $2 AND lane = $16 AND lease_until > now()) \
                  ON CONFLICT (source, event_id) DO UPDATE SET attempts = EXCLUDED.attempts, \
                    next_attempt_at = EXCLUDED.next_attempt_at, blocks_until = EXCLUDED.blocks_until, \
                    last_error = EXCLUDED.last_error, route = EXCLUDED.route, plugin = EXCLUDED.plugin, \
                    plugin_version = EXCLUDED.plugin_version, failed_at = EXCLUDED.failed_at, \
-                   discarded_at = NULL, updated_at = now(), done_legs = EXCLUDED.done_legs"
+                   discarded_at = NULL, updated_at = now(), done_legs = EXCLUDED.done_legs, \
+                   event = COALESCE(EXCLUDED.event, st.event), commit_lsn = COALESCE(EXCLUDED.commit_lsn, st.commit_lsn)"
             );
+            let (commit_lsn, event) = match &f.parked {
+                Some((lsn, ev)) => (Some(*lsn), Some(serde_json::to_string(ev)?)),
+                None => (None, None),
+            };
             let done = sqlx::query(&q)
                 .bind(&self.source)
                 .bind(&self.relay_id)
@@ -967,6 +1008,8 @@ impl PgStore {
                 .bind(failed)
                 .bind(f.lane)
                 .bind(&f.done_legs)
+                .bind(event)
+                .bind(commit_lsn)
                 .execute(&self.pool)
                 .await
                 .context("recording a failed attempt")?
@@ -975,6 +1018,9 @@ impl PgStore {
                 continue; // fenced: the lane is no longer ours
             }
             recorded += 1;
+            if f.parked.is_some() {
+                continue; // the table row is not the record of a captured event
+            }
             // The state row is what counts; a legacy column too narrow for
             // the reason must not stop the rest of the batch's failures.
             if let Err(e) = self.mirror_failure(s, f, failed).await {
@@ -1033,6 +1079,9 @@ impl PgStore {
     /// pending sequence numbers (tables with a sequence column), or stays
     /// the lower bound counted. Without a lane index: the same bound, by scan.
     pub async fn backlog(&self) -> Result<(i64, Option<f64>)> {
+        if self.logical.is_some() {
+            return self.parked_backlog().await;
+        }
         let s = self.sql()?;
         let per_lane = (BACKLOG_EXACT / self.lanes as i64).max(2);
         let created = format!("o.{}::timestamptz", quote(&s.cfg.created_at));
@@ -1101,6 +1150,9 @@ impl PgStore {
     }
 
     pub async fn status(&self) -> Result<Status> {
+        if self.logical.is_some() {
+            return self.logical_status().await;
+        }
         let s = self.sql()?;
         let (_, oldest) = self.backlog().await?;
         let counts = sqlx::query(
@@ -1175,6 +1227,7 @@ impl PgStore {
             events_without_messages,
             quarantined_routes: self.quarantined_routes().await?,
             relays,
+            slot: None,
         })
     }
 
@@ -1349,7 +1402,7 @@ impl PgStore {
         {
             sets.push(format!("{} = {}", quote(column), literal(pending)));
         }
-        if !sets.is_empty() && !ids.is_empty() {
+        if !sets.is_empty() && !ids.is_empty() && self.logical.is_none() {
             let q = format!(
                 "UPDATE {} o SET {} WHERE {} = ANY({})",
                 s.table,
@@ -1567,6 +1620,7 @@ fn to_claim(r: &PgRow) -> Result<Claim> {
         has_state: state_attempts.is_some(),
         done_legs: Vec::new(),
         epoch: None,
+        captured: None,
         row,
     })
 }

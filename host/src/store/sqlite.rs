@@ -244,6 +244,7 @@ impl SqliteStore {
             events_without_messages,
             quarantined_routes: self.quarantined_routes().await?,
             relays: Vec::new(),
+            slot: None,
         })
     }
 
@@ -528,6 +529,7 @@ fn to_claim(r: &SqliteRow) -> Result<Claim> {
         has_state: true,
         done_legs,
         epoch: None,
+        captured: None,
         row,
     })
 }

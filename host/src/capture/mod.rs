@@ -1,0 +1,848 @@
+//! Log-based capture (`capture = "logical"`): events come from PostgreSQL's
+//! write-ahead log through a logical replication slot instead of a claim of
+//! the table, and "marking" is advancing the slot.
+//!
+//! ```text
+//!  producer tx commits ─► WAL ─► slot (pgoutput) ─► reader task: decode rows / messages
+//!                                                          │ (commit order)
+//!  confirm slot position ◄─ delete captured rows ◄─ park what cannot go ◄─ Relay::process
+//! ```
+//!
+//! The one rule that makes it safe: **the slot's confirmed position only
+//! moves past a transaction once every event of it was acknowledged by every
+//! destination or written, whole, to the parked queue** (`outroute_event_state`
+//! with the event itself; see `store/postgres/logical.rs`). A crash anywhere
+//! makes the next reader start at the confirmed position and re-publish what
+//! followed, with the same event ids: duplicates, never a loss.
+//!
+//! Order: events arrive in commit order (then insert order within a
+//! transaction). An aggregate whose event cannot go now gets a parked queue;
+//! every later event of it joins that queue, and the queue is drained in
+//! (commit LSN, sequence) order by [`Relay::retry_parked`], in the same task
+//! as the stream, so the aggregate is released only after its last parked
+//! event went out. Other aggregates never wait.
+//!
+//! One relay streams at a time: the owner of the capture lease (lane -1).
+//! Standbys wait for it; when the owner dies its lease lapses after
+//! `relay.lease_ttl`, a standby takes it, ends the old session if PostgreSQL
+//! still thinks it is alive, and starts at the confirmed position.
+//!
+//! Inputs: inserts into the outbox table (`logical.input = "table"`, the
+//! mapped columns in text form), or logical messages
+//! (`pg_logical_emit_message(true, '<prefix>', <envelope>)`, no table; the
+//! envelope is [`Envelope`]).
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, anyhow, bail};
+use chrono::{DateTime, NaiveDateTime, Utc};
+use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent};
+use serde::Deserialize;
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::config::{Logical, LogicalInput, PgTlsMode, StoreConfig, TableConfig};
+use crate::event::{Event, Malformed, RawRow};
+use crate::failpoint;
+use crate::metrics as m;
+use crate::pipeline::{LeaseGuard, LeaseView};
+use crate::relay::{BatchReport, Relay, sleep_or_cancel};
+use crate::store::postgres::{CAPTURE_LANE, PgStore};
+use crate::store::{Captured, Claim, Failure, FailureKind};
+
+pub mod pgoutput;
+
+/// How often the parked queue is looked at when nothing else happens.
+const PARKED_EVERY: Duration = Duration::from_millis(500);
+
+/// The envelope of a tableless event: the content of
+/// `pg_logical_emit_message(true, '<prefix>', '<envelope JSON>')`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Envelope {
+    pub id: String,
+    #[serde(default)]
+    pub aggregate_type: Option<String>,
+    pub aggregate_id: Option<String>,
+    pub event_type: Option<String>,
+    #[serde(default)]
+    pub event_version: Option<serde_json::Value>,
+    pub payload: Option<Box<serde_json::value::RawValue>>,
+    #[serde(default)]
+    pub headers: Option<serde_json::Value>,
+}
+
+/// What the reader task hands the capture loop, in stream order.
+#[derive(Debug)]
+enum Item {
+    Event(Box<Claim>),
+    /// The end of a transaction: once its events are handled the slot may
+    /// be confirmed up to `end`.
+    Commit {
+        end: Lsn,
+        at: DateTime<Utc>,
+    },
+    /// Nothing is open on the server's side up to `at`: confirmable once
+    /// everything before it is handled.
+    Idle {
+        at: Lsn,
+    },
+}
+
+/// The replication connection of `sc`: the URL's host, port, user and
+/// database, the source's password and TLS. Timestamps come in ISO, UTC.
+pub fn replication_config(
+    key: &str,
+    sc: &StoreConfig,
+    l: &Logical,
+    relay_id: &str,
+) -> Result<ReplicationConfig> {
+    use pgwire_replication::{SslMode, TlsConfig};
+    let url = url::Url::parse(&sc.url).map_err(|e| anyhow!("{key}.url: {e}"))?;
+    let decode = |s: &str| {
+        url::form_urlencoded::parse(format!("x={s}").as_bytes())
+            .next()
+            .map(|(_, v)| v.into_owned())
+            .unwrap_or_default()
+    };
+    let host = url
+        .host_str()
+        .map(|h| h.trim_matches(['[', ']']).to_string())
+        .unwrap_or_else(|| "localhost".into());
+    let user = match url.username() {
+        "" => std::env::var("USER").unwrap_or_else(|_| "postgres".into()),
+        u => decode(u),
+    };
+    let password = match (&sc.password, url.password()) {
+        (Some(p), _) => p.expose().to_string(),
+        (None, Some(p)) => decode(p),
+        (None, None) => String::new(),
+    };
+    let database = url.path().trim_start_matches('/').to_string();
+    let database = if database.is_empty() {
+        user.clone()
+    } else {
+        decode(&database)
+    };
+    let url_mode = url
+        .query_pairs()
+        .find(|(k, _)| k == "sslmode")
+        .map(|(_, v)| v.into_owned());
+    let mode = match (&sc.tls, url_mode.as_deref()) {
+        (Some(t), _) => t.mode,
+        (None, Some("disable")) => PgTlsMode::Disable,
+        (None, Some("require")) => PgTlsMode::Require,
+        (None, Some("verify-ca")) => PgTlsMode::VerifyCa,
+        (None, Some("verify-full")) => PgTlsMode::VerifyFull,
+        // libpq's default `prefer`: this client has no fallback, so plain
+        // (the lease-mode pool negotiates; replication goes to the same server).
+        (None, _) => PgTlsMode::Disable,
+    };
+    let ca = sc.tls.as_ref().and_then(|t| t.ca_file.clone());
+    let mut tls = match mode {
+        PgTlsMode::Disable | PgTlsMode::Prefer => TlsConfig::disabled(),
+        PgTlsMode::Require => TlsConfig::require(),
+        PgTlsMode::VerifyCa => TlsConfig::verify_ca(ca),
+        PgTlsMode::VerifyFull => TlsConfig::verify_full(ca),
+    };
+    if let Some(t) = &sc.tls
+        && let (Some(cert), Some(k)) = (&t.cert_file, &t.key_file)
+    {
+        tls = tls.with_client_cert(cert.clone(), k.clone());
+    }
+    debug_assert!(matches!(
+        tls.mode,
+        SslMode::Disable
+            | SslMode::Require
+            | SslMode::VerifyCa
+            | SslMode::VerifyFull
+            | SslMode::Prefer
+    ));
+    Ok(ReplicationConfig::new(
+        host,
+        user,
+        password,
+        database,
+        l.slot.clone(),
+        l.publication.clone(),
+    )
+    .with_port(url.port().unwrap_or(5432))
+    .with_tls(tls)
+    .with_options("-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=iso_8601")
+    .with_application_name(format!("outroute {relay_id}"))
+    .with_status_interval(Duration::from_secs(1))
+    .with_wakeup_interval(Duration::from_secs(1)))
+}
+
+/// A timestamp in PostgreSQL's ISO text form, with or without a zone.
+fn parse_timestamp(s: &str) -> Option<DateTime<Utc>> {
+    DateTime::parse_from_str(s, "%Y-%m-%d %H:%M:%S%.f%#z")
+        .map(|t| t.with_timezone(&Utc))
+        .ok()
+        .or_else(|| {
+            NaiveDateTime::parse_from_str(s, "%Y-%m-%d %H:%M:%S%.f")
+                .ok()
+                .map(|n| n.and_utc())
+        })
+}
+
+/// Column positions of the mapped columns in one published relation.
+struct RowShape {
+    id: Option<usize>,
+    sequence: Option<usize>,
+    aggregate_type: Option<usize>,
+    aggregate_id: Option<usize>,
+    event_type: Option<usize>,
+    event_version: Option<usize>,
+    payload: Option<usize>,
+    headers: Option<usize>,
+    created_at: Option<usize>,
+}
+
+impl RowShape {
+    fn of(rel: &pgoutput::Relation, t: &TableConfig) -> Self {
+        let pos = |c: &Option<String>| {
+            c.as_ref()
+                .and_then(|c| rel.columns.iter().position(|n| n == c))
+        };
+        let req = |c: &String| rel.columns.iter().position(|n| n == c);
+        RowShape {
+            id: req(&t.id),
+            sequence: pos(&t.sequence),
+            aggregate_type: pos(&t.aggregate_type),
+            aggregate_id: req(&t.aggregate_id),
+            event_type: req(&t.event_type),
+            event_version: pos(&t.event_version),
+            payload: req(&t.payload),
+            headers: pos(&t.headers),
+            created_at: req(&t.created_at),
+        }
+    }
+
+    fn row(&self, t: &TableConfig, values: &[pgoutput::Value]) -> RawRow {
+        let text = |i: Option<usize>| match i.and_then(|i| values.get(i)) {
+            Some(pgoutput::Value::Text(s)) => Some(s.clone()),
+            _ => None,
+        };
+        let created_at = text(self.created_at).and_then(|s| parse_timestamp(&s));
+        let sequence = match t.sequence {
+            Some(_) => text(self.sequence).and_then(|s| s.parse::<i64>().ok()),
+            None => created_at.map(|c| c.timestamp_micros()),
+        };
+        RawRow {
+            id: text(self.id).unwrap_or_default(),
+            sequence,
+            aggregate_type: match &t.aggregate_type {
+                Some(_) => text(self.aggregate_type),
+                None => t.aggregate_type_value.clone(),
+            },
+            aggregate_id: text(self.aggregate_id),
+            event_type: text(self.event_type),
+            event_version: text(self.event_version),
+            payload: text(self.payload),
+            headers: text(self.headers),
+            created_at,
+            attempts: 0,
+        }
+    }
+}
+
+/// A logical message's envelope as an event (`sequence`: the message's
+/// LSN), or the reason it cannot be one.
+#[allow(clippy::result_large_err)]
+fn envelope_event(content: &[u8], lsn: Lsn, at: DateTime<Utc>) -> Result<Event, Malformed> {
+    let lsn_seq = lsn.as_u64() as i64;
+    let env: Envelope = match serde_json::from_slice(content) {
+        Ok(e) => e,
+        Err(e) => {
+            // No id to keep: the message's position names it.
+            return Err(Malformed {
+                id: format!("lsn-{}", lsn.to_pg_string()),
+                sequence: lsn_seq,
+                aggregate_type: String::new(),
+                aggregate_id: String::new(),
+                event_type: String::new(),
+                reason: format!("logical message is not an outroute envelope: {e}"),
+            });
+        }
+    };
+    RawRow {
+        id: env.id,
+        sequence: Some(lsn_seq),
+        aggregate_type: Some(env.aggregate_type.unwrap_or_default()),
+        aggregate_id: env.aggregate_id,
+        event_type: env.event_type,
+        event_version: env.event_version.map(|v| match v {
+            serde_json::Value::String(s) => s,
+            other => other.to_string(),
+        }),
+        payload: env.payload.map(|p| p.get().to_string()),
+        headers: env.headers.map(|h| h.to_string()),
+        created_at: Some(at),
+        attempts: 0,
+    }
+    .validate()
+}
+
+/// Postgres micros since 2000-01-01 → UTC.
+fn pg_time(micros: i64) -> DateTime<Utc> {
+    DateTime::from_timestamp_micros(micros + 946_684_800_000_000).unwrap_or_else(Utc::now)
+}
+
+/// Runs of consecutive numbers in `seqs`, as inclusive ranges.
+pub fn runs(mut seqs: Vec<i64>) -> Vec<(i64, i64)> {
+    seqs.sort_unstable();
+    seqs.dedup();
+    let mut out: Vec<(i64, i64)> = Vec::new();
+    for s in seqs {
+        match out.last_mut() {
+            Some((_, hi)) if *hi + 1 == s => *hi = s,
+            _ => out.push((s, s)),
+        }
+    }
+    out
+}
+
+/// The reader: owns the replication session, decodes what it brings into
+/// [`Item`]s, and reports confirmed positions back to the server.
+struct Reader {
+    input: LogicalInput,
+    prefix: String,
+    table: TableConfig,
+    relations: pgoutput::Relations,
+    shapes: std::collections::HashMap<u32, RowShape>,
+    /// Inside a transaction: its commit LSN, commit time.
+    open: Option<(i64, DateTime<Utc>)>,
+    /// The relation oid of the outbox table, once seen.
+    outbox: HashSet<u32>,
+}
+
+impl Reader {
+    async fn run(
+        mut self,
+        mut client: ReplicationClient,
+        out: mpsc::Sender<Result<Item>>,
+        mut confirmed: watch::Receiver<Lsn>,
+    ) {
+        loop {
+            let ev = tokio::select! {
+                ev = client.recv() => ev,
+                changed = confirmed.changed() => {
+                    if changed.is_err() { break; }
+                    client.update_applied_lsn(*confirmed.borrow_and_update());
+                    continue;
+                }
+            };
+            let item = match ev {
+                Ok(Some(ev)) => match self.decode(ev) {
+                    Ok(Some(item)) => Ok(item),
+                    Ok(None) => continue,
+                    Err(e) => Err(e),
+                },
+                Ok(None) => Err(anyhow!("the replication stream ended")),
+                Err(e) => Err(anyhow!("replication stream: {e}")),
+            };
+            let stop = item.is_err();
+            if out.send(item).await.is_err() || stop {
+                break;
+            }
+        }
+        client.stop();
+        let _ = client.shutdown().await;
+    }
+
+    fn decode(&mut self, ev: ReplicationEvent) -> Result<Option<Item>> {
+        Ok(match ev {
+            ReplicationEvent::Begin {
+                final_lsn,
+                commit_time_micros,
+                ..
+            } => {
+                self.open = Some((final_lsn.as_u64() as i64, pg_time(commit_time_micros)));
+                None
+            }
+            ReplicationEvent::Commit {
+                end_lsn,
+                commit_time_micros,
+                ..
+            } => {
+                self.open = None;
+                Some(Item::Commit {
+                    end: end_lsn,
+                    at: pg_time(commit_time_micros),
+                })
+            }
+            ReplicationEvent::KeepAlive { wal_end, .. } if self.open.is_none() => {
+                Some(Item::Idle { at: wal_end })
+            }
+            ReplicationEvent::KeepAlive { .. } | ReplicationEvent::StoppedAt { .. } => None,
+            ReplicationEvent::Message {
+                transactional,
+                lsn,
+                prefix,
+                content,
+            } => {
+                if self.input != LogicalInput::Messages || prefix != self.prefix {
+                    return Ok(None);
+                }
+                let (commit_lsn, at) = match (transactional, self.open) {
+                    (true, Some(o)) => o,
+                    // Outside a transaction there is no commit to keep to:
+                    // such a message is not part of any business change.
+                    _ => {
+                        tracing::warn!(lsn = %lsn.to_pg_string(), "ignoring a non-transactional outroute message: use pg_logical_emit_message(true, …)");
+                        return Ok(None);
+                    }
+                };
+                let row = envelope_event(&content, lsn, at);
+                Some(Item::Event(Box::new(captured(row, commit_lsn))))
+            }
+            ReplicationEvent::XLogData { data, .. } => {
+                if self.input != LogicalInput::Table {
+                    return Ok(None);
+                }
+                match pgoutput::decode(&data).map_err(|e| anyhow!(e))? {
+                    pgoutput::Change::Relation(oid, rel) => {
+                        let t = &self.table;
+                        let (schema, name) = match t.name.split_once('.') {
+                            Some((s, n)) => (s.to_string(), n.to_string()),
+                            None => ("public".to_string(), t.name.clone()),
+                        };
+                        if rel.name == name && (rel.namespace == schema || !t.name.contains('.')) {
+                            let shape = RowShape::of(&rel, t);
+                            if shape.id.is_none() || shape.payload.is_none() {
+                                bail!(
+                                    "table `{}` as published lacks the mapped id or payload column",
+                                    t.name
+                                );
+                            }
+                            self.shapes.insert(oid, shape);
+                            self.outbox.insert(oid);
+                        }
+                        self.relations.insert(oid, rel);
+                        None
+                    }
+                    pgoutput::Change::Insert(oid, values) => {
+                        let (Some(shape), Some((commit_lsn, _))) =
+                            (self.shapes.get(&oid), self.open)
+                        else {
+                            return Ok(None);
+                        };
+                        let row = shape.row(&self.table, &values).validate();
+                        Some(Item::Event(Box::new(captured(row, commit_lsn))))
+                    }
+                    pgoutput::Change::Other(_) => None,
+                }
+            }
+        })
+    }
+}
+
+fn captured(row: Result<Event, Malformed>, commit_lsn: i64) -> Claim {
+    Claim {
+        lane: CAPTURE_LANE,
+        tid: None,
+        has_state: false,
+        done_legs: Vec::new(),
+        epoch: None,
+        captured: Some(Captured {
+            commit_lsn,
+            parked: false,
+        }),
+        row,
+    }
+}
+
+/// The aggregate of a claim (also of a malformed row, as far as known).
+fn aggregate_of(c: &Claim) -> (String, String) {
+    match &c.row {
+        Ok(e) => (e.aggregate_type.clone(), e.aggregate_id.clone()),
+        Err(m) => (m.aggregate_type.clone(), m.aggregate_id.clone()),
+    }
+}
+
+/// One stream batch: events in stream order and what confirming it means.
+#[derive(Default)]
+struct Batch {
+    claims: Vec<Claim>,
+    /// The end of the last transaction whose events are all in this batch
+    /// or earlier ones: how far the slot may be confirmed once it is handled.
+    confirm: Option<Lsn>,
+    /// Commit time of the last transaction ended in the batch.
+    last_commit: Option<DateTime<Utc>>,
+}
+
+impl Relay {
+    /// A logical source: wait for the capture lease, stream while holding
+    /// it, go back to waiting when it is lost. Runs until `shutdown`.
+    pub(crate) async fn capture(
+        self: Arc<Self>,
+        mut leases: watch::Receiver<LeaseView>,
+        shutdown: CancellationToken,
+    ) {
+        let Some(pg) = self.store.logical() else {
+            tracing::error!("capture = \"logical\" on a store without a slot");
+            return;
+        };
+        let mut standby_logged = false;
+        while !shutdown.is_cancelled() {
+            let view = leases.borrow_and_update().clone();
+            let held = Instant::now() < view.valid_until && view.lanes.contains(&CAPTURE_LANE);
+            if !held {
+                if !standby_logged {
+                    tracing::info!(
+                        "standby: waiting for the capture lease (another relay streams from the slot)"
+                    );
+                    standby_logged = true;
+                }
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = leases.changed() => {},
+                    _ = tokio::time::sleep(self.config.lease_ttl / 3) => {},
+                }
+                continue;
+            }
+            standby_logged = false;
+            let span = tracing::info_span!("capture");
+            match self
+                .clone()
+                .stream(pg, &view, leases.clone(), &shutdown)
+                .instrument(span)
+                .await
+            {
+                Ok(()) => {}
+                Err(e) => {
+                    self.health.set_store_ok(false);
+                    tracing::warn!(
+                        "capture stopped, resuming from the slot's confirmed position: {e:#}"
+                    );
+                    sleep_or_cancel(Duration::from_secs(1), &shutdown).await;
+                }
+            }
+        }
+    }
+
+    /// Stream from the slot while the capture lease of `view` holds.
+    async fn stream(
+        self: Arc<Self>,
+        pg: &PgStore,
+        view: &LeaseView,
+        leases: watch::Receiver<LeaseView>,
+        shutdown: &CancellationToken,
+    ) -> Result<()> {
+        let Some(logical) = self.capture.clone() else {
+            bail!("not a logical source");
+        };
+        // The parked queue as the database has it: every relay that owned
+        // the slot before wrote its parked events there.
+        let mut held = pg.held_aggregates().await?;
+        let client = self.connect_slot(pg, &logical).await?;
+        tracing::info!(slot = %logical.slot, parked_aggregates = held.len(), "streaming from the replication slot");
+        metrics::counter!(m::LEASE_HANDOVERS, "source" => self.source.clone()).increment(1);
+        let (tx, mut rx) = mpsc::channel::<Result<Item>>(4 * self.config.batch_size as usize);
+        let (confirm_tx, confirm_rx) = watch::channel(Lsn(0));
+        let reader = Reader {
+            input: logical.input,
+            prefix: logical.message_prefix.clone(),
+            table: self.store_table.clone(),
+            relations: pgoutput::Relations::default(),
+            shapes: Default::default(),
+            open: None,
+            outbox: HashSet::new(),
+        };
+        let reader = tokio::spawn(reader.run(client, tx, confirm_rx).in_current_span());
+        let _stop_reader = AbortOnDrop(reader);
+
+        let mut last_parked = Instant::now() - PARKED_EVERY;
+        // The last round moved events: the next comes at once (a long queue
+        // drains at batch speed), otherwise every PARKED_EVERY.
+        let mut parked_moving = false;
+        let mut outage_backoff = Duration::from_millis(100);
+        let mut pending_idle: Option<Lsn> = None;
+        while !shutdown.is_cancelled() {
+            // The lease of this streaming session, re-checked every batch.
+            let mut lease = LeaseGuard::new(leases.clone(), view, vec![CAPTURE_LANE]);
+            if !lease.held() {
+                tracing::warn!("capture lease lost: stopping the stream (a standby takes over)");
+                return Ok(());
+            }
+
+            // Parked events whose turn came, before the stream's later ones.
+            if parked_moving || last_parked.elapsed() >= PARKED_EVERY {
+                let moved = self.retry_parked(pg, &mut lease).await?;
+                parked_moving = moved > 0;
+                held = pg.held_aggregates().await?;
+                last_parked = Instant::now();
+            }
+
+            let wait = if parked_moving {
+                Duration::ZERO
+            } else {
+                PARKED_EVERY
+            };
+            let Some(batch) = self
+                .collect(&mut rx, wait, shutdown, &mut pending_idle)
+                .await?
+            else {
+                if let Some(at) = pending_idle.take() {
+                    let _ = confirm_tx.send(at);
+                }
+                continue;
+            };
+            failpoint::hit("after-claim");
+            let mut claims = batch.claims;
+            lease.stamp(&mut claims);
+            let handled_seqs: Vec<i64> = claims
+                .iter()
+                .filter_map(|c| c.row.as_ref().ok().map(|e| e.sequence))
+                .collect();
+            // Events of aggregates with a parked queue join it, untouched.
+            let (queue, go): (Vec<Claim>, Vec<Claim>) = claims
+                .into_iter()
+                .partition(|c| held.contains(&aggregate_of(c)));
+            let waiting: Vec<Failure> = queue.iter().map(|c| self.waiting(c)).collect();
+            loop {
+                let report: BatchReport = self.process(go.clone(), Some(&mut lease)).await?;
+                if report.outage {
+                    tracing::warn!(backoff = ?outage_backoff, reason = report.outage_reason.as_deref().unwrap_or(""), "every publish failed; backing off (the slot is not confirmed)");
+                    sleep_or_cancel(crate::pipeline::jitter(outage_backoff), shutdown).await;
+                    outage_backoff = (outage_backoff * 2).min(Duration::from_secs(10));
+                    if shutdown.is_cancelled() || !lease.held() {
+                        return Ok(());
+                    }
+                    continue;
+                }
+                outage_backoff = Duration::from_millis(100);
+                if report.failed + report.retried + report.held + report.deferred > 0 {
+                    held = pg.held_aggregates().await?;
+                }
+                break;
+            }
+            if !waiting.is_empty() {
+                let n = self.store.record_failures(&waiting).await?;
+                if (n as usize) < waiting.len() {
+                    bail!("capture lease lost while parking events; not confirming");
+                }
+                held.extend(queue.iter().map(aggregate_of));
+            }
+            // Handled (published or parked): the table rows can go.
+            if self
+                .capture
+                .as_ref()
+                .is_some_and(|l| l.input == LogicalInput::Table)
+            {
+                let n = pg.delete_captured(&runs(handled_seqs)).await?;
+                if n > 0 {
+                    metrics::counter!(m::PURGED, "source" => self.source.clone()).increment(n);
+                }
+            }
+            failpoint::hit("mid-mark");
+            if !lease.held() {
+                bail!(
+                    "capture lease lost before confirming; the next owner re-reads from the confirmed position"
+                );
+            }
+            if let Some(end) = batch.confirm {
+                let _ = confirm_tx.send(end);
+            }
+            if let Some(at) = batch.last_commit {
+                metrics::gauge!(m::SLOT_LAG_SECONDS, "source" => self.source.clone())
+                    .set(((Utc::now() - at).num_milliseconds().max(0) as f64) / 1e3);
+            }
+            self.health.set_store_ok(true);
+        }
+        Ok(())
+    }
+
+    /// Connect to the slot, ending a previous owner's session that still
+    /// holds it (this relay has the lease, so that owner is fenced).
+    async fn connect_slot(&self, pg: &PgStore, l: &Logical) -> Result<ReplicationClient> {
+        let cfg = replication_config(&self.store_key, &self.store_config, l, &self.relay_id)?;
+        let mut last = None;
+        for attempt in 0..20 {
+            let mut client = ReplicationClient::connect(cfg.clone()).await.map_err(|e| {
+                anyhow!(
+                    "{}.logical.slot `{}`: connecting: {e}",
+                    self.store_key,
+                    l.slot
+                )
+            })?;
+            match client.wait_started().await {
+                Ok(()) => return Ok(client),
+                Err(e) => {
+                    let text = e.to_string();
+                    if text.contains("is active for PID") || text.contains("55006") {
+                        if attempt == 0 || attempt % 5 == 4 {
+                            tracing::info!(slot = %l.slot, "the slot is still held by a previous owner's session: ending it");
+                        }
+                        let _ = pg.take_over_slot().await;
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        last = Some(text);
+                        continue;
+                    }
+                    return Err(anyhow!(
+                        "{}.logical.slot `{}`: starting replication: {text}",
+                        self.store_key,
+                        l.slot
+                    ));
+                }
+            }
+        }
+        Err(anyhow!(
+            "{}.logical.slot `{}`: still held by another session: {}",
+            self.store_key,
+            l.slot,
+            last.unwrap_or_default()
+        ))
+    }
+
+    /// Gather a batch: wait up to `wait` for the first item, then take what
+    /// is already there, up to `relay.batch_size` events.
+    async fn collect(
+        &self,
+        rx: &mut mpsc::Receiver<Result<Item>>,
+        wait: Duration,
+        shutdown: &CancellationToken,
+        idle: &mut Option<Lsn>,
+    ) -> Result<Option<Batch>> {
+        let mut batch = Batch::default();
+        let first = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return Ok(None),
+            item = rx.recv() => item,
+            _ = tokio::time::sleep(wait) => return Ok(None),
+        };
+        let mut next = first;
+        loop {
+            match next {
+                None => bail!("the replication reader stopped"),
+                Some(Err(e)) => return Err(e),
+                Some(Ok(Item::Event(c))) => batch.claims.push(*c),
+                Some(Ok(Item::Commit { end, at })) => {
+                    batch.confirm = Some(end);
+                    batch.last_commit = Some(at);
+                    *idle = None;
+                }
+                Some(Ok(Item::Idle { at })) => {
+                    if batch.claims.is_empty() && batch.confirm.is_none() {
+                        *idle = Some(at);
+                    }
+                }
+            }
+            if batch.claims.len() >= self.config.batch_size as usize {
+                break;
+            }
+            match rx.try_recv() {
+                Ok(item) => next = Some(item),
+                Err(_) => break,
+            }
+        }
+        if batch.claims.is_empty() {
+            if let Some(end) = batch.confirm {
+                // Transactions with nothing for us (or only other tables).
+                *idle = Some(end);
+            }
+            return Ok(None);
+        }
+        Ok(Some(batch))
+    }
+
+    /// Publish the parked events whose turn came: the due head of each
+    /// aggregate's queue and the due events behind it, in order. Returns how
+    /// many left the queue.
+    pub(crate) async fn retry_parked(&self, pg: &PgStore, lease: &mut LeaseGuard) -> Result<u64> {
+        let mut claims = pg.parked_heads(self.config.batch_size).await?;
+        if claims.is_empty() {
+            return Ok(0);
+        }
+        lease.stamp(&mut claims);
+        let n = claims.len();
+        let report = self.process(claims, Some(lease)).await?;
+        tracing::debug!(
+            events = n,
+            published = report.published,
+            "parked events retried"
+        );
+        Ok(report.published as u64)
+    }
+
+    /// The record of a captured event that waits behind an earlier event of
+    /// its aggregate: parked with its attempts unchanged.
+    pub(crate) fn waiting(&self, claim: &Claim) -> Failure {
+        let attempts = crate::pipeline::attempts_so_far(claim);
+        self.record(
+            claim,
+            None,
+            attempts,
+            "waiting behind an earlier event of its aggregate".into(),
+            FailureKind::Retry {
+                delay: Duration::ZERO,
+            },
+        )
+    }
+}
+
+/// Abort the reader task when the streaming session ends, however it ends.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_split_at_gaps() {
+        assert_eq!(
+            runs(vec![5, 3, 4, 9, 10, 12]),
+            vec![(3, 5), (9, 10), (12, 12)]
+        );
+        assert_eq!(runs(vec![]), vec![]);
+        assert_eq!(runs(vec![7, 7]), vec![(7, 7)]);
+    }
+
+    #[test]
+    fn timestamps_in_iso_text() {
+        let t = parse_timestamp("2026-12-01 19:56:00.123456+00").unwrap();
+        assert_eq!(t.timestamp_micros() % 1_000_000, 123_456);
+        let z = parse_timestamp("2026-12-01 21:56:00+02").unwrap();
+        assert_eq!(z, parse_timestamp("2026-12-01 19:56:00+00").unwrap());
+        assert!(parse_timestamp("2026-12-01 19:56:00").is_some());
+        assert!(parse_timestamp("yesterday").is_none());
+    }
+
+    #[test]
+    fn envelopes_become_rows_or_reasons() {
+        let at = Utc::now();
+        let ok = envelope_event(
+            br#"{"id":"e1","aggregate_type":"order","aggregate_id":"42","event_type":"order-paid","payload":{"total": 10},"headers":{"traceparent":"00-x"}}"#,
+            Lsn(100),
+            at,
+        )
+        .unwrap();
+        assert_eq!(ok.id, "e1");
+        assert_eq!(ok.sequence, 100);
+        assert_eq!(ok.payload, br#"{"total": 10}"#.to_vec());
+        assert_eq!(ok.traceparent(), Some("00-x"));
+        let bad = envelope_event(b"{not json", Lsn(200), at).unwrap_err();
+        assert!(
+            bad.reason.contains("not an outroute envelope"),
+            "{}",
+            bad.reason
+        );
+        let no_payload = envelope_event(
+            br#"{"id":"e2","aggregate_id":"1","event_type":"x"}"#,
+            Lsn(300),
+            at,
+        )
+        .unwrap_err();
+        assert_eq!(no_payload.reason, "payload is NULL");
+    }
+}

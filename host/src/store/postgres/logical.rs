@@ -1,0 +1,531 @@
+//! The store side of log-based capture (`capture = "logical"`): the slot and
+//! publication, the one capture lease, the parked queue and the bulk cleanup.
+//!
+//! * **Slot and publication.** `outroute migrate` creates a `pgoutput` slot
+//!   and a publication of the outbox table's inserts (or an empty one for
+//!   tableless `pg_logical_emit_message` capture). The relay refuses to start
+//!   when `wal_level` is not `logical` or either is missing, naming the
+//!   setting or the key.
+//! * **Capture lease.** One relay streams from the slot at a time: the owner
+//!   of lane `-1` in `outroute_lanes` (renewed every `lease_ttl / 3`, epoch
+//!   bumped on every hand-over). PostgreSQL itself lets only one session hold
+//!   a slot; the lease decides *which* relay, bounds how long a frozen owner
+//!   can keep sending, and fences the parked-queue writes.
+//! * **Parked queue.** An event that cannot go out when the stream brings it
+//!   (retry, failed under `block`, quarantined route, or waiting behind an
+//!   earlier event of its aggregate) is written to `outroute_event_state`
+//!   *with the event itself* before the slot's position moves past it. Per
+//!   aggregate the queue is ordered by (commit LSN, sequence); only its head
+//!   is ever retried, and while an aggregate has a queue the stream's later
+//!   events of it join the queue. `failed retry|discard` work on it as in
+//!   lease mode.
+//! * **Cleanup.** Captured rows are deleted by ranges of the sequence column
+//!   after they were handled (published or parked): one index range scan per
+//!   run of consecutive sequence numbers, never an UPDATE per event.
+
+use std::collections::HashSet;
+
+use anyhow::{Context, Result, bail};
+use sqlx::Row;
+
+use super::{PgStore, quote};
+use crate::config::{Cleanup, LogicalInput};
+use crate::store::{Captured, Claim, Leases, ParkedEvent, RelayStatus, SlotStatus, Status};
+
+/// The lane number of the capture lease in `outroute_lanes`.
+pub const CAPTURE_LANE: i32 = -1;
+
+/// The parked events that still hold their aggregate: waiting, retrying,
+/// or failed under the `block` policy (not discarded, not failed under `skip`).
+const HOLDING: &str = "source = $1 AND event IS NOT NULL AND discarded_at IS NULL \
+     AND NOT (failed_at IS NOT NULL AND blocks_until < 'infinity')";
+
+impl PgStore {
+    /// The logical-capture settings, if this source streams.
+    pub fn logical(&self) -> Option<&crate::config::Logical> {
+        self.logical.as_ref()
+    }
+
+    /// This relay's id (lease owner).
+    pub fn relay_id(&self) -> &str {
+        &self.relay_id
+    }
+
+    /// The key of this source's coordination rows.
+    pub fn source_key(&self) -> &str {
+        &self.source
+    }
+
+    async fn wal_level(&self) -> Result<String> {
+        Ok(sqlx::query_scalar("SELECT current_setting('wal_level')")
+            .fetch_one(&self.pool)
+            .await?)
+    }
+
+    /// Refuse a server or database that cannot serve this source: `wal_level`
+    /// not `logical`, the slot or the publication missing.
+    pub(super) async fn check_capture(&self) -> Result<()> {
+        let Some(l) = &self.logical else {
+            return Ok(());
+        };
+        let level = self.wal_level().await?;
+        if level != "logical" {
+            bail!(
+                "{}.capture: `logical` needs the server setting `wal_level = logical` (it is `{level}`): \
+                 set it in postgresql.conf and restart PostgreSQL, or use `capture = \"lease\"`",
+                self.key
+            );
+        }
+        let slot: Option<(Option<String>, bool)> = sqlx::query_as(
+            "SELECT plugin::text, database = current_database() FROM pg_replication_slots WHERE slot_name = $1",
+        )
+        .bind(&l.slot)
+        .fetch_optional(&self.pool)
+        .await?;
+        match slot {
+            None => bail!(
+                "{}.logical.slot: replication slot `{}` does not exist (run `outroute migrate`)",
+                self.key,
+                l.slot
+            ),
+            Some((plugin, same_db)) if plugin.as_deref() != Some("pgoutput") || !same_db => bail!(
+                "{}.logical.slot: slot `{}` is not a pgoutput slot of this database (plugin {:?})",
+                self.key,
+                l.slot,
+                plugin
+            ),
+            Some(_) => {}
+        }
+        let publication: Option<bool> =
+            sqlx::query_scalar("SELECT p.pubinsert FROM pg_publication p WHERE p.pubname = $1")
+                .bind(&l.publication)
+                .fetch_optional(&self.pool)
+                .await?;
+        match publication {
+            None => bail!(
+                "{}.logical.publication: publication `{}` does not exist (run `outroute migrate`)",
+                self.key,
+                l.publication
+            ),
+            Some(false) if l.input == LogicalInput::Table => bail!(
+                "{}.logical.publication: publication `{}` does not publish inserts",
+                self.key,
+                l.publication
+            ),
+            Some(_) => {}
+        }
+        if l.input == LogicalInput::Table {
+            let listed: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 \
+                   AND format('%I.%I', schemaname, tablename)::regclass = to_regclass($2))",
+            )
+            .bind(&l.publication)
+            .bind(quote(&self.cfg.name))
+            .fetch_one(&self.pool)
+            .await?;
+            if !listed {
+                bail!(
+                    "{}.logical.publication: publication `{}` does not include table `{}` \
+                     (ALTER PUBLICATION {} ADD TABLE {})",
+                    self.key,
+                    l.publication,
+                    self.cfg.name,
+                    quote(&l.publication),
+                    quote(&self.cfg.name)
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// `outroute migrate` for a logical source: the publication and the
+    /// slot, each created if missing. Returns what was done, one line each.
+    pub async fn setup_capture(&self) -> Result<Vec<String>> {
+        let Some(l) = &self.logical else {
+            return Ok(Vec::new());
+        };
+        let level = self.wal_level().await?;
+        if level != "logical" {
+            bail!(
+                "{}.capture: `logical` needs the server setting `wal_level = logical` (it is `{level}`): \
+                 set it in postgresql.conf and restart PostgreSQL",
+                self.key
+            );
+        }
+        let mut done = Vec::new();
+        let has_pub: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)")
+                .bind(&l.publication)
+                .fetch_one(&self.pool)
+                .await?;
+        if has_pub {
+            done.push(format!("publication `{}`: present", l.publication));
+        } else {
+            let ddl = match l.input {
+                LogicalInput::Table => format!(
+                    "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert')",
+                    quote(&l.publication),
+                    quote(&self.cfg.name)
+                ),
+                // Logical messages are sent whatever the publication holds.
+                LogicalInput::Messages => format!(
+                    "CREATE PUBLICATION {} WITH (publish = 'insert')",
+                    quote(&l.publication)
+                ),
+            };
+            sqlx::query(&ddl)
+                .execute(&self.pool)
+                .await
+                .with_context(|| format!("{}.logical.publication: {ddl}", self.key))?;
+            done.push(format!("created publication: {ddl}"));
+        }
+        let has_slot: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)",
+        )
+        .bind(&l.slot)
+        .fetch_one(&self.pool)
+        .await?;
+        if has_slot {
+            done.push(format!("replication slot `{}`: present", l.slot));
+        } else {
+            let lsn: String = sqlx::query_scalar(
+                "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
+            )
+            .bind(&l.slot)
+            .fetch_one(&self.pool)
+            .await
+            .with_context(|| {
+                format!(
+                    "{}.logical.slot: creating slot `{}` (the role needs REPLICATION; \
+                     max_replication_slots may be used up)",
+                    self.key, l.slot
+                )
+            })?;
+            done.push(format!(
+                "created replication slot `{}` (pgoutput) at {lsn}: it keeps WAL until the relay \
+                 confirms it, bounded by the server's max_slot_wal_keep_size",
+                l.slot
+            ));
+        }
+        Ok(done)
+    }
+
+    /// `outroute slot drop`: drop the slot (refused while a relay streams).
+    pub async fn drop_slot(&self) -> Result<bool> {
+        let Some(l) = &self.logical else {
+            bail!("{}: not a `capture = \"logical\"` source", self.key);
+        };
+        let active: Option<Option<i32>> =
+            sqlx::query_scalar("SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1")
+                .bind(&l.slot)
+                .fetch_optional(&self.pool)
+                .await?;
+        match active {
+            None => Ok(false),
+            Some(Some(pid)) => bail!(
+                "slot `{}` is in use by backend {pid} (a relay is streaming): stop the relays first",
+                l.slot
+            ),
+            Some(None) => {
+                sqlx::query("SELECT pg_drop_replication_slot($1)")
+                    .bind(&l.slot)
+                    .execute(&self.pool)
+                    .await?;
+                Ok(true)
+            }
+        }
+    }
+
+    /// The slot's position and what it keeps.
+    pub async fn slot_status(&self) -> Result<Option<SlotStatus>> {
+        let Some(l) = &self.logical else {
+            return Ok(None);
+        };
+        let row = sqlx::query(
+            "SELECT active_pid, confirmed_flush_lsn::text, \
+               COALESCE((pg_current_wal_lsn() - confirmed_flush_lsn)::bigint, 0), wal_status \
+             FROM pg_replication_slots WHERE slot_name = $1",
+        )
+        .bind(&l.slot)
+        .fetch_optional(&self.pool)
+        .await?;
+        let Some(r) = row else {
+            return Ok(None);
+        };
+        Ok(Some(SlotStatus {
+            slot: l.slot.clone(),
+            active_pid: r.try_get(0)?,
+            confirmed_flush_lsn: r.try_get(1)?,
+            lag_bytes: r.try_get(2)?,
+            wal_status: r.try_get(3)?,
+        }))
+    }
+
+    /// A relay that just took the capture lease ends the session of a
+    /// previous owner that still holds the slot (frozen, or cut off without
+    /// PostgreSQL noticing yet). That owner is already fenced by its lease.
+    pub async fn take_over_slot(&self) -> Result<bool> {
+        let Some(l) = &self.logical else {
+            return Ok(false);
+        };
+        let ended: Option<bool> = sqlx::query_scalar(
+            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
+             WHERE slot_name = $1 AND active_pid IS NOT NULL",
+        )
+        .bind(&l.slot)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(ended.unwrap_or(false))
+    }
+
+    /// Acquire or renew the capture lease (and heartbeat): `lanes` is
+    /// `[CAPTURE_LANE]` while this relay owns the slot, empty on a standby.
+    pub(super) async fn capture_lease(&self) -> Result<Leases> {
+        let ttl = self.lease_ttl.as_secs_f64();
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(
+            "INSERT INTO outroute_relays (source, relay_id, hostname, pid) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (source, relay_id) DO UPDATE SET heartbeat_at = now()",
+        )
+        .bind(&self.source)
+        .bind(&self.relay_id)
+        .bind(
+            hostname::get()
+                .map(|h| h.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        )
+        .bind(std::process::id() as i32)
+        .execute(&mut *tx)
+        .await?;
+        let relays: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM outroute_relays WHERE source = $1 AND heartbeat_at > now() - make_interval(secs => $2)",
+        )
+        .bind(&self.source)
+        .bind(ttl)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        sqlx::query(
+            "INSERT INTO outroute_lanes (source, lane) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+        )
+        .bind(&self.source)
+        .bind(CAPTURE_LANE)
+        .execute(&self.pool)
+        .await?;
+        // Renew our live lease, or take a free or lapsed one (a new epoch:
+        // whatever the previous owner still does is fenced).
+        let got: Option<(i64, bool)> = sqlx::query_as(
+            "UPDATE outroute_lanes l SET lease_until = now() + make_interval(secs => $3), owner = $2, \
+               epoch = CASE WHEN l.owner = $2 AND l.lease_until > now() THEN l.epoch ELSE l.epoch + 1 END \
+             FROM (SELECT lane, owner = $2 AND lease_until > now() AS renewing FROM outroute_lanes \
+                   WHERE source = $1 AND lane = $4 FOR UPDATE) cur \
+             WHERE l.source = $1 AND l.lane = $4 \
+               AND (cur.renewing OR l.owner IS NULL OR l.lease_until <= now()) \
+             RETURNING l.epoch, NOT cur.renewing",
+        )
+        .bind(&self.source)
+        .bind(&self.relay_id)
+        .bind(ttl)
+        .bind(CAPTURE_LANE)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(match got {
+            Some((epoch, acquired)) => Leases {
+                lanes: vec![CAPTURE_LANE],
+                epochs: vec![epoch],
+                acquired: acquired as usize,
+                relays,
+            },
+            None => Leases {
+                relays,
+                ..Leases::default()
+            },
+        })
+    }
+
+    /// The aggregates with parked events: the stream parks their later
+    /// events behind them.
+    pub async fn held_aggregates(&self) -> Result<HashSet<(String, String)>> {
+        let rows: Vec<(String, String)> = sqlx::query_as(&format!(
+            "SELECT DISTINCT aggregate_type, aggregate_id FROM outroute_event_state WHERE {HOLDING}"
+        ))
+        .bind(&self.source)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.into_iter().collect())
+    }
+
+    /// The due heads of the parked queues: the first parked event of each
+    /// aggregate, if it is due (not failed, retry time reached), oldest
+    /// commit first, at most `limit`.
+    pub async fn parked_heads(&self, limit: u32) -> Result<Vec<Claim>> {
+        let rows = sqlx::query(&format!(
+            "SELECT h.event_id, h.event::text, h.commit_lsn, h.attempts, h.done_legs FROM \
+               (SELECT DISTINCT ON (aggregate_type, aggregate_id) event_id, event, commit_lsn, seq, attempts, \
+                  done_legs, failed_at, next_attempt_at \
+                FROM outroute_event_state WHERE {HOLDING} \
+                ORDER BY aggregate_type, aggregate_id, commit_lsn, seq) h \
+             WHERE h.failed_at IS NULL AND h.next_attempt_at <= now() \
+             ORDER BY h.commit_lsn, h.seq LIMIT $2"
+        ))
+        .bind(&self.source)
+        .bind(limit as i64)
+        .fetch_all(&self.pool)
+        .await
+        .context("reading parked events")?;
+        let mut claims = Vec::with_capacity(rows.len());
+        for r in rows {
+            let id: String = r.try_get(0)?;
+            let text: String = r.try_get(1)?;
+            let commit_lsn: Option<i64> = r.try_get(2)?;
+            let attempts: i32 = r.try_get(3)?;
+            let done_legs: Vec<String> = r.try_get(4)?;
+            let parked: ParkedEvent = serde_json::from_str(&text)
+                .with_context(|| format!("parked event {id}: unreadable record"))?;
+            claims.push(Claim {
+                lane: CAPTURE_LANE,
+                tid: None,
+                has_state: true,
+                done_legs,
+                epoch: None,
+                captured: Some(Captured {
+                    commit_lsn: commit_lsn.unwrap_or(0),
+                    parked: true,
+                }),
+                row: parked.into_row(id, attempts.max(0) as u32),
+            });
+        }
+        Ok(claims)
+    }
+
+    /// Parked events published: their state rows go, fenced by the capture
+    /// lease epoch they were read under.
+    pub async fn unpark(&self, claims: &[&Claim]) -> Result<u64> {
+        let ids: Vec<&str> = claims.iter().map(|c| c.id()).collect();
+        let Some(epoch) = claims.iter().find_map(|c| c.epoch) else {
+            return Ok(0);
+        };
+        let n = sqlx::query(
+            "DELETE FROM outroute_event_state WHERE source = $1 AND event_id = ANY($2) \
+               AND EXISTS (SELECT 1 FROM outroute_lanes WHERE source = $1 AND lane = $3 AND owner = $4 \
+                           AND epoch = $5 AND lease_until > now())",
+        )
+        .bind(&self.source)
+        .bind(&ids)
+        .bind(CAPTURE_LANE)
+        .bind(&self.relay_id)
+        .bind(epoch)
+        .execute(&self.pool)
+        .await
+        .context("removing published parked events")?
+        .rows_affected();
+        Ok(n)
+    }
+
+    /// Delete captured rows whose sequence numbers lie in `runs` (inclusive
+    /// ranges of consecutive handled sequence numbers). One index range
+    /// scan per run; a sequence number never handled is never in a run.
+    pub async fn delete_captured(&self, runs: &[(i64, i64)]) -> Result<u64> {
+        let Some(l) = &self.logical else {
+            return Ok(0);
+        };
+        let (Cleanup::Delete, LogicalInput::Table, Some(seq)) =
+            (l.cleanup, l.input, self.cfg.sequence.as_ref())
+        else {
+            return Ok(0);
+        };
+        if runs.is_empty() {
+            return Ok(0);
+        }
+        let q = format!(
+            "DELETE FROM {} WHERE {} BETWEEN $1 AND $2",
+            quote(&self.cfg.name),
+            quote(seq)
+        );
+        let mut tx = self.pool.begin().await?;
+        let mut n = 0;
+        for (lo, hi) in runs {
+            n += sqlx::query(&q)
+                .bind(lo)
+                .bind(hi)
+                .execute(&mut *tx)
+                .await
+                .context("deleting captured rows")?
+                .rows_affected();
+        }
+        tx.commit().await?;
+        Ok(n)
+    }
+
+    /// Backlog of a logical source: parked events not failed, and the age
+    /// of the oldest (the stream's own backlog is the slot lag).
+    pub(super) async fn parked_backlog(&self) -> Result<(i64, Option<f64>)> {
+        let (n, oldest): (i64, Option<f64>) = sqlx::query_as(&format!(
+            "SELECT count(*), extract(epoch from now() - min((event->>'created_at')::timestamptz))::float8 \
+             FROM outroute_event_state WHERE {HOLDING} AND failed_at IS NULL"
+        ))
+        .bind(&self.source)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok((n, oldest))
+    }
+
+    pub(super) async fn logical_status(&self) -> Result<Status> {
+        let (backlog, oldest) = self.parked_backlog().await?;
+        let counts = sqlx::query(
+            "SELECT count(*) FILTER (WHERE failed_at IS NULL AND discarded_at IS NULL), \
+               count(*) FILTER (WHERE failed_at IS NOT NULL AND discarded_at IS NULL) \
+             FROM outroute_event_state WHERE source = $1",
+        )
+        .bind(&self.source)
+        .fetch_one(&self.pool)
+        .await?;
+        let by_type: Vec<(String, i64)> = sqlx::query_as(&format!(
+            "SELECT aggregate_type, count(*) FROM outroute_event_state WHERE {HOLDING} AND failed_at IS NULL \
+             GROUP BY 1 ORDER BY 2 DESC LIMIT 50"
+        ))
+        .bind(&self.source)
+        .fetch_all(&self.pool)
+        .await?;
+        let relays = sqlx::query(
+            "SELECT r.relay_id, r.hostname, r.pid, extract(epoch from now() - r.heartbeat_at)::float8, \
+               COALESCE(array_agg(l.lane ORDER BY l.lane) FILTER (WHERE l.lane IS NOT NULL), '{}') \
+             FROM outroute_relays r LEFT JOIN outroute_lanes l ON l.source = r.source AND l.owner = r.relay_id AND l.lease_until > now() \
+             WHERE r.source = $1 AND r.heartbeat_at > now() - make_interval(secs => $2) GROUP BY 1, 2, 3, 4 ORDER BY 1",
+        )
+        .bind(&self.source)
+        .bind(self.lease_ttl.as_secs_f64())
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(|r| {
+            Ok(RelayStatus {
+                relay_id: r.try_get(0)?,
+                hostname: r.try_get(1)?,
+                pid: r.try_get(2)?,
+                heartbeat_age_seconds: r.try_get(3)?,
+                lanes: r.try_get(4)?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+        let events_without_messages: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT route, events_without_messages FROM outroute_route_counts \
+             WHERE source = $1 AND events_without_messages > 0 ORDER BY route",
+        )
+        .bind(&self.source)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(Status {
+            table: self.source.clone(),
+            backlog,
+            oldest_pending_age_seconds: oldest,
+            retrying: counts.try_get(0)?,
+            failed: counts.try_get(1)?,
+            backlog_by_aggregate_type: by_type,
+            events_without_messages,
+            quarantined_routes: self.quarantined_routes().await?,
+            relays,
+            slot: self.slot_status().await?,
+        })
+    }
+}
