@@ -265,7 +265,8 @@ pub enum Cleanup {
 #[derive(Debug, Clone, Default, Deserialize, Serialize, JsonSchema, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct LogicalConfig {
-    /// Replication slot (pgoutput). Default `outroute_<source>`.
+    /// Replication slot (pgoutput). Default `outroute_<database>_<source>`
+    /// (slots are per cluster).
     #[serde(default)]
     pub slot: Option<String>,
     /// Publication of the outbox table. Default `outroute_<source>`.
@@ -303,6 +304,23 @@ impl StoreConfig {
             return None;
         }
         let l = self.logical.clone().unwrap_or_default();
+        // Slots are per cluster, publications per database: the default
+        // slot name carries the database so two databases never collide.
+        let database = url::Url::parse(&self.url)
+            .ok()
+            .map(|u| u.path().trim_start_matches('/').to_string())
+            .unwrap_or_default();
+        let slot: String = format!("outroute_{database}_{source}")
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() {
+                    c.to_ascii_lowercase()
+                } else {
+                    '_'
+                }
+            })
+            .take(63)
+            .collect();
         let base: String = format!("outroute_{source}")
             .chars()
             .map(|c| {
@@ -315,7 +333,7 @@ impl StoreConfig {
             .take(63)
             .collect();
         Some(Logical {
-            slot: l.slot.unwrap_or_else(|| base.clone()),
+            slot: l.slot.unwrap_or(slot),
             publication: l.publication.unwrap_or(base),
             input: l.input,
             message_prefix: if l.message_prefix.is_empty() {

@@ -79,18 +79,50 @@ pub struct TestDb {
     pub pool: PgPool,
 }
 
+/// The `wal_level = logical` cluster (`scripts/pg-logical`, started if
+/// needed): its admin URL.
+pub fn pg_logical_admin_url() -> Result<String> {
+    static PORT: std::sync::OnceLock<Result<String, String>> = std::sync::OnceLock::new();
+    let port = PORT.get_or_init(|| {
+        let out = Command::new(workspace().join("scripts/pg-logical"))
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("scripts/pg-logical: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "scripts/pg-logical failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    });
+    match port {
+        Ok(p) => Ok(format!("postgres://root@127.0.0.1:{p}/postgres")),
+        Err(e) => bail!("{e}"),
+    }
+}
+
 impl TestDb {
     pub async fn new() -> Result<Self> {
+        Self::new_at(&pg_admin_url()).await
+    }
+
+    /// A fresh database on the `wal_level = logical` cluster.
+    pub async fn new_logical() -> Result<Self> {
+        Self::new_at(&pg_logical_admin_url()?).await
+    }
+
+    async fn new_at(admin_url: &str) -> Result<Self> {
         let admin = PgPoolOptions::new()
             .max_connections(1)
-            .connect(&pg_admin_url())
+            .connect(admin_url)
             .await?;
         let name = format!("outroute_t_{}", tag());
         sqlx::query(&format!("CREATE DATABASE {name}"))
             .execute(&admin)
             .await?;
         admin.close().await;
-        let base = pg_admin_url();
+        let base = admin_url;
         let url = format!("{}/{name}", &base[..base.rfind('/').unwrap_or(base.len())]);
         let pool = PgPoolOptions::new()
             .max_connections(16)
@@ -119,11 +151,25 @@ impl TestDb {
 
     pub async fn drop_db(self) {
         self.pool.close().await;
+        let base = &self.url[..self.url.rfind('/').unwrap_or(self.url.len())];
         if let Ok(admin) = PgPoolOptions::new()
             .max_connections(1)
-            .connect(&pg_admin_url())
+            .connect(&format!("{base}/postgres"))
             .await
         {
+            // A logical database's slots must go before the database can.
+            let _ = sqlx::query(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE database = $1 AND active_pid IS NOT NULL",
+            )
+            .bind(&self.name)
+            .execute(&admin)
+            .await;
+            let _ = sqlx::query(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = $1",
+            )
+            .bind(&self.name)
+            .execute(&admin)
+            .await;
             let _ = sqlx::query(&format!(
                 "DROP DATABASE IF EXISTS {} WITH (FORCE)",
                 self.name
@@ -356,12 +402,24 @@ pub fn check(w: &Workload, delivered: &[Delivered]) -> Report {
 /// Write `outroute.toml`: the store, `[relay]` settings (`relay` is added
 /// to that table) and the rest (`body`: sinks, plugins, routes, http).
 pub fn write_config(dir: &Path, db_url: &str, relay: &str, body: &str) -> Result<PathBuf> {
+    write_config_with(dir, db_url, "", relay, body)
+}
+
+/// [`write_config`] with more `[store]` keys (`store`: TOML lines), e.g.
+/// `capture = "logical"`.
+pub fn write_config_with(
+    dir: &Path,
+    db_url: &str,
+    store: &str,
+    relay: &str,
+    body: &str,
+) -> Result<PathBuf> {
     std::fs::create_dir_all(dir)?;
     let path = dir.join("outroute.toml");
     std::fs::write(
         &path,
         format!(
-            "[store]\nurl = \"{db_url}\"\n\n[relay]\ncache_dir = \"{cache}\"\n{relay}\n\n{body}\n",
+            "[store]\nurl = \"{db_url}\"\n{store}\n\n[relay]\ncache_dir = \"{cache}\"\n{relay}\n\n{body}\n",
             cache = std::env::temp_dir().join("outroute-test-cache").display()
         ),
     )?;

@@ -100,7 +100,7 @@ pub fn replication_config(
     l: &Logical,
     relay_id: &str,
 ) -> Result<ReplicationConfig> {
-    use pgwire_replication::{SslMode, TlsConfig};
+    use pgwire_replication::TlsConfig;
     let url = url::Url::parse(&sc.url).map_err(|e| anyhow!("{key}.url: {e}"))?;
     let decode = |s: &str| {
         url::form_urlencoded::parse(format!("x={s}").as_bytes())
@@ -153,14 +153,6 @@ pub fn replication_config(
     {
         tls = tls.with_client_cert(cert.clone(), k.clone());
     }
-    debug_assert!(matches!(
-        tls.mode,
-        SslMode::Disable
-            | SslMode::Require
-            | SslMode::VerifyCa
-            | SslMode::VerifyFull
-            | SslMode::Prefer
-    ));
     Ok(ReplicationConfig::new(
         host,
         user,
@@ -173,7 +165,7 @@ pub fn replication_config(
     .with_tls(tls)
     .with_options("-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=iso_8601")
     .with_application_name(format!("outroute {relay_id}"))
-    .with_status_interval(Duration::from_secs(1))
+    .with_status_interval(Duration::from_millis(100))
     .with_wakeup_interval(Duration::from_secs(1)))
 }
 
@@ -316,8 +308,6 @@ struct Reader {
     shapes: std::collections::HashMap<u32, RowShape>,
     /// Inside a transaction: its commit LSN, commit time.
     open: Option<(i64, DateTime<Utc>)>,
-    /// The relation oid of the outbox table, once seen.
-    outbox: HashSet<u32>,
 }
 
 impl Reader {
@@ -420,7 +410,6 @@ impl Reader {
                                 );
                             }
                             self.shapes.insert(oid, shape);
-                            self.outbox.insert(oid);
                         }
                         self.relations.insert(oid, rel);
                         None
@@ -551,7 +540,6 @@ impl Relay {
             relations: pgoutput::Relations::default(),
             shapes: Default::default(),
             open: None,
-            outbox: HashSet::new(),
         };
         let reader = tokio::spawn(reader.run(client, tx, confirm_rx).in_current_span());
         let _stop_reader = AbortOnDrop(reader);

@@ -198,7 +198,7 @@ mod tests {
         ins.extend_from_slice(b"short");
         assert!(decode(&ins).unwrap_err().contains("inside a value"));
         assert!(decode(&[b'R', 0, 0]).is_err());
-        assert_eq!(decode(&[b'U']).unwrap(), Change::Other(b'U'));
+        assert_eq!(decode(b"U").unwrap(), Change::Other(b'U'));
         assert!(decode(&[]).is_err());
     }
 }

@@ -976,7 +976,12 @@ impl Relay {
             plugin_version: plugin.map(|p| p.version),
             kind,
             done_legs: Vec::new(),
-            parked: None,
+            // A streamed event is written whole to the parked queue (the
+            // slot moves past it); one read back from the queue is there.
+            parked: claim
+                .captured
+                .filter(|c| !c.parked)
+                .map(|c| (c.commit_lsn, crate::store::ParkedEvent::of(&claim.row))),
         }
     }
 }

@@ -972,6 +972,22 @@ impl PgStore {
             let blocks_sql = format!(
                 "CASE $8 WHEN 'hold' THEN 'infinity'::timestamptz WHEN 'none' THEN '-infinity'::timestamptz ELSE {next} END"
             );
+            // A streamed event that already has a state row is a re-read
+            // after a crash: the row is further along (maybe failed or
+            // discarded by an operator) and stays as it is.
+            let conflict = if f.parked.is_some() {
+                // (a no-op update, so it counts as recorded: only a lost lease
+                // records nothing)
+                "DO UPDATE SET updated_at = st.updated_at".to_string()
+            } else {
+                "DO UPDATE SET attempts = EXCLUDED.attempts, \
+                   next_attempt_at = EXCLUDED.next_attempt_at, blocks_until = EXCLUDED.blocks_until, \
+                   last_error = EXCLUDED.last_error, route = EXCLUDED.route, plugin = EXCLUDED.plugin, \
+                   plugin_version = EXCLUDED.plugin_version, failed_at = EXCLUDED.failed_at, \
+                   discarded_at = NULL, updated_at = now(), done_legs = EXCLUDED.done_legs, \
+                   event = COALESCE(EXCLUDED.event, st.event), commit_lsn = COALESCE(EXCLUDED.commit_lsn, st.commit_lsn)"
+                    .to_string()
+            };
             let q = format!(
                 "INSERT INTO outroute_event_state AS st (source, event_id, aggregate_type, aggregate_id, seq, event_type, \
                    attempts, next_attempt_at, blocks_until, last_error, route, plugin, plugin_version, failed_at, done_legs, \
@@ -979,12 +995,7 @@ impl PgStore {
                  SELECT $1, $3, $4, $5, $6, $7, $9, {next}, {blocks_sql}, $11, $12, $13, $14, CASE WHEN $15 THEN now() END, $17, \
                    $18::text::jsonb, $19 \
                  WHERE EXISTS (SELECT 1 FROM outroute_lanes WHERE source = $1 AND owner = $2 AND lane = $16 AND lease_until > now()) \
-                 ON CONFLICT (source, event_id) DO UPDATE SET attempts = EXCLUDED.attempts, \
-                   next_attempt_at = EXCLUDED.next_attempt_at, blocks_until = EXCLUDED.blocks_until, \
-                   last_error = EXCLUDED.last_error, route = EXCLUDED.route, plugin = EXCLUDED.plugin, \
-                   plugin_version = EXCLUDED.plugin_version, failed_at = EXCLUDED.failed_at, \
-                   discarded_at = NULL, updated_at = now(), done_legs = EXCLUDED.done_legs, \
-                   event = COALESCE(EXCLUDED.event, st.event), commit_lsn = COALESCE(EXCLUDED.commit_lsn, st.commit_lsn)"
+                 ON CONFLICT (source, event_id) {conflict}"
             );
             let (commit_lsn, event) = match &f.parked {
                 Some((lsn, ev)) => (Some(*lsn), Some(serde_json::to_string(ev)?)),
@@ -1018,7 +1029,7 @@ impl PgStore {
                 continue; // fenced: the lane is no longer ours
             }
             recorded += 1;
-            if f.parked.is_some() {
+            if self.logical.is_some() {
                 continue; // the table row is not the record of a captured event
             }
             // The state row is what counts; a legacy column too narrow for

@@ -1,0 +1,396 @@
+//! Log-based capture (`capture = "logical"`) against a real `wal_level =
+//! logical` PostgreSQL (`scripts/pg-logical`, port 5434): the crash points,
+//! kill -9 and fail-over with several relays, a failing event that holds only
+//! its own aggregate (durably, across a restart) until `failed discard`,
+//! tableless capture from `pg_logical_emit_message`, and the clear refusal
+//! on a server without `wal_level = logical`.
+
+use std::time::{Duration, Instant};
+
+use outroute_e2e::*;
+
+const POINTS: [&str; 4] = ["after-claim", "before-ack", "after-ack", "mid-mark"];
+const LOGICAL: &str = "capture = \"logical\"";
+
+fn kafka_config(
+    dir: &std::path::Path,
+    db: &TestDb,
+    t: &str,
+    relay: &str,
+) -> anyhow::Result<std::path::PathBuf> {
+    let route = format!(
+        "config = {{ sink = \"kafka\", topic = \"t{t}.{{event_type}}\" }}\nallow = {{ kafka = [\"t{t}.*\"] }}"
+    );
+    write_config_with(
+        dir,
+        &db.url,
+        LOGICAL,
+        relay,
+        &relay_body("", &[TestSink::Kafka], "order-router", "orders", &route),
+    )
+}
+
+/// The relay id holding the capture lease, if any.
+async fn capture_owner(db: &TestDb) -> Option<String> {
+    sqlx::query_scalar::<_, Option<String>>(
+        "SELECT owner FROM outroute_lanes WHERE lane = -1 AND lease_until > now()",
+    )
+    .fetch_optional(&db.pool)
+    .await
+    .ok()
+    .flatten()
+    .flatten()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_at_every_point_loses_nothing_in_logical_mode() -> anyhow::Result<()> {
+    let iterations: usize = std::env::var("OUTROUTE_CRASH_ITERATIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
+    let db = TestDb::new_logical().await?;
+    let t = tag();
+    let topic = format!("t{t}.order-updated");
+    create_topic(&topic, 3).await?;
+    let dir = test_dir("logical-crash");
+    let config = kafka_config(&dir, &db, &t, "lease_ttl = \"1s\"\nbatch_size = 40")?;
+    db.migrate(&config)?;
+
+    let mut all = Workload::default();
+    let mut crashes = 0;
+    for point in POINTS {
+        for i in 0..iterations {
+            let w = produce(&db.pool, &format!("{point}-{i}"), 20, 6, 9).await?;
+            all.committed.extend(w.committed);
+            all.rolled_back.extend(w.rolled_back);
+            let hit = (1 + i % 3).to_string();
+            let mut relay = Relay::start(
+                &config,
+                &[
+                    ("OUTROUTE_FAILPOINT", point),
+                    ("OUTROUTE_FAILPOINT_HIT", &hit),
+                ],
+            )?;
+            let status = relay.wait_exit(Duration::from_secs(60));
+            let log = relay.log_text();
+            assert!(
+                status.is_some_and(|s| !s.success())
+                    && log.contains(&format!("failpoint `{point}` reached")),
+                "relay did not crash at {point}: {status:?}\n{log}"
+            );
+            crashes += 1;
+        }
+    }
+    all.committed.sort_by_key(|e| e.seq);
+    let mut relay = Relay::start(&config, &[])?;
+    let delivered = consume_kafka(&topic, 3, all.committed.len(), Duration::from_secs(120))?;
+    let report = check(&all, &delivered);
+    println!("logical crash points: {iterations} crashes per point ({crashes} total): {report}");
+    report.assert_clean();
+    // Handled rows are cleaned up in bulk; the slot is confirmed up to them.
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            db.count("SELECT count(*) FROM outbox").await == 0
+        })
+        .await,
+        "captured rows left in the table: {}",
+        db.count("SELECT count(*) FROM outbox").await
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM outroute_event_state").await,
+        0,
+        "nothing should be parked"
+    );
+    relay.terminate(Duration::from_secs(15));
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kill_nine_and_failover_with_three_relays() -> anyhow::Result<()> {
+    let db = TestDb::new_logical().await?;
+    let t = tag();
+    let topic = format!("t{t}.order-updated");
+    create_topic(&topic, 4).await?;
+    let dir = test_dir("logical-failover");
+    let config = kafka_config(&dir, &db, &t, "lease_ttl = \"2s\"\nbatch_size = 200")?;
+    db.migrate(&config)?;
+
+    let mut relays: Vec<Option<Relay>> = (0..3)
+        .map(|_| Relay::start(&config, &[]).map(Some))
+        .collect::<Result<_, _>>()?;
+    let pool = db.pool.clone();
+    let producer = tokio::spawn(async move { produce(&pool, "agg", 400, 20, 13).await });
+    // Kill the streaming relay (kill -9) three times while events flow; the
+    // killed one is not restarted until the end, so a standby must take over.
+    let mut failovers = Vec::new();
+    for round in 0..2usize {
+        tokio::time::sleep(Duration::from_millis(800 + 400 * round as u64)).await;
+        let Some(owner) = capture_owner(&db).await else {
+            continue;
+        };
+        let Some(victim) = relays.iter().position(|r| {
+            r.as_ref()
+                .is_some_and(|r| owner.contains(&format!("-{}-", r.child.id())))
+        }) else {
+            continue;
+        };
+        if let Some(mut r) = relays[victim].take() {
+            r.kill();
+        }
+        let killed = Instant::now();
+        let took = eventually(Duration::from_secs(30), || async {
+            capture_owner(&db).await.is_some_and(|o| o != owner)
+                && db
+                    .count("SELECT count(*) FROM pg_replication_slots WHERE active")
+                    .await
+                    == 1
+        })
+        .await;
+        assert!(
+            took,
+            "no standby took over the slot after {owner} was killed"
+        );
+        failovers.push(killed.elapsed());
+    }
+    let work = producer.await??;
+    let delivered = consume_kafka(&topic, 4, work.committed.len(), Duration::from_secs(180))?;
+    let report = check(&work, &delivered);
+    println!(
+        "logical, three relays, {} kill -9 fail-overs (kill → slot streaming again: {:?}, lease_ttl 2s): {report}",
+        failovers.len(),
+        failovers
+    );
+    assert_eq!(
+        failovers.len(),
+        2,
+        "both kills should have hit the streaming relay"
+    );
+    report.assert_clean();
+    for mut r in relays.into_iter().flatten() {
+        r.terminate(Duration::from_secs(15));
+    }
+    db.drop_db().await;
+    Ok(())
+}
+
+/// The first deliveries the file sink got, in order (a crash may repeat an
+/// event already delivered: at-least-once; the repeat is not a first).
+fn delivered_ids(path: &std::path::Path) -> Vec<String> {
+    let mut seen = std::collections::HashSet::new();
+    file_sink_deliveries(path)
+        .iter()
+        .map(|d| d.id().to_string())
+        .filter(|id| seen.insert(id.clone()))
+        .collect()
+}
+
+async fn insert(
+    db: &TestDb,
+    aggregate: &str,
+    payload: serde_json::Value,
+) -> anyhow::Result<String> {
+    let id = uuid::Uuid::new_v4().to_string();
+    sqlx::query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ($1::uuid, 'order', $2, 'order-updated', $3)",
+    )
+    .bind(&id)
+    .bind(aggregate)
+    .bind(payload)
+    .execute(&db.pool)
+    .await?;
+    Ok(id)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn failed_event_holds_only_its_aggregate_durably_until_discarded() -> anyhow::Result<()> {
+    let db = TestDb::new_logical().await?;
+    let dir = test_dir("logical-hold");
+    let out = dir.join("out.jsonl");
+    let route = "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }";
+    let config = write_config_with(
+        &dir,
+        &db.url,
+        LOGICAL,
+        "lease_ttl = \"2s\"",
+        &relay_body("", &[TestSink::File(&out)], "hostile", "orders", route),
+    )?;
+    db.migrate(&config)?;
+    let mut relay = Relay::start(&config, &[])?;
+
+    let a1 = insert(&db, "A", serde_json::json!({"n": 1})).await?;
+    let a2 = insert(&db, "A", serde_json::json!({"n": 2, "hostile": "reject"})).await?;
+    let a3 = insert(&db, "A", serde_json::json!({"n": 3})).await?;
+    let b1 = insert(&db, "B", serde_json::json!({"n": 1})).await?;
+    assert!(file_sink_reaches(&out, 2, Duration::from_secs(20)).await);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(delivered_ids(&out), vec![a1.clone(), b1.clone()]);
+
+    // The relay dies; A's queue survives it; B keeps flowing after restart.
+    relay.kill();
+    let a4 = insert(&db, "A", serde_json::json!({"n": 4})).await?;
+    let b2 = insert(&db, "B", serde_json::json!({"n": 2})).await?;
+    let mut relay = Relay::start(&config, &[])?;
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            delivered_ids(&out).len() >= 3
+        })
+        .await
+    );
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(
+        delivered_ids(&out),
+        vec![a1.clone(), b1.clone(), b2.clone()]
+    );
+
+    let cfg = config.to_str().unwrap_or_default().to_string();
+    let (code, list, err) = cli(&["failed", "list", "-c", &cfg])?;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        list.contains(&a2) && list.contains("hostile plugin rejects this event"),
+        "{list}"
+    );
+    let (_, status, _) = cli(&["status", "-c", &cfg])?;
+    assert!(status.contains("backlog          2 events"), "{status}");
+    assert!(status.contains("(streaming, backend"), "{status}");
+    // Every captured row left the table, the parked ones included: they wait
+    // with the event itself in the state table.
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 0);
+
+    let (code, _, err) = cli(&["failed", "discard", "--id", &a2, "-c", &cfg])?;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            delivered_ids(&out).len() >= 5
+        })
+        .await
+    );
+    let a5 = insert(&db, "A", serde_json::json!({"n": 5})).await?;
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            delivered_ids(&out).len() >= 6
+        })
+        .await
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(delivered_ids(&out), vec![a1, b1, b2, a3, a4, a5]);
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            db.count("SELECT count(*) FROM outroute_event_state WHERE discarded_at IS NULL")
+                .await
+                == 0
+        })
+        .await
+    );
+    relay.terminate(Duration::from_secs(15));
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tableless_capture_reads_logical_messages() -> anyhow::Result<()> {
+    let db = TestDb::new_logical().await?;
+    let dir = test_dir("logical-messages");
+    let out = dir.join("out.jsonl");
+    let route = "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }";
+    let config = write_config_with(
+        &dir,
+        &db.url,
+        "capture = \"logical\"\nlogical = { input = \"messages\", message_prefix = \"outroute\" }",
+        "",
+        &relay_body("", &[TestSink::File(&out)], "order-router", "orders", route),
+    )?;
+    db.migrate(&config)?;
+    let mut relay = Relay::start(&config, &[])?;
+    let emit = |id: &str, agg: &str, n: i32| {
+        serde_json::json!({
+            "id": id, "aggregate_type": "order", "aggregate_id": agg,
+            "event_type": "order-paid", "payload": {"n": n},
+            "headers": {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+        })
+        .to_string()
+    };
+    let mut ids = Vec::new();
+    for n in 0..20 {
+        let id = uuid::Uuid::new_v4().to_string();
+        let mut tx = db.pool.begin().await?;
+        sqlx::query("INSERT INTO orders (id, version) VALUES ($1, $2) ON CONFLICT (id) DO UPDATE SET version = $2")
+            .bind(format!("o{}", n % 3))
+            .bind(n)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("SELECT pg_logical_emit_message(true, 'outroute', $1)")
+            .bind(emit(&id, &format!("o{}", n % 3), n))
+            .execute(&mut *tx)
+            .await?;
+        if n % 7 == 6 {
+            tx.rollback().await?;
+        } else {
+            tx.commit().await?;
+            ids.push(id);
+        }
+    }
+    // Another prefix is not ours; a broken envelope fails with its reason.
+    sqlx::query("SELECT pg_logical_emit_message(true, 'someone-else', 'x')")
+        .execute(&db.pool)
+        .await?;
+    sqlx::query("SELECT pg_logical_emit_message(true, 'outroute', '{not json')")
+        .execute(&db.pool)
+        .await?;
+    assert!(file_sink_reaches(&out, ids.len(), Duration::from_secs(20)).await);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let got = file_sink_deliveries(&out);
+    assert_eq!(
+        got.iter().map(|d| d.id().to_string()).collect::<Vec<_>>(),
+        ids
+    );
+    assert_eq!(
+        got[0].headers.get("traceparent").map(String::as_str),
+        Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+    );
+    let cfg = config.to_str().unwrap_or_default().to_string();
+    let (_, list, _) = cli(&["failed", "list", "-c", &cfg])?;
+    assert!(list.contains("not an outroute envelope"), "{list}");
+    relay.terminate(Duration::from_secs(15));
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn without_wal_level_logical_it_refuses_naming_the_setting() -> anyhow::Result<()> {
+    // The shared cluster runs with wal_level = replica.
+    let db = TestDb::new().await?;
+    let dir = test_dir("logical-refused");
+    let route = "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }";
+    let config = write_config_with(
+        &dir,
+        &db.url,
+        LOGICAL,
+        "",
+        &relay_body(
+            "",
+            &[TestSink::File(&dir.join("o.jsonl"))],
+            "order-router",
+            "orders",
+            route,
+        ),
+    )?;
+    let cfg = config.to_str().unwrap_or_default().to_string();
+    let (code, _, err) = cli(&["migrate", "-c", &cfg])?;
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("store.capture") && err.contains("wal_level = logical"),
+        "{err}"
+    );
+    let mut relay = Relay::start(&config, &[])?;
+    let status = relay.wait_exit(Duration::from_secs(30));
+    assert!(status.is_some_and(|s| !s.success()));
+    assert!(
+        relay.log_text().contains("wal_level = logical"),
+        "{}",
+        relay.log_text()
+    );
+    db.drop_db().await;
+    Ok(())
+}
