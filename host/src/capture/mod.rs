@@ -32,7 +32,6 @@
 //! (`pg_logical_emit_message(true, '<prefix>', <envelope>)`, no table; the
 //! envelope is [`Envelope`]).
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
