@@ -10,7 +10,9 @@
 //!    (events/s, CPU cores used, peak RSS);
 //! 5. the naive baseline from seed article 004 (select 100 pending, send
 //!    each, update each, interval 0);
-//! 6. steady-state latency at 1,000 events/s from 4 writers.
+//! 6. steady-state latency at 1,000 events/s from 4 writers;
+//! 7. log-based capture (`capture = "logical"`) beside lease mode on the
+//!    same `wal_level = logical` cluster: drains, latency, producer commits.
 //!
 //! It prints one table and writes every figure to a JSON file.
 
@@ -54,7 +56,7 @@ struct Args {
     #[arg(long, default_value = "bench-results.json")]
     json: PathBuf,
     /// Only these sections (plugin, ceiling, produce, drain, marking, sources, tables,
-    /// baseline, wakeup, latency, backlog, history).
+    /// baseline, wakeup, latency, backlog, history, logical).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Distinct aggregates in the pre-filled backlogs; 0: one per event (the
@@ -97,6 +99,38 @@ struct Fill {
 static FILL: std::sync::OnceLock<Fill> = std::sync::OnceLock::new();
 /// `--pg-sslmode`, for the drain runs' store URL.
 static SSLMODE: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+
+/// Which PostgreSQL and which capture the drain, latency and wake-up runs
+/// use: 0 the shared cluster (lease), 1 the `wal_level = logical` cluster
+/// with lease capture, 2 that cluster with `capture = "logical"` (the
+/// `logical` section runs 1 and 2 back to back).
+static MODE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+async fn bench_db() -> Result<TestDb> {
+    match MODE.load(Ordering::Relaxed) {
+        0 => TestDb::new().await,
+        _ => TestDb::new_logical().await,
+    }
+}
+
+/// `[store]` keys of the current mode.
+fn store_keys() -> &'static str {
+    match MODE.load(Ordering::Relaxed) {
+        2 => "capture = \"logical\"",
+        _ => "",
+    }
+}
+
+/// `write_config` with the mode's `[store]` keys.
+fn write_config_with(
+    dir: &Path,
+    store: &str,
+    url: &str,
+    relay: &str,
+    body: &str,
+) -> Result<PathBuf> {
+    outroute_e2e::write_config_with(dir, url, store, relay, body)
+}
 
 /// The store URL the relay gets in the drain runs (`--pg-sslmode`).
 fn relay_url(url: &str) -> String {
@@ -325,6 +359,57 @@ async fn main() -> Result<()> {
         );
         push_claim_figures(&mut table, &label, &l);
         results.insert("history".into(), l);
+    }
+    if want("logical") {
+        // Log-based capture beside lease mode on the same `wal_level =
+        // logical` cluster, same hour: drain, steady latency, producers.
+        for (mode, label) in [(1u8, "lease"), (2u8, "logical")] {
+            MODE.store(mode, Ordering::Relaxed);
+            let mut out = serde_json::Map::new();
+            for sink in ["kafka", "nats"] {
+                eprintln!("== {label} capture: drain → {sink}");
+                let d = drain(args.events, sink, args.concurrency).await?;
+                table.push((
+                    format!("{label} capture (5434): drain → {sink}"),
+                    rate_line(&d),
+                ));
+                table.push((
+                    format!("  CPU per event, {label} → {sink}: relay + PostgreSQL"),
+                    cpu_line(&d),
+                ));
+                out.insert(format!("drain_{sink}"), d);
+            }
+            if args.latency_secs > 0 {
+                eprintln!("== {label} capture: steady {}/s", args.rate);
+                let l = latency(args.latency_secs, args.rate, 0, 0, args.concurrency).await?;
+                let ms = |k: &str, q: &str| l[k][q].as_f64().unwrap_or(0.0);
+                table.push((
+                    format!("{label} capture @{}/s commit→consumer", args.rate),
+                    format!(
+                        "p50 {:.1} ms, p99 {:.1} ms; pickup p50 ≤ {} ms, p99 ≤ {} ms; commit→ack p50 ≤ {} ms, p99 ≤ {} ms; RSS {:.0} MiB",
+                        ms("commit_to_consumer_ms", "p50"),
+                        ms("commit_to_consumer_ms", "p99"),
+                        l["pickup_ms_bucket"]["p50"],
+                        l["pickup_ms_bucket"]["p99"],
+                        l["commit_to_ack_ms_bucket"]["p50"],
+                        l["commit_to_ack_ms_bucket"]["p99"],
+                        l["peak_rss_mib"].as_f64().unwrap_or(0.0),
+                    ),
+                ));
+                out.insert("latency".into(), l);
+            }
+            eprintln!("== {label} capture: producer commits/s");
+            let w = wakeup_cost().await?;
+            for k in ["no relay", "relay polling"] {
+                table.push((
+                    format!("{label} capture: producer commits/s, 8 writers, {k}"),
+                    format!("{:.0}", w[k].as_f64().unwrap_or(0.0)),
+                ));
+            }
+            out.insert("producer_commits_per_s".into(), w);
+            results.insert(format!("capture_{label}"), Value::Object(out));
+        }
+        MODE.store(0, Ordering::Relaxed);
     }
     if want("backlog") {
         eprintln!("== drain of a {}-event backlog → kafka", args.backlog);
@@ -896,7 +981,7 @@ async fn drain(n: usize, sink: &str, concurrency: u32) -> Result<Value> {
 }
 
 async fn drain_table(n: usize, sink: &str, concurrency: u32, shape: Shape) -> Result<Value> {
-    let db = TestDb::new().await?;
+    let db = bench_db().await?;
     let t = tag();
     if sink == "kafka" {
         create_topic(&format!("b{t}.order-created"), 3).await?;
@@ -905,8 +990,9 @@ async fn drain_table(n: usize, sink: &str, concurrency: u32, shape: Shape) -> Re
     }
     let dir = test_dir("drain");
     let http = outroute_e2e::free_addr();
-    let config = write_config(
+    let config = write_config_with(
         &dir,
+        store_keys(),
         &relay_url(&db.url),
         &format!(
             "batch_size = 1000\nconcurrency = {concurrency}\nlanes = 64\nordering = \"{}\"",
@@ -1266,14 +1352,15 @@ async fn latency(
     history_payload: usize,
     concurrency: u32,
 ) -> Result<Value> {
-    let db = TestDb::new().await?;
+    let db = bench_db().await?;
     let t = tag();
     let topic = format!("b{t}.order-created");
     create_topic(&topic, 3).await?;
     let dir = test_dir("latency");
     let http = outroute_e2e::free_addr();
-    let config = write_config(
+    let config = write_config_with(
         &dir,
+        store_keys(),
         &db.url,
         &format!("concurrency = {concurrency}"),
         &relay_body("kafka", &t, &http),
@@ -1450,14 +1537,20 @@ async fn wakeup_cost() -> Result<Value> {
         ("relay polling", Some(false)),
         ("NOTIFY per commit + LISTEN", Some(true)),
     ] {
-        let db = TestDb::new().await?;
+        let db = bench_db().await?;
         let dir = test_dir("wakeup");
         let relay_cfg = if relay_mode == Some(true) {
             "notify_channel = \"outbox_new\""
         } else {
             ""
         };
-        let config = write_config(&dir, &db.url, relay_cfg, &file_sink_body(&dir))?;
+        let config = write_config_with(
+            &dir,
+            store_keys(),
+            &db.url,
+            relay_cfg,
+            &file_sink_body(&dir),
+        )?;
         db.migrate(&config)?;
         let relay = match relay_mode {
             Some(_) => Some(Relay::start(&config, &[("RUST_LOG", "warn")])?),
