@@ -307,9 +307,8 @@ async fn migrate_source(
         for line in pg.setup_capture().await? {
             println!("{line}");
         }
-        if logical.is_some_and(|l| l.input == config::LogicalInput::Messages) {
-            return Ok(());
-        }
+        // Streamed, never claimed: no lane index to build.
+        return Ok(());
     }
     let canonical = outbox && sc.table() == config::TableConfig::canonical();
     if !(canonical || table) {

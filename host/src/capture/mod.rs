@@ -92,14 +92,13 @@ enum Item {
 }
 
 /// The replication connection of `sc`: the URL's host, port, user and
-/// database, the source's password and TLS. Timestamps come in ISO, UTC.
+/// database, the source's password. Timestamps come in ISO, UTC.
 pub fn replication_config(
     key: &str,
     sc: &StoreConfig,
     l: &Logical,
     relay_id: &str,
 ) -> Result<ReplicationConfig> {
-    use pgwire_replication::TlsConfig;
     let url = url::Url::parse(&sc.url).map_err(|e| anyhow!("{key}.url: {e}"))?;
     let decode = |s: &str| {
         url::form_urlencoded::parse(format!("x={s}").as_bytes())
@@ -126,31 +125,12 @@ pub fn replication_config(
     } else {
         decode(&database)
     };
-    let url_mode = url
-        .query_pairs()
-        .find(|(k, _)| k == "sslmode")
-        .map(|(_, v)| v.into_owned());
-    let mode = match (&sc.tls, url_mode.as_deref()) {
-        (Some(t), _) => t.mode,
-        (None, Some("disable")) => PgTlsMode::Disable,
-        (None, Some("require")) => PgTlsMode::Require,
-        (None, Some("verify-ca")) => PgTlsMode::VerifyCa,
-        (None, Some("verify-full")) => PgTlsMode::VerifyFull,
-        // libpq's default `prefer`: this client has no fallback, so plain
-        // (the lease-mode pool negotiates; replication goes to the same server).
-        (None, _) => PgTlsMode::Disable,
-    };
-    let ca = sc.tls.as_ref().and_then(|t| t.ca_file.clone());
-    let mut tls = match mode {
-        PgTlsMode::Disable | PgTlsMode::Prefer => TlsConfig::disabled(),
-        PgTlsMode::Require => TlsConfig::require(),
-        PgTlsMode::VerifyCa => TlsConfig::verify_ca(ca),
-        PgTlsMode::VerifyFull => TlsConfig::verify_full(ca),
-    };
-    if let Some(t) = &sc.tls
-        && let (Some(cert), Some(k)) = (&t.cert_file, &t.key_file)
-    {
-        tls = tls.with_client_cert(cert.clone(), k.clone());
+    if let Some(mode) = needs_tls(sc) {
+        bail!(
+            "{key}: log-based capture streams over a plain connection (TLS on the replication connection \
+             is not built yet), and this source asks for `{mode}`: use a loopback or private network \
+             with `sslmode=disable`/`prefer`, or `capture = \"lease\"`"
+        );
     }
     Ok(ReplicationConfig::new(
         host,
@@ -161,11 +141,30 @@ pub fn replication_config(
         l.publication.clone(),
     )
     .with_port(url.port().unwrap_or(5432))
-    .with_tls(tls)
     .with_options("-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=iso_8601")
     .with_application_name(format!("outroute {relay_id}"))
     .with_status_interval(Duration::from_millis(100))
     .with_wakeup_interval(Duration::from_secs(1)))
+}
+
+/// The TLS mode a source insists on (`tls.mode` or the URL's `sslmode`),
+/// if it is more than `prefer`.
+pub fn needs_tls(sc: &StoreConfig) -> Option<String> {
+    if let Some(t) = &sc.tls {
+        return match t.mode {
+            PgTlsMode::Disable | PgTlsMode::Prefer => None,
+            m => Some(format!("tls.mode = {m:?}")),
+        };
+    }
+    let url = url::Url::parse(&sc.url).ok()?;
+    let mode = url
+        .query_pairs()
+        .find(|(k, _)| k == "sslmode")
+        .map(|(_, v)| v.into_owned())?;
+    match mode.as_str() {
+        "require" | "verify-ca" | "verify-full" => Some(format!("sslmode={mode}")),
+        _ => None,
+    }
 }
 
 /// A timestamp in PostgreSQL's ISO text form, with or without a zone.

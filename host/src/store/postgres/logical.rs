@@ -355,18 +355,30 @@ impl PgStore {
         Ok(rows.into_iter().collect())
     }
 
-    /// The due heads of the parked queues: the first parked event of each
-    /// aggregate, if it is due (not failed, retry time reached), oldest
-    /// commit first, at most `limit`.
+    /// The parked events whose turn came: for each aggregate whose queue
+    /// head is due (not failed, retry time reached), the head and the due
+    /// events right behind it, in (commit LSN, sequence) order; at most
+    /// `limit` in all, oldest heads first. A long queue drains at batch
+    /// speed; the pipeline keeps the order within the batch.
     pub async fn parked_heads(&self, limit: u32) -> Result<Vec<Claim>> {
         let rows = sqlx::query(&format!(
-            "SELECT h.event_id, h.event::text, h.commit_lsn, h.attempts, h.done_legs FROM \
-               (SELECT DISTINCT ON (aggregate_type, aggregate_id) event_id, event, commit_lsn, seq, attempts, \
-                  done_legs, failed_at, next_attempt_at \
-                FROM outroute_event_state WHERE {HOLDING} \
-                ORDER BY aggregate_type, aggregate_id, commit_lsn, seq) h \
-             WHERE h.failed_at IS NULL AND h.next_attempt_at <= now() \
-             ORDER BY h.commit_lsn, h.seq LIMIT $2"
+            "WITH heads AS ( \
+               SELECT DISTINCT ON (aggregate_type, aggregate_id) aggregate_type, aggregate_id, commit_lsn, seq, \
+                 failed_at, next_attempt_at \
+               FROM outroute_event_state WHERE {HOLDING} \
+               ORDER BY aggregate_type, aggregate_id, commit_lsn, seq), \
+             due AS (SELECT * FROM heads WHERE failed_at IS NULL AND next_attempt_at <= now() \
+               ORDER BY commit_lsn, seq LIMIT $2) \
+             SELECT q.event_id, q.event::text, q.commit_lsn, q.attempts, q.done_legs, q.ready, \
+               d.aggregate_type, d.aggregate_id \
+             FROM due d CROSS JOIN LATERAL ( \
+               SELECT s.event_id, s.event, s.commit_lsn, s.seq, s.attempts, s.done_legs, \
+                 (s.failed_at IS NULL AND s.next_attempt_at <= now()) AS ready \
+               FROM outroute_event_state s WHERE s.source = $1 AND s.event IS NOT NULL AND s.discarded_at IS NULL \
+                 AND NOT (s.failed_at IS NOT NULL AND s.blocks_until < 'infinity') \
+                 AND s.aggregate_type = d.aggregate_type AND s.aggregate_id = d.aggregate_id \
+               ORDER BY s.commit_lsn, s.seq LIMIT $2) q \
+             ORDER BY d.commit_lsn, d.seq, q.commit_lsn, q.seq"
         ))
         .bind(&self.source)
         .bind(limit as i64)
@@ -374,7 +386,21 @@ impl PgStore {
         .await
         .context("reading parked events")?;
         let mut claims = Vec::with_capacity(rows.len());
+        // Per aggregate, the due prefix of its queue.
+        let mut stopped: Option<(String, String)> = None;
         for r in rows {
+            if claims.len() >= limit as usize {
+                break;
+            }
+            let aggregate: (String, String) = (r.try_get(6)?, r.try_get(7)?);
+            let ready: bool = r.try_get(5)?;
+            if stopped.as_ref() == Some(&aggregate) {
+                continue;
+            }
+            if !ready {
+                stopped = Some(aggregate);
+                continue;
+            }
             let id: String = r.try_get(0)?;
             let text: String = r.try_get(1)?;
             let commit_lsn: Option<i64> = r.try_get(2)?;
