@@ -451,6 +451,14 @@ fn aggregate_of(c: &Claim) -> (String, String) {
     }
 }
 
+/// Work for the cleaner, in stream order.
+enum CleanupJob {
+    /// A handled batch: its rows' sequence runs, and how far it confirms.
+    Batch(Vec<(i64, i64)>, Option<Lsn>),
+    /// Nothing open up to here: confirm.
+    Idle(Lsn),
+}
+
 /// One stream batch: events in stream order and what confirming it means.
 #[derive(Default)]
 struct Batch {
@@ -541,6 +549,17 @@ impl Relay {
         };
         let reader = tokio::spawn(reader.run(client, tx, confirm_rx).in_current_span());
         let _stop_reader = AbortOnDrop(reader);
+        let (cleaner, cleanups) = mpsc::channel::<CleanupJob>(4);
+        let cleaner_task = tokio::spawn(
+            self.clone()
+                .clean(
+                    cleanups,
+                    confirm_tx,
+                    LeaseGuard::new(leases.clone(), view, vec![CAPTURE_LANE]),
+                )
+                .in_current_span(),
+        );
+        let _stop_cleaner = AbortOnDrop(cleaner_task);
 
         let mut last_parked = Instant::now() - PARKED_EVERY;
         // The last round moved events: the next comes at once (a long queue
@@ -573,17 +592,30 @@ impl Relay {
                 .collect(&mut rx, wait, shutdown, &mut pending_idle)
                 .await?
             else {
-                if let Some(at) = pending_idle.take() {
-                    let _ = confirm_tx.send(at);
+                if let Some(at) = pending_idle.take()
+                    && cleaner.send(CleanupJob::Idle(at)).await.is_err()
+                {
+                    bail!("the cleanup task stopped; resuming from the confirmed position");
                 }
                 continue;
             };
             failpoint::hit("after-claim");
+            let now = Utc::now();
+            let pickup = metrics::histogram!(m::PICKUP, "source" => self.source.clone());
+            for ev in batch.claims.iter().filter_map(|c| c.row.as_ref().ok()) {
+                pickup.record(crate::relay::seconds_since(ev.created_at, now));
+            }
             let mut claims = batch.claims;
             lease.stamp(&mut claims);
+            // Every row of the batch is handled once it is processed (a
+            // malformed one is recorded failed, with what could be read).
             let handled_seqs: Vec<i64> = claims
                 .iter()
-                .filter_map(|c| c.row.as_ref().ok().map(|e| e.sequence))
+                .filter_map(|c| match &c.row {
+                    Ok(e) => Some(e.sequence),
+                    Err(m) if m.sequence > 0 => Some(m.sequence),
+                    Err(_) => None,
+                })
                 .collect();
             // Events of aggregates with a parked queue join it, untouched.
             let (queue, go): (Vec<Claim>, Vec<Claim>) = claims
@@ -614,25 +646,14 @@ impl Relay {
                 }
                 held.extend(queue.iter().map(aggregate_of));
             }
-            // Handled (published or parked): the table rows can go.
-            if self
-                .capture
-                .as_ref()
-                .is_some_and(|l| l.input == LogicalInput::Table)
+            // Handled (published or parked): the table rows can go, then
+            // the slot moves past them — in the cleaner, off this loop.
+            if cleaner
+                .send(CleanupJob::Batch(runs(handled_seqs), batch.confirm))
+                .await
+                .is_err()
             {
-                let n = pg.delete_captured(&runs(handled_seqs)).await?;
-                if n > 0 {
-                    metrics::counter!(m::PURGED, "source" => self.source.clone()).increment(n);
-                }
-            }
-            failpoint::hit("mid-mark");
-            if !lease.held() {
-                bail!(
-                    "capture lease lost before confirming; the next owner re-reads from the confirmed position"
-                );
-            }
-            if let Some(end) = batch.confirm {
-                let _ = confirm_tx.send(end);
+                bail!("the cleanup task stopped; resuming from the confirmed position");
             }
             if let Some(at) = batch.last_commit {
                 metrics::gauge!(m::SLOT_LAG_SECONDS, "source" => self.source.clone())
@@ -641,6 +662,56 @@ impl Relay {
             self.health.set_store_ok(true);
         }
         Ok(())
+    }
+
+    /// The cleaner: per handled batch, in stream order, delete its table
+    /// rows, then confirm the slot up to its last complete transaction. It
+    /// stops (and so the stream restarts from the confirmed position) on a
+    /// failed delete or a lost lease.
+    async fn clean(
+        self: Arc<Self>,
+        mut work: mpsc::Receiver<CleanupJob>,
+        confirm: watch::Sender<Lsn>,
+        mut lease: LeaseGuard,
+    ) {
+        let Some(pg) = self.store.logical() else {
+            return;
+        };
+        let table = self
+            .capture
+            .as_ref()
+            .is_some_and(|l| l.input == LogicalInput::Table);
+        while let Some(job) = work.recv().await {
+            let to = match job {
+                CleanupJob::Idle(at) => Some(at),
+                CleanupJob::Batch(runs, to) => {
+                    if table {
+                        match pg.delete_captured(&runs).await {
+                            Ok(n) if n > 0 => {
+                                metrics::counter!(m::PURGED, "source" => self.source.clone())
+                                    .increment(n)
+                            }
+                            Ok(_) => {}
+                            Err(e) => {
+                                tracing::warn!("deleting captured rows failed: {e:#}");
+                                return;
+                            }
+                        }
+                    }
+                    failpoint::hit("mid-mark");
+                    to
+                }
+            };
+            if !lease.held() {
+                tracing::warn!(
+                    "capture lease lost before confirming; the next owner re-reads from the confirmed position"
+                );
+                return;
+            }
+            if let Some(to) = to {
+                let _ = confirm.send(to);
+            }
+        }
     }
 
     /// Connect to the slot, ending a previous owner's session that still

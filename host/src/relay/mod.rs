@@ -118,7 +118,7 @@ async fn load_plugin(
 }
 
 /// Seconds from `then` to `now` (0 if the clocks disagree).
-fn seconds_since(then: chrono::DateTime<Utc>, now: chrono::DateTime<Utc>) -> f64 {
+pub(crate) fn seconds_since(then: chrono::DateTime<Utc>, now: chrono::DateTime<Utc>) -> f64 {
     ((now - then).num_microseconds().unwrap_or(0) as f64 / 1e6).max(0.0)
 }
 
