@@ -32,6 +32,7 @@
 //! (`pg_logical_emit_message(true, '<prefix>', <envelope>)`, no table; the
 //! envelope is [`Envelope`]).
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -451,21 +452,45 @@ fn aggregate_of(c: &Claim) -> (String, String) {
     }
 }
 
-/// Work for the cleaner, in stream order.
-enum CleanupJob {
-    /// A handled batch: its rows' sequence runs, and how far it confirms.
-    Batch(Vec<(i64, i64)>, Option<Lsn>),
-    /// Nothing open up to here: confirm.
-    Idle(Lsn),
+/// What the dispatcher hands a partition worker, in stream order.
+enum Feed {
+    Event(Box<Claim>),
+    /// Mark `n`: every event before it has been handed out. Reported back
+    /// once this worker handled everything it got before it. With the
+    /// commit time of the transaction it ends, if it ends one.
+    Mark(u64, Option<DateTime<Utc>>),
 }
 
-/// One stream batch: events in stream order and what confirming it means.
+/// Which aggregates a partition worker owns.
+#[derive(Clone, Copy)]
+struct Partition {
+    index: usize,
+    of: usize,
+}
+
+impl Partition {
+    /// The partition of an aggregate (a hash fixed for the process: every
+    /// worker and the dispatcher agree).
+    fn of_aggregate(aggregate: &(String, String), of: usize) -> usize {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::hash::DefaultHasher::new();
+        aggregate.hash(&mut h);
+        (h.finish() % of.max(1) as u64) as usize
+    }
+
+    fn own(&self, all: HashSet<(String, String)>) -> HashSet<(String, String)> {
+        all.into_iter()
+            .filter(|a| Self::of_aggregate(a, self.of) == self.index)
+            .collect()
+    }
+}
+
+/// One partition's batch: events in stream order and the last mark seen.
 #[derive(Default)]
 struct Batch {
     claims: Vec<Claim>,
-    /// The end of the last transaction whose events are all in this batch
-    /// or earlier ones: how far the slot may be confirmed once it is handled.
-    confirm: Option<Lsn>,
+    /// The last mark received with (after) these events.
+    mark: Option<u64>,
     /// Commit time of the last transaction ended in the batch.
     last_commit: Option<DateTime<Utc>>,
 }
@@ -521,6 +546,13 @@ impl Relay {
     }
 
     /// Stream from the slot while the capture lease of `view` holds.
+    ///
+    /// The reader decodes the stream; this dispatcher hands each event to
+    /// one of `relay.concurrency` partition workers by its aggregate (so an
+    /// aggregate is only ever in one worker, which handles its events in
+    /// order), and every transaction end to all of them as a numbered mark.
+    /// A mark is confirmed to the slot once every worker reported it: all
+    /// events before it are handled by then, whichever worker had them.
     async fn stream(
         self: Arc<Self>,
         pg: &PgStore,
@@ -531,13 +563,11 @@ impl Relay {
         let Some(logical) = self.capture.clone() else {
             bail!("not a logical source");
         };
-        // The parked queue as the database has it: every relay that owned
-        // the slot before wrote its parked events there.
-        let mut held = pg.held_aggregates().await?;
         let client = self.connect_slot(pg, &logical).await?;
-        tracing::info!(slot = %logical.slot, parked_aggregates = held.len(), "streaming from the replication slot");
+        tracing::info!(slot = %logical.slot, "streaming from the replication slot");
         metrics::counter!(m::LEASE_HANDOVERS, "source" => self.source.clone()).increment(1);
-        let (tx, mut rx) = mpsc::channel::<Result<Item>>(4 * self.config.batch_size as usize);
+        let batch = self.config.batch_size as usize;
+        let (tx, mut rx) = mpsc::channel::<Result<Item>>(4 * batch);
         let (confirm_tx, confirm_rx) = watch::channel(Lsn(0));
         let reader = Reader {
             input: logical.input,
@@ -549,56 +579,137 @@ impl Relay {
         };
         let reader = tokio::spawn(reader.run(client, tx, confirm_rx).in_current_span());
         let _stop_reader = AbortOnDrop(reader);
-        let (cleaner, cleanups) = mpsc::channel::<CleanupJob>(4);
-        let cleaner_task = tokio::spawn(
-            self.clone()
-                .clean(
-                    cleanups,
-                    confirm_tx,
-                    LeaseGuard::new(leases.clone(), view, vec![CAPTURE_LANE]),
-                )
-                .in_current_span(),
-        );
-        let _stop_cleaner = AbortOnDrop(cleaner_task);
 
+        let k = self.config.concurrency.max(1) as usize;
+        let (reached_tx, mut reached_rx) = mpsc::unbounded_channel::<(usize, u64)>();
+        let stop = shutdown.child_token();
+        let _stop_workers = stop.clone().drop_guard();
+        let mut feeds = Vec::with_capacity(k);
+        let mut workers = tokio::task::JoinSet::new();
+        for w in 0..k {
+            let (feed_tx, feed_rx) = mpsc::channel::<Feed>(4 * batch);
+            feeds.push(feed_tx);
+            let worker = self.clone().partition(
+                Partition { index: w, of: k },
+                feed_rx,
+                reached_tx.clone(),
+                LeaseGuard::new(leases.clone(), view, vec![CAPTURE_LANE]),
+                stop.clone(),
+            );
+            workers.spawn(worker.in_current_span());
+        }
+        let mut lease = LeaseGuard::new(leases.clone(), view, vec![CAPTURE_LANE]);
+        // Marks not yet confirmed (number, position), and how far each worker got.
+        let mut marks: std::collections::VecDeque<(u64, Lsn)> = Default::default();
+        let mut next_mark = 0u64;
+        let mut reached: Vec<Option<u64>> = vec![None; k];
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return Ok(()),
+                ended = workers.join_next() => {
+                    return match ended {
+                        Some(Ok(Ok(()))) | None => Ok(()),
+                        Some(Ok(Err(e))) => Err(e),
+                        Some(Err(e)) => Err(anyhow!("a capture worker stopped: {e}")),
+                    };
+                }
+                Some((w, mark)) = reached_rx.recv() => {
+                    reached[w] = Some(reached[w].map_or(mark, |r| r.max(mark)));
+                    let Some(all) = reached.iter().copied().min().flatten() else { continue };
+                    let mut to = None;
+                    while marks.front().is_some_and(|(n, _)| *n <= all) {
+                        to = marks.pop_front().map(|(_, lsn)| lsn);
+                    }
+                    if let Some(to) = to {
+                        if !lease.held() {
+                            bail!("capture lease lost before confirming; the next owner re-reads from the confirmed position");
+                        }
+                        let _ = confirm_tx.send(to);
+                    }
+                }
+                item = rx.recv() => {
+                    let item = match item {
+                        None => bail!("the replication reader stopped"),
+                        Some(Err(e)) => return Err(e),
+                        Some(Ok(item)) => item,
+                    };
+                    let (lsn, at) = match item {
+                        Item::Event(c) => {
+                            let w = Partition::of_aggregate(&aggregate_of(&c), k);
+                            // A worker that ended: join_next says why.
+                            let _ = feeds[w].send(Feed::Event(c)).await;
+                            continue;
+                        }
+                        Item::Commit { end, at } => (end, Some(at)),
+                        Item::Idle { at } => (at, None),
+                    };
+                    marks.push_back((next_mark, lsn));
+                    for f in &feeds {
+                        let _ = f.send(Feed::Mark(next_mark, at)).await;
+                    }
+                    next_mark += 1;
+                }
+            }
+        }
+    }
+
+    /// One partition worker: its aggregates' parked queues and stream
+    /// events, batch after batch, in order. Returns `Ok` when the lease or
+    /// the stream ends, `Err` when the stream must restart.
+    async fn partition(
+        self: Arc<Self>,
+        part: Partition,
+        mut feed: mpsc::Receiver<Feed>,
+        reached: mpsc::UnboundedSender<(usize, u64)>,
+        mut lease: LeaseGuard,
+        stop: CancellationToken,
+    ) -> Result<()> {
+        let Some(pg) = self.store.logical() else {
+            bail!("not a logical source");
+        };
+        // This partition's parked queues as the database has them: every
+        // relay that owned the slot before wrote its parked events there.
+        let mut held = part.own(pg.held_aggregates().await?);
         let mut last_parked = Instant::now() - PARKED_EVERY;
         // The last round moved events: the next comes at once (a long queue
         // drains at batch speed), otherwise every PARKED_EVERY.
         let mut parked_moving = false;
         let mut outage_backoff = Duration::from_millis(100);
-        let mut pending_idle: Option<Lsn> = None;
-        while !shutdown.is_cancelled() {
-            // The lease of this streaming session, re-checked every batch.
-            let mut lease = LeaseGuard::new(leases.clone(), view, vec![CAPTURE_LANE]);
+        while !stop.is_cancelled() {
             if !lease.held() {
                 tracing::warn!("capture lease lost: stopping the stream (a standby takes over)");
                 return Ok(());
             }
-
-            // Parked events whose turn came, before the stream's later ones.
-            if parked_moving || last_parked.elapsed() >= PARKED_EVERY {
-                let moved = self.retry_parked(pg, &mut lease).await?;
-                parked_moving = moved > 0;
-                held = pg.held_aggregates().await?;
+            // Operators' `failed retry|discard` and earlier owners' records
+            // reach this partition's view of the parked queues.
+            let due = last_parked.elapsed() >= PARKED_EVERY;
+            if due {
+                held = part.own(pg.held_aggregates().await?);
                 last_parked = Instant::now();
             }
-
+            // Parked events whose turn came, before the stream's later ones.
+            if !held.is_empty() && (parked_moving || due) {
+                let moved = self.retry_parked(pg, &held, &mut lease).await?;
+                parked_moving = moved > 0;
+                if parked_moving {
+                    held = part.own(pg.held_aggregates().await?);
+                }
+            } else {
+                parked_moving = false;
+            }
             let wait = if parked_moving {
                 Duration::ZERO
             } else {
                 PARKED_EVERY
             };
-            let Some(batch) = self
-                .collect(&mut rx, wait, shutdown, &mut pending_idle)
-                .await?
-            else {
-                if let Some(at) = pending_idle.take()
-                    && cleaner.send(CleanupJob::Idle(at)).await.is_err()
-                {
-                    bail!("the cleanup task stopped; resuming from the confirmed position");
+            let batch = self.collect(&mut feed, wait, &stop).await?;
+            if batch.claims.is_empty() {
+                if let Some(mark) = batch.mark {
+                    let _ = reached.send((part.index, mark));
                 }
                 continue;
-            };
+            }
             failpoint::hit("after-claim");
             let now = Utc::now();
             let pickup = metrics::histogram!(m::PICKUP, "source" => self.source.clone());
@@ -626,16 +737,16 @@ impl Relay {
                 let report: BatchReport = self.process(go.clone(), Some(&mut lease)).await?;
                 if report.outage {
                     tracing::warn!(backoff = ?outage_backoff, reason = report.outage_reason.as_deref().unwrap_or(""), "every publish failed; backing off (the slot is not confirmed)");
-                    sleep_or_cancel(crate::pipeline::jitter(outage_backoff), shutdown).await;
+                    sleep_or_cancel(crate::pipeline::jitter(outage_backoff), &stop).await;
                     outage_backoff = (outage_backoff * 2).min(Duration::from_secs(10));
-                    if shutdown.is_cancelled() || !lease.held() {
+                    if stop.is_cancelled() || !lease.held() {
                         return Ok(());
                     }
                     continue;
                 }
                 outage_backoff = Duration::from_millis(100);
                 if report.failed + report.retried + report.held + report.deferred > 0 {
-                    held = pg.held_aggregates().await?;
+                    held = part.own(pg.held_aggregates().await?);
                 }
                 break;
             }
@@ -647,13 +758,20 @@ impl Relay {
                 held.extend(queue.iter().map(aggregate_of));
             }
             // Handled (published or parked): the table rows can go, then
-            // the slot moves past them — in the cleaner, off this loop.
-            if cleaner
-                .send(CleanupJob::Batch(runs(handled_seqs), batch.confirm))
-                .await
-                .is_err()
+            // the marks before them may be confirmed.
+            if self
+                .capture
+                .as_ref()
+                .is_some_and(|l| l.input == LogicalInput::Table)
             {
-                bail!("the cleanup task stopped; resuming from the confirmed position");
+                let n = pg.delete_captured(&runs(handled_seqs)).await?;
+                if n > 0 {
+                    metrics::counter!(m::PURGED, "source" => self.source.clone()).increment(n);
+                }
+            }
+            failpoint::hit("mid-mark");
+            if let Some(mark) = batch.mark {
+                let _ = reached.send((part.index, mark));
             }
             if let Some(at) = batch.last_commit {
                 metrics::gauge!(m::SLOT_LAG_SECONDS, "source" => self.source.clone())
@@ -662,56 +780,6 @@ impl Relay {
             self.health.set_store_ok(true);
         }
         Ok(())
-    }
-
-    /// The cleaner: per handled batch, in stream order, delete its table
-    /// rows, then confirm the slot up to its last complete transaction. It
-    /// stops (and so the stream restarts from the confirmed position) on a
-    /// failed delete or a lost lease.
-    async fn clean(
-        self: Arc<Self>,
-        mut work: mpsc::Receiver<CleanupJob>,
-        confirm: watch::Sender<Lsn>,
-        mut lease: LeaseGuard,
-    ) {
-        let Some(pg) = self.store.logical() else {
-            return;
-        };
-        let table = self
-            .capture
-            .as_ref()
-            .is_some_and(|l| l.input == LogicalInput::Table);
-        while let Some(job) = work.recv().await {
-            let to = match job {
-                CleanupJob::Idle(at) => Some(at),
-                CleanupJob::Batch(runs, to) => {
-                    if table {
-                        match pg.delete_captured(&runs).await {
-                            Ok(n) if n > 0 => {
-                                metrics::counter!(m::PURGED, "source" => self.source.clone())
-                                    .increment(n)
-                            }
-                            Ok(_) => {}
-                            Err(e) => {
-                                tracing::warn!("deleting captured rows failed: {e:#}");
-                                return;
-                            }
-                        }
-                    }
-                    failpoint::hit("mid-mark");
-                    to
-                }
-            };
-            if !lease.held() {
-                tracing::warn!(
-                    "capture lease lost before confirming; the next owner re-reads from the confirmed position"
-                );
-                return;
-            }
-            if let Some(to) = to {
-                let _ = confirm.send(to);
-            }
-        }
     }
 
     /// Connect to the slot, ending a previous owner's session that still
@@ -756,62 +824,54 @@ impl Relay {
         ))
     }
 
-    /// Gather a batch: wait up to `wait` for the first item, then take what
-    /// is already there, up to `relay.batch_size` events.
+    /// Gather a batch from a partition's feed: wait up to `wait` for the
+    /// first item, then take what is already there, up to
+    /// `relay.batch_size` events.
     async fn collect(
         &self,
-        rx: &mut mpsc::Receiver<Result<Item>>,
+        feed: &mut mpsc::Receiver<Feed>,
         wait: Duration,
-        shutdown: &CancellationToken,
-        idle: &mut Option<Lsn>,
-    ) -> Result<Option<Batch>> {
+        stop: &CancellationToken,
+    ) -> Result<Batch> {
         let mut batch = Batch::default();
-        let first = tokio::select! {
+        let mut next = tokio::select! {
             biased;
-            _ = shutdown.cancelled() => return Ok(None),
-            item = rx.recv() => item,
-            _ = tokio::time::sleep(wait) => return Ok(None),
+            _ = stop.cancelled() => return Ok(batch),
+            item = feed.recv() => item,
+            _ = tokio::time::sleep(wait) => return Ok(batch),
         };
-        let mut next = first;
         loop {
             match next {
-                None => bail!("the replication reader stopped"),
-                Some(Err(e)) => return Err(e),
-                Some(Ok(Item::Event(c))) => batch.claims.push(*c),
-                Some(Ok(Item::Commit { end, at })) => {
-                    batch.confirm = Some(end);
-                    batch.last_commit = Some(at);
-                    *idle = None;
-                }
-                Some(Ok(Item::Idle { at })) => {
-                    if batch.claims.is_empty() && batch.confirm.is_none() {
-                        *idle = Some(at);
+                None => bail!("the stream dispatcher stopped"),
+                Some(Feed::Event(c)) => batch.claims.push(*c),
+                Some(Feed::Mark(n, at)) => {
+                    batch.mark = Some(n);
+                    if at.is_some() {
+                        batch.last_commit = at;
                     }
                 }
             }
             if batch.claims.len() >= self.config.batch_size as usize {
                 break;
             }
-            match rx.try_recv() {
+            match feed.try_recv() {
                 Ok(item) => next = Some(item),
                 Err(_) => break,
             }
         }
-        if batch.claims.is_empty() {
-            if let Some(end) = batch.confirm {
-                // Transactions with nothing for us (or only other tables).
-                *idle = Some(end);
-            }
-            return Ok(None);
-        }
-        Ok(Some(batch))
+        Ok(batch)
     }
 
     /// Publish the parked events whose turn came: the due head of each
     /// aggregate's queue and the due events behind it, in order. Returns how
     /// many left the queue.
-    pub(crate) async fn retry_parked(&self, pg: &PgStore, lease: &mut LeaseGuard) -> Result<u64> {
-        let mut claims = pg.parked_heads(self.config.batch_size).await?;
+    pub(crate) async fn retry_parked(
+        &self,
+        pg: &PgStore,
+        aggregates: &HashSet<(String, String)>,
+        lease: &mut LeaseGuard,
+    ) -> Result<u64> {
+        let mut claims = pg.parked_heads(aggregates, self.config.batch_size).await?;
         if claims.is_empty() {
             return Ok(0);
         }

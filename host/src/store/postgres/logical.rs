@@ -360,12 +360,21 @@ impl PgStore {
     /// events right behind it, in (commit LSN, sequence) order; at most
     /// `limit` in all, oldest heads first. A long queue drains at batch
     /// speed; the pipeline keeps the order within the batch.
-    pub async fn parked_heads(&self, limit: u32) -> Result<Vec<Claim>> {
+    pub async fn parked_heads(
+        &self,
+        aggregates: &HashSet<(String, String)>,
+        limit: u32,
+    ) -> Result<Vec<Claim>> {
+        let (types, ids): (Vec<&str>, Vec<&str>) = aggregates
+            .iter()
+            .map(|(t, i)| (t.as_str(), i.as_str()))
+            .unzip();
         let rows = sqlx::query(&format!(
             "WITH heads AS ( \
                SELECT DISTINCT ON (aggregate_type, aggregate_id) aggregate_type, aggregate_id, commit_lsn, seq, \
                  failed_at, next_attempt_at \
                FROM outroute_event_state WHERE {HOLDING} \
+                 AND (aggregate_type, aggregate_id) IN (SELECT * FROM unnest($3::text[], $4::text[])) \
                ORDER BY aggregate_type, aggregate_id, commit_lsn, seq), \
              due AS (SELECT * FROM heads WHERE failed_at IS NULL AND next_attempt_at <= now() \
                ORDER BY commit_lsn, seq LIMIT $2) \
@@ -382,6 +391,8 @@ impl PgStore {
         ))
         .bind(&self.source)
         .bind(limit as i64)
+        .bind(&types)
+        .bind(&ids)
         .fetch_all(&self.pool)
         .await
         .context("reading parked events")?;
