@@ -452,6 +452,33 @@ fn aggregate_of(c: &Claim) -> (String, String) {
     }
 }
 
+/// Work for the cleaner: the rows to delete (runs of sequence numbers) and
+/// the slot position to confirm after.
+struct CleanupJob {
+    runs: Vec<(i64, i64)>,
+    confirm: Option<Lsn>,
+}
+
+/// Take the marks up to `all` off the queue: their events' rows and the
+/// last one's position.
+fn confirmable(
+    marks: &mut std::collections::VecDeque<(u64, Lsn, Vec<i64>)>,
+    all: u64,
+) -> CleanupJob {
+    let mut seqs = Vec::new();
+    let mut confirm = None;
+    while marks.front().is_some_and(|(n, _, _)| *n <= all) {
+        if let Some((_, lsn, s)) = marks.pop_front() {
+            seqs.extend(s);
+            confirm = Some(lsn);
+        }
+    }
+    CleanupJob {
+        runs: runs(seqs),
+        confirm,
+    }
+}
+
 /// What the dispatcher hands a partition worker, in stream order.
 enum Feed {
     Event(Box<Claim>),
@@ -598,15 +625,45 @@ impl Relay {
             );
             workers.spawn(worker.in_current_span());
         }
-        let mut lease = LeaseGuard::new(leases.clone(), view, vec![CAPTURE_LANE]);
-        // Marks not yet confirmed (number, position), and how far each worker got.
-        let mut marks: std::collections::VecDeque<(u64, Lsn)> = Default::default();
+        // The cleaner deletes the rows before each confirmed mark (in stream
+        // order the sequence numbers run together, so few range deletes),
+        // then confirms the slot up to it.
+        let (cleaner, cleanups) = mpsc::channel::<CleanupJob>(4);
+        let cleaner_task = tokio::spawn(
+            self.clone()
+                .clean(
+                    cleanups,
+                    confirm_tx,
+                    LeaseGuard::new(leases.clone(), view, vec![CAPTURE_LANE]),
+                )
+                .in_current_span(),
+        );
+        let _stop_cleaner = AbortOnDrop(cleaner_task);
+        // Marks not yet confirmed (number, position, the sequence numbers of
+        // the events handed out before it), and how far each worker got.
+        let mut marks: std::collections::VecDeque<(u64, Lsn, Vec<i64>)> = Default::default();
+        let mut since_mark: Vec<i64> = Vec::new();
         let mut next_mark = 0u64;
         let mut reached: Vec<Option<u64>> = vec![None; k];
         loop {
             tokio::select! {
                 biased;
-                _ = shutdown.cancelled() => return Ok(()),
+                _ = shutdown.cancelled() => {
+                    // Graceful: the workers finish their in-flight batches,
+                    // then what they reported is confirmed.
+                    stop.cancel();
+                    while workers.join_next().await.is_some() {}
+                    while let Ok((w, mark)) = reached_rx.try_recv() {
+                        reached[w] = Some(reached[w].map_or(mark, |r| r.max(mark)));
+                    }
+                    if let Some(all) = reached.iter().copied().min().flatten() {
+                        let _ = cleaner.send(confirmable(&mut marks, all)).await;
+                    }
+                    drop(cleaner);
+                    // Let the cleaner finish and the reader pass the position on.
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    return Ok(());
+                }
                 ended = workers.join_next() => {
                     return match ended {
                         Some(Ok(Ok(()))) | None => Ok(()),
@@ -617,15 +674,10 @@ impl Relay {
                 Some((w, mark)) = reached_rx.recv() => {
                     reached[w] = Some(reached[w].map_or(mark, |r| r.max(mark)));
                     let Some(all) = reached.iter().copied().min().flatten() else { continue };
-                    let mut to = None;
-                    while marks.front().is_some_and(|(n, _)| *n <= all) {
-                        to = marks.pop_front().map(|(_, lsn)| lsn);
-                    }
-                    if let Some(to) = to {
-                        if !lease.held() {
-                            bail!("capture lease lost before confirming; the next owner re-reads from the confirmed position");
-                        }
-                        let _ = confirm_tx.send(to);
+                    if marks.front().is_some_and(|(n, _, _)| *n <= all)
+                        && cleaner.send(confirmable(&mut marks, all)).await.is_err()
+                    {
+                        bail!("the cleanup task stopped; resuming from the confirmed position");
                     }
                 }
                 item = rx.recv() => {
@@ -636,6 +688,11 @@ impl Relay {
                     };
                     let (lsn, at) = match item {
                         Item::Event(c) => {
+                            match &c.row {
+                                Ok(e) => since_mark.push(e.sequence),
+                                Err(m) if m.sequence > 0 => since_mark.push(m.sequence),
+                                Err(_) => {}
+                            }
                             let w = Partition::of_aggregate(&aggregate_of(&c), k);
                             // A worker that ended: join_next says why.
                             let _ = feeds[w].send(Feed::Event(c)).await;
@@ -644,7 +701,7 @@ impl Relay {
                         Item::Commit { end, at } => (end, Some(at)),
                         Item::Idle { at } => (at, None),
                     };
-                    marks.push_back((next_mark, lsn));
+                    marks.push_back((next_mark, lsn, std::mem::take(&mut since_mark)));
                     for f in &feeds {
                         let _ = f.send(Feed::Mark(next_mark, at)).await;
                     }
@@ -718,16 +775,6 @@ impl Relay {
             }
             let mut claims = batch.claims;
             lease.stamp(&mut claims);
-            // Every row of the batch is handled once it is processed (a
-            // malformed one is recorded failed, with what could be read).
-            let handled_seqs: Vec<i64> = claims
-                .iter()
-                .filter_map(|c| match &c.row {
-                    Ok(e) => Some(e.sequence),
-                    Err(m) if m.sequence > 0 => Some(m.sequence),
-                    Err(_) => None,
-                })
-                .collect();
             // Events of aggregates with a parked queue join it, untouched.
             let (queue, go): (Vec<Claim>, Vec<Claim>) = claims
                 .into_iter()
@@ -757,19 +804,9 @@ impl Relay {
                 }
                 held.extend(queue.iter().map(aggregate_of));
             }
-            // Handled (published or parked): the table rows can go, then
-            // the marks before them may be confirmed.
-            if self
-                .capture
-                .as_ref()
-                .is_some_and(|l| l.input == LogicalInput::Table)
-            {
-                let n = pg.delete_captured(&runs(handled_seqs)).await?;
-                if n > 0 {
-                    metrics::counter!(m::PURGED, "source" => self.source.clone()).increment(n);
-                }
-            }
-            failpoint::hit("mid-mark");
+            // Handled (published or parked): the marks before these events
+            // may be confirmed (and their rows deleted) once every worker
+            // got there.
             if let Some(mark) = batch.mark {
                 let _ = reached.send((part.index, mark));
             }
@@ -780,6 +817,49 @@ impl Relay {
             self.health.set_store_ok(true);
         }
         Ok(())
+    }
+
+    /// The cleaner: per confirmable mark, in stream order, delete the rows
+    /// of the events before it, then confirm the slot up to it. It stops (and
+    /// so the stream restarts from the confirmed position) on a failed
+    /// delete or a lost lease.
+    async fn clean(
+        self: Arc<Self>,
+        mut work: mpsc::Receiver<CleanupJob>,
+        confirm: watch::Sender<Lsn>,
+        mut lease: LeaseGuard,
+    ) {
+        let Some(pg) = self.store.logical() else {
+            return;
+        };
+        let table = self
+            .capture
+            .as_ref()
+            .is_some_and(|l| l.input == LogicalInput::Table);
+        while let Some(job) = work.recv().await {
+            if table && !job.runs.is_empty() {
+                match pg.delete_captured(&job.runs).await {
+                    Ok(n) if n > 0 => {
+                        metrics::counter!(m::PURGED, "source" => self.source.clone()).increment(n)
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!("deleting captured rows failed: {e:#}");
+                        return;
+                    }
+                }
+            }
+            failpoint::hit("mid-mark");
+            if !lease.held() {
+                tracing::warn!(
+                    "capture lease lost before confirming; the next owner re-reads from the confirmed position"
+                );
+                return;
+            }
+            if let Some(to) = job.confirm {
+                let _ = confirm.send(to);
+            }
+        }
     }
 
     /// Connect to the slot, ending a previous owner's session that still
