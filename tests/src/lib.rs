@@ -265,6 +265,49 @@ pub async fn produce(
     Ok(all)
 }
 
+/// The crash-point drill: for each point, `iterations` times, commit a
+/// workload (prefix `<point>-<i>`), start the relay armed to abort at that
+/// point (at its 1st, 2nd or 3rd pass) and check it did. Returns everything
+/// committed (in outbox order) and the crash count; a clean relay must then
+/// deliver all of it.
+pub async fn crash_at_points(
+    pool: &PgPool,
+    config: &Path,
+    points: &[&str],
+    iterations: usize,
+) -> Result<(Workload, usize)> {
+    let mut all = Workload::default();
+    let mut crashes = 0;
+    for point in points {
+        for i in 0..iterations {
+            let w = produce(pool, &format!("{point}-{i}"), 20, 6, 9).await?;
+            all.committed.extend(w.committed);
+            all.rolled_back.extend(w.rolled_back);
+            let hit = (1 + i % 3).to_string();
+            let mut relay = Relay::start(
+                config,
+                &[
+                    ("OUTROUTE_FAILPOINT", point),
+                    ("OUTROUTE_FAILPOINT_HIT", &hit),
+                ],
+            )?;
+            let status = relay.wait_exit(Duration::from_secs(60));
+            let log = relay.log_text();
+            if !(status.is_some_and(|s| !s.success())
+                && log.contains(&format!("failpoint `{point}` reached")))
+            {
+                bail!(
+                    "relay did not crash at {point} (is {} built with --features failpoints? scripts/test does that): {status:?}\n{log}",
+                    bin().display()
+                );
+            }
+            crashes += 1;
+        }
+    }
+    all.committed.sort_by_key(|e| e.seq);
+    Ok((all, crashes))
+}
+
 /// A message as a consumer saw it.
 #[derive(Debug, Clone)]
 pub struct Delivered {

@@ -49,34 +49,7 @@ async fn crash_at_every_point_loses_nothing_and_keeps_order() -> anyhow::Result<
     )?;
     db.migrate(&config)?;
 
-    let mut all = Workload::default();
-    let mut crashes = 0;
-    for point in POINTS {
-        for i in 0..iterations {
-            let w = produce(&db.pool, &format!("{point}-{i}"), 20, 6, 9).await?;
-            all.committed.extend(w.committed);
-            all.rolled_back.extend(w.rolled_back);
-            let hit = (1 + i % 3).to_string();
-            let mut relay = Relay::start(
-                &config,
-                &[
-                    ("OUTROUTE_FAILPOINT", point),
-                    ("OUTROUTE_FAILPOINT_HIT", &hit),
-                ],
-            )?;
-            let status = relay.wait_exit(Duration::from_secs(60));
-            let log = relay.log_text();
-            assert!(
-                status.is_some_and(|s| !s.success())
-                    && log.contains(&format!("failpoint `{point}` reached")),
-                "relay did not crash at {point} (is {} built with --features failpoints? scripts/test does that): {status:?}\n{log}",
-                bin().display()
-            );
-            crashes += 1;
-        }
-    }
-    // Recovery: a clean relay finishes everything.
-    all.committed.sort_by_key(|e| e.seq);
+    let (all, crashes) = crash_at_points(&db.pool, &config, &POINTS, iterations).await?;
     let mut relay = Relay::start(&config, &[])?;
     let delivered = consume_kafka(&topic, 3, all.committed.len(), Duration::from_secs(120))?;
     let report = check(&all, &delivered);

@@ -525,7 +525,7 @@ struct Batch {
 impl Relay {
     /// A logical source: wait for the capture lease, stream while holding
     /// it, go back to waiting when it is lost. Runs until `shutdown`.
-    pub(crate) async fn capture(
+    pub(crate) async fn run_capture(
         self: Arc<Self>,
         mut leases: watch::Receiver<LeaseView>,
         shutdown: CancellationToken,

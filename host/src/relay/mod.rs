@@ -265,7 +265,7 @@ impl Relay {
         if self.capture.is_some() {
             // One stream from the slot instead of lane workers.
             background.push(spawn_here(self.clone().watch_slot(shutdown.clone())));
-            let capture = spawn_here(self.clone().capture(lease_rx, shutdown.clone()));
+            let capture = spawn_here(self.clone().run_capture(lease_rx, shutdown.clone()));
             shutdown.cancelled().await;
             tracing::info!(source = %self.source, "stopping: finishing the in-flight batch");
             if tokio::time::timeout(self.config.shutdown_timeout, capture)

@@ -1200,7 +1200,25 @@ impl PgStore {
             .collect::<Result<Vec<_>>>()?;
         let backlog = by_type.iter().map(|(_, n)| n).sum();
         by_type.truncate(50);
-        let relays = sqlx::query(
+        let relays = self.live_relays().await?;
+        let events_without_messages = self.events_without_messages().await?;
+        Ok(Status {
+            table: self.source.clone(),
+            backlog,
+            oldest_pending_age_seconds: oldest,
+            retrying: counts.try_get(0)?,
+            failed: counts.try_get(1)?,
+            backlog_by_aggregate_type: by_type,
+            events_without_messages,
+            quarantined_routes: self.quarantined_routes().await?,
+            relays,
+            slot: None,
+        })
+    }
+
+    /// Live relays of this source with the lanes they hold (for `status`).
+    pub(super) async fn live_relays(&self) -> Result<Vec<RelayStatus>> {
+        sqlx::query(
             "SELECT r.relay_id, r.hostname, r.pid, extract(epoch from now() - r.heartbeat_at)::float8, \
                COALESCE(array_agg(l.lane ORDER BY l.lane) FILTER (WHERE l.lane IS NOT NULL), '{}') \
              FROM outroute_relays r LEFT JOIN outroute_lanes l ON l.source = r.source AND l.owner = r.relay_id AND l.lease_until > now() \
@@ -1220,26 +1238,18 @@ impl PgStore {
                 lanes: r.try_get(4)?,
             })
         })
-        .collect::<Result<Vec<_>>>()?;
-        let events_without_messages: Vec<(String, i64)> = sqlx::query_as(
+        .collect::<Result<Vec<_>>>()
+    }
+
+    /// Per route, events published without messages (for `status`).
+    pub(super) async fn events_without_messages(&self) -> Result<Vec<(String, i64)>> {
+        Ok(sqlx::query_as(
             "SELECT route, events_without_messages FROM outroute_route_counts \
              WHERE source = $1 AND events_without_messages > 0 ORDER BY route",
         )
         .bind(&self.source)
         .fetch_all(&self.pool)
-        .await?;
-        Ok(Status {
-            table: self.source.clone(),
-            backlog,
-            oldest_pending_age_seconds: oldest,
-            retrying: counts.try_get(0)?,
-            failed: counts.try_get(1)?,
-            backlog_by_aggregate_type: by_type,
-            events_without_messages,
-            quarantined_routes: self.quarantined_routes().await?,
-            relays,
-            slot: None,
-        })
+        .await?)
     }
 
     pub async fn quarantine_route(&self, route: &str, reason: &str) -> Result<()> {

@@ -30,7 +30,7 @@ use sqlx::Row;
 
 use super::{PgStore, quote};
 use crate::config::{Cleanup, LogicalInput};
-use crate::store::{Captured, Claim, Leases, ParkedEvent, RelayStatus, SlotStatus, Status};
+use crate::store::{Captured, Claim, Leases, ParkedEvent, SlotStatus, Status};
 
 /// The lane number of the capture lease in `outroute_lanes`.
 pub const CAPTURE_LANE: i32 = -1;
@@ -524,34 +524,8 @@ impl PgStore {
         .bind(&self.source)
         .fetch_all(&self.pool)
         .await?;
-        let relays = sqlx::query(
-            "SELECT r.relay_id, r.hostname, r.pid, extract(epoch from now() - r.heartbeat_at)::float8, \
-               COALESCE(array_agg(l.lane ORDER BY l.lane) FILTER (WHERE l.lane IS NOT NULL), '{}') \
-             FROM outroute_relays r LEFT JOIN outroute_lanes l ON l.source = r.source AND l.owner = r.relay_id AND l.lease_until > now() \
-             WHERE r.source = $1 AND r.heartbeat_at > now() - make_interval(secs => $2) GROUP BY 1, 2, 3, 4 ORDER BY 1",
-        )
-        .bind(&self.source)
-        .bind(self.lease_ttl.as_secs_f64())
-        .fetch_all(&self.pool)
-        .await?
-        .iter()
-        .map(|r| {
-            Ok(RelayStatus {
-                relay_id: r.try_get(0)?,
-                hostname: r.try_get(1)?,
-                pid: r.try_get(2)?,
-                heartbeat_age_seconds: r.try_get(3)?,
-                lanes: r.try_get(4)?,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
-        let events_without_messages: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT route, events_without_messages FROM outroute_route_counts \
-             WHERE source = $1 AND events_without_messages > 0 ORDER BY route",
-        )
-        .bind(&self.source)
-        .fetch_all(&self.pool)
-        .await?;
+        let relays = self.live_relays().await?;
+        let events_without_messages = self.events_without_messages().await?;
         Ok(Status {
             table: self.source.clone(),
             backlog,
