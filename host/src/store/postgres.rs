@@ -978,7 +978,12 @@ impl PgStore {
             let conflict = if f.parked.is_some() {
                 // (a no-op update, so it counts as recorded: only a lost lease
                 // records nothing)
-                "DO UPDATE SET updated_at = st.updated_at".to_string()
+                // Only the same event at the same stream position is a re-read; another
+                // event under a taken id records nothing, so its batch is not
+                // confirmed (loud, never a silent loss).
+                "DO UPDATE SET updated_at = st.updated_at \
+                   WHERE st.commit_lsn IS NOT DISTINCT FROM EXCLUDED.commit_lsn AND st.seq = EXCLUDED.seq"
+                    .to_string()
             } else {
                 "DO UPDATE SET attempts = EXCLUDED.attempts, \
                    next_attempt_at = EXCLUDED.next_attempt_at, blocks_until = EXCLUDED.blocks_until, \

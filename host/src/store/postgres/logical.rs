@@ -387,7 +387,7 @@ impl PgStore {
                  AND NOT (s.failed_at IS NOT NULL AND s.blocks_until < 'infinity') \
                  AND s.aggregate_type = d.aggregate_type AND s.aggregate_id = d.aggregate_id \
                ORDER BY s.commit_lsn, s.seq LIMIT $2) q \
-             ORDER BY d.commit_lsn, d.seq, q.commit_lsn, q.seq"
+             ORDER BY d.commit_lsn, d.seq, d.aggregate_type, d.aggregate_id, q.commit_lsn, q.seq"
         ))
         .bind(&self.source)
         .bind(limit as i64)
@@ -398,18 +398,18 @@ impl PgStore {
         .context("reading parked events")?;
         let mut claims = Vec::with_capacity(rows.len());
         // Per aggregate, the due prefix of its queue.
-        let mut stopped: Option<(String, String)> = None;
+        let mut stopped: HashSet<(String, String)> = HashSet::new();
         for r in rows {
             if claims.len() >= limit as usize {
                 break;
             }
             let aggregate: (String, String) = (r.try_get(6)?, r.try_get(7)?);
             let ready: bool = r.try_get(5)?;
-            if stopped.as_ref() == Some(&aggregate) {
+            if stopped.contains(&aggregate) {
                 continue;
             }
             if !ready {
-                stopped = Some(aggregate);
+                stopped.insert(aggregate);
                 continue;
             }
             let id: String = r.try_get(0)?;
