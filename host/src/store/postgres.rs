@@ -703,10 +703,9 @@ impl PgStore {
         Ok(true)
     }
 
-    pub async fn lease_round(&self) -> Result<Leases> {
-        if self.logical.is_some() {
-            return self.capture_lease().await;
-        }
+    /// Heartbeat this relay, forget relays silent for 10 TTLs, and count
+    /// the live ones (lane shares, `status`).
+    pub(super) async fn heartbeat(&self) -> Result<i64> {
         let ttl = self.lease_ttl.as_secs_f64();
         let mut tx = self.pool.begin().await?;
         sqlx::query(
@@ -737,6 +736,15 @@ impl PgStore {
         .fetch_one(&mut *tx)
         .await?;
         tx.commit().await?;
+        Ok(relays)
+    }
+
+    pub async fn lease_round(&self) -> Result<Leases> {
+        if self.logical.is_some() {
+            return self.capture_lease().await;
+        }
+        let ttl = self.lease_ttl.as_secs_f64();
+        let relays = self.heartbeat().await?;
         let relays_alive = relays.max(1);
         let fair = (self.lanes as i64 + relays_alive - 1) / relays_alive;
 

@@ -282,29 +282,7 @@ impl PgStore {
     /// `[CAPTURE_LANE]` while this relay owns the slot, empty on a standby.
     pub(super) async fn capture_lease(&self) -> Result<Leases> {
         let ttl = self.lease_ttl.as_secs_f64();
-        let mut tx = self.pool.begin().await?;
-        sqlx::query(
-            "INSERT INTO outroute_relays (source, relay_id, hostname, pid) VALUES ($1, $2, $3, $4) \
-             ON CONFLICT (source, relay_id) DO UPDATE SET heartbeat_at = now()",
-        )
-        .bind(&self.source)
-        .bind(&self.relay_id)
-        .bind(
-            hostname::get()
-                .map(|h| h.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-        )
-        .bind(std::process::id() as i32)
-        .execute(&mut *tx)
-        .await?;
-        let relays: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM outroute_relays WHERE source = $1 AND heartbeat_at > now() - make_interval(secs => $2)",
-        )
-        .bind(&self.source)
-        .bind(ttl)
-        .fetch_one(&mut *tx)
-        .await?;
-        tx.commit().await?;
+        let relays = self.heartbeat().await?;
         sqlx::query(
             "INSERT INTO outroute_lanes (source, lane) VALUES ($1, $2) ON CONFLICT DO NOTHING",
         )
