@@ -10,8 +10,10 @@
 //! ```
 //!
 //! [`Relay::run`] starts a lease keeper (which lanes this relay owns), `relay.concurrency`
-//! workers (each works the owned lanes `lane % concurrency == i`, so one
-//! aggregate is only ever in one worker), a plugin reloader, the retention
+//! workers (each claims from the owned lanes that no other worker has a
+//! batch in flight from, see [`InFlight`], so one aggregate is only ever in
+//! one batch; an idle worker claims while the others publish, which keeps
+//! pickup short), a plugin reloader, the retention
 //! purger and the backlog gauge. [`Relay::process`] is one batch; read it to
 //! learn what outroute does. Sending and the ordering rules live in
 //! `pipeline.rs`; this file claims before it and marks after it. The tasks
@@ -41,6 +43,48 @@ use crate::sink::Sinks;
 use crate::store::{Claim, Failure, FailureKind, Store};
 
 mod background;
+
+/// The lanes with events in a batch in flight: a lane is in at most one
+/// batch at a time, so the events of one aggregate are never in two
+/// batches (the ordering rules in `pipeline.rs` work within a batch).
+#[derive(Debug, Default)]
+pub struct InFlight(std::sync::Mutex<std::collections::HashSet<i32>>);
+
+/// Lanes one worker reserved; given back when dropped (also on a panic).
+pub struct Reserved<'a> {
+    set: &'a InFlight,
+    pub lanes: Vec<i32>,
+}
+
+impl InFlight {
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<i32>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Reserve those of `lanes` (in order) that no batch has.
+    pub fn reserve(&self, lanes: &[i32]) -> Reserved<'_> {
+        let mut busy = self.lock();
+        let lanes = lanes.iter().copied().filter(|l| busy.insert(*l)).collect();
+        Reserved { set: self, lanes }
+    }
+}
+
+impl Reserved<'_> {
+    /// Give back every lane except these (the claim found nothing there).
+    pub fn keep_only(&mut self, keep: &std::collections::HashSet<i32>) {
+        let mut busy = self.set.lock();
+        self.lanes.retain(|l| keep.contains(l) || !busy.remove(l));
+    }
+}
+
+impl Drop for Reserved<'_> {
+    fn drop(&mut self) {
+        let mut busy = self.set.lock();
+        for l in &self.lanes {
+            busy.remove(l);
+        }
+    }
+}
 
 /// Everything a batch needs, shared by the workers.
 pub struct Relay {
@@ -76,6 +120,8 @@ pub struct Relay {
     pub store_key: String,
     pub store_table: crate::config::TableConfig,
     pub relay_id: String,
+    /// Lanes in a batch in flight (lease mode).
+    pub in_flight: InFlight,
 }
 
 /// How many events a batch published, held and failed.
@@ -239,6 +285,7 @@ impl Relay {
             store_table: store_config.table(),
             relay_id,
             store_config,
+            in_flight: InFlight::default(),
         })
     }
 
@@ -376,7 +423,6 @@ impl Relay {
         wake: Arc<Notify>,
         shutdown: CancellationToken,
     ) {
-        let n = self.config.concurrency as i32;
         let mut idle = self.config.poll_min;
         let mut outage_backoff = Duration::from_millis(100);
         // The claim walks the lanes in the order given and stops at a full
@@ -386,11 +432,7 @@ impl Relay {
         while !shutdown.is_cancelled() {
             let view = leases.borrow_and_update().clone();
             let mut lanes: Vec<i32> = if Instant::now() < view.valid_until {
-                view.lanes
-                    .iter()
-                    .copied()
-                    .filter(|l| l % n == index as i32)
-                    .collect()
+                view.lanes.clone()
             } else {
                 Vec::new()
             };
@@ -405,8 +447,19 @@ impl Relay {
             let first = turn % lanes.len();
             lanes.rotate_left(first);
             turn = turn.wrapping_add(1);
+            let mut reserved = self.in_flight.reserve(&lanes);
+            if reserved.lanes.is_empty() {
+                // Every lane has a batch in flight in another worker.
+                drop(reserved);
+                sleep_or_cancel(self.config.poll_min, &shutdown).await;
+                continue;
+            }
             let claim_started = Instant::now();
-            let claims = match self.store.claim(&lanes, self.config.batch_size).await {
+            let claims = match self
+                .store
+                .claim(&reserved.lanes, self.config.batch_size)
+                .await
+            {
                 Ok(c) => {
                     metrics::histogram!(m::CLAIM_SECONDS, "source" => self.source.clone())
                         .record(claim_started.elapsed().as_secs_f64());
@@ -420,7 +473,11 @@ impl Relay {
                     continue;
                 }
             };
+            // Lanes the claim found nothing in go back at once: another
+            // worker may claim them while this batch is out.
+            reserved.keep_only(&claims.iter().map(|c| c.lane).collect());
             if claims.is_empty() {
+                drop(reserved);
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
                     _ = wake.notified() => idle = self.config.poll_min,
@@ -438,7 +495,7 @@ impl Relay {
             }
             failpoint::hit("after-claim");
             // The lanes with the epochs of the view the claim was made under.
-            let mut lease = LeaseGuard::new(leases.clone(), &view, lanes);
+            let mut lease = LeaseGuard::new(leases.clone(), &view, reserved.lanes.clone());
             let mut claims = claims;
             lease.stamp(&mut claims);
             let span = tracing::info_span!("batch", worker = index, events = claims.len());
@@ -453,6 +510,7 @@ impl Relay {
                     outage_backoff = (outage_backoff * 2).min(Duration::from_secs(10));
                 }
                 Ok(_) => {
+                    drop(reserved);
                     outage_backoff = Duration::from_millis(100);
                     idle = self.config.poll_min;
                     if !full {

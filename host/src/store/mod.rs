@@ -135,6 +135,14 @@ impl ParkedEvent {
 }
 
 impl Claim {
+    /// The row's place in outbox order.
+    pub fn sequence(&self) -> i64 {
+        match &self.row {
+            Ok(e) => e.sequence,
+            Err(m) => m.sequence,
+        }
+    }
+
     pub fn id(&self) -> &str {
         match &self.row {
             Ok(e) => &e.id,

@@ -61,6 +61,7 @@ use super::{
 use crate::config::{Config, Logical, LogicalInput, Marking, Ordering, TableConfig};
 use crate::event::RawRow;
 
+mod floor;
 mod logical;
 pub use logical::CAPTURE_LANE;
 
@@ -132,6 +133,11 @@ impl Shape {
     }
 }
 
+/// True when no event of the source (`$1`) has a state row: uncorrelated,
+/// so PostgreSQL evaluates it once per statement (an InitPlan).
+const NO_STATE: &str =
+    "(SELECT NOT EXISTS (SELECT 1 FROM outroute_event_state ns WHERE ns.source = $1))";
+
 /// The backlog gauge counts pending events exactly up to about this many.
 pub const BACKLOG_EXACT: i64 = 1_000;
 
@@ -149,6 +155,12 @@ pub struct TableSql {
     lane: String,
     order: String,
     order_desc: String,
+    /// The sequence column over alias `o` (as the lane index has it), when
+    /// the table has one: claims start each lane at its floor on it (see
+    /// `postgres/floor.rs`).
+    floor_col: Option<String>,
+    /// The lane of a state row (`outroute_event_state` alias `st`).
+    state_lane: String,
     published: String,
     select_cols: String,
     /// The lane index: its name and `CREATE INDEX` statement.
@@ -226,6 +238,10 @@ impl TableSql {
             lane: q.lane,
             order: q.order,
             order_desc: q.order_desc,
+            floor_col: t.sequence.as_ref().map(|c| col(c)),
+            state_lane: format!(
+                "((hashtext(coalesce(st.aggregate_type, '') || '/' || coalesce(st.aggregate_id, '')) & 2147483647) % {lanes})"
+            ),
             published,
             select_cols,
             index_name,
@@ -244,17 +260,23 @@ impl TableSql {
     /// held by an earlier event. Each is an index probe per row scanned;
     /// `OFFSET 0` keeps them per-row filters (a planner that turned them
     /// into joins could sort the whole lane to restore its order).
+    ///
+    /// Most of the time no event of the source has a state row at all: one
+    /// probe per claim ([`NO_STATE`], evaluated once) then spares every row
+    /// its probes (they were most of the pages a claim touched).
     fn state_filter(&self, ordering: Ordering) -> String {
         let own = format!(
-            "AND NOT EXISTS (SELECT 1 FROM outroute_event_state s WHERE s.source = $1 AND s.event_id = {id}::text \
-               AND (s.failed_at IS NOT NULL OR s.next_attempt_at > now()) OFFSET 0)",
+            "AND CASE WHEN {NO_STATE} THEN TRUE ELSE NOT EXISTS (SELECT 1 FROM outroute_event_state s \
+               WHERE s.source = $1 AND s.event_id = {id}::text \
+               AND (s.failed_at IS NOT NULL OR s.next_attempt_at > now()) OFFSET 0) END",
             id = self.id
         );
         let hold = match ordering {
             Ordering::Aggregate | Ordering::Strict => format!(
-                " AND NOT EXISTS (SELECT 1 FROM outroute_event_state b WHERE b.source = $1 \
+                " AND CASE WHEN {NO_STATE} THEN TRUE ELSE NOT EXISTS (SELECT 1 FROM outroute_event_state b \
+                   WHERE b.source = $1 \
                    AND b.aggregate_type = {at} AND b.aggregate_id = {ai} AND b.seq <= {seq} \
-                   AND b.event_id <> {id}::text AND b.blocks_until > now() OFFSET 0)",
+                   AND b.event_id <> {id}::text AND b.blocks_until > now() OFFSET 0) END",
                 at = self.aggregate_type,
                 ai = self.aggregate_id,
                 seq = self.seq,
@@ -269,8 +291,8 @@ impl TableSql {
     /// mark) and its attempts so far (NULL: it has no state row).
     fn claim_extras(&self) -> String {
         format!(
-            "o.ctid::text AS tid, (SELECT st.attempts FROM outroute_event_state st \
-               WHERE st.source = $1 AND st.event_id = {}::text) AS state_attempts",
+            "o.ctid::text AS tid, CASE WHEN {NO_STATE} THEN NULL ELSE (SELECT st.attempts FROM outroute_event_state st \
+               WHERE st.source = $1 AND st.event_id = {}::text) END AS state_attempts",
             self.id
         )
     }
@@ -290,16 +312,52 @@ impl TableSql {
     }
 
     /// The claim with the lane index: each owned lane's index is walked
-    /// from its oldest pending row, lane after lane (the first lane changes
-    /// every claim), and the walk stops at `limit` rows. Cost: one index
-    /// descent per lane plus the rows returned (and rows skipped as held),
-    /// whatever the backlog or the history.
+    /// from its floor (`$4`, see `postgres/floor.rs`) to its oldest pending
+    /// row and on, lane after lane (the first lane changes every claim),
+    /// and the walk stops at `limit` rows. Cost: one index descent per lane
+    /// plus the rows returned (and rows skipped as held), whatever the
+    /// backlog, the history or the entries published rows left behind.
     fn claim_by_lane(&self, ordering: Ordering) -> String {
+        let rows = match &self.floor_col {
+            Some(seq) => format!("{} = l.lane AND {seq} >= l.floor", self.lane),
+            None => format!("{} = l.lane", self.lane),
+        };
         format!(
-            "SELECT c.* FROM unnest($2::int[]) WITH ORDINALITY AS l(lane, n) \
+            "SELECT c.* FROM unnest($2::int[], $4::bigint[]) WITH ORDINALITY AS l(lane, floor, n) \
              CROSS JOIN LATERAL ({}) c ORDER BY l.n LIMIT $3",
-            self.next_pending(ordering, &format!("{} = l.lane", self.lane))
+            self.next_pending(ordering, &rows)
         )
+    }
+
+    /// One floor round (see `postgres/floor.rs`), from one snapshot: its
+    /// xmin and xmax, and per lane of `$2` (floors `$3`, sweep `$4`) the
+    /// lowest pending sequence at or above the floor, the lowest sequence
+    /// of an event with a live state row, and on sweeps the lowest pending
+    /// one below the floor. `None` for tables without a sequence column.
+    fn floor_round(&self) -> Option<String> {
+        let seq = self.floor_col.as_ref()?;
+        let walk = |cmp: &str| {
+            format!(
+                "(SELECT {seq} FROM {table} o WHERE {lane} = l.lane AND {pending} AND {seq} {cmp} l.floor \
+                   ORDER BY {seq} LIMIT 1)",
+                table = self.table,
+                lane = self.lane,
+                pending = self.pending,
+            )
+        };
+        Some(format!(
+            "WITH st AS (SELECT {state_lane} AS lane, min(st.seq) AS seq FROM outroute_event_state st \
+                 WHERE st.source = $1 AND st.discarded_at IS NULL GROUP BY 1) \
+             SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS xmin, \
+               pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS xmax, \
+               {first}::bigint AS first, (SELECT st.seq FROM st WHERE st.lane = l.lane) AS state, \
+               CASE WHEN l.sweep THEN {below}::bigint END AS below \
+             FROM unnest($2::int[], $3::bigint[], $4::bool[]) WITH ORDINALITY AS l(lane, floor, sweep, n) \
+             ORDER BY l.n",
+            state_lane = self.state_lane,
+            first = walk(">="),
+            below = walk("<"),
+        ))
     }
 
     /// The claim without the lane index: one scan of every pending row
@@ -327,6 +385,11 @@ pub struct PgStore {
     /// Set when the claim cannot use a lane index: the statement that
     /// would make it cheap.
     missing_index: Option<String>,
+    /// Where each lane's claim starts (lane-index claims of tables with a
+    /// sequence column; see `postgres/floor.rs`).
+    floors: std::sync::Mutex<floor::Floors>,
+    /// The floor round statement, when the claim uses floors.
+    floor_sql: Option<String>,
     /// `capture = "logical"`: the slot and publication read (see
     /// `postgres/logical.rs`); leases are then the one capture lease.
     logical: Option<Logical>,
@@ -441,6 +504,8 @@ impl PgStore {
             sql: None,
             claim_sql: String::new(),
             missing_index: None,
+            floors: Default::default(),
+            floor_sql: None,
         })
     }
 
@@ -550,9 +615,9 @@ impl PgStore {
         } else {
             Some(sql.index_ddl.clone())
         };
-        self.claim_sql = match self.missing_index {
-            None => sql.claim_by_lane(self.ordering),
-            Some(_) => sql.claim_by_scan(self.ordering),
+        (self.claim_sql, self.floor_sql) = match self.missing_index {
+            None => (sql.claim_by_lane(self.ordering), sql.floor_round()),
+            Some(_) => (sql.claim_by_scan(self.ordering), None),
         };
         self.sql = Some(sql);
         // Lane rows for this table; a changed lane count would break ordering.
@@ -588,7 +653,10 @@ impl PgStore {
     async fn lane_index_usable(&self, sql: &TableSql) -> Result<bool> {
         let claim = sql.claim_by_lane(self.ordering);
         let all: Vec<i32> = (0..self.lanes as i32).collect();
-        let plan = self.explain(&claim, &all, self.batch_size, false).await?;
+        let bottom = vec![floor::BOTTOM; all.len()];
+        let plan = self
+            .explain(&claim, &all, Some(&bottom), self.batch_size, false)
+            .await?;
         // Every read of the outbox must be an index scan *on the lane*: an
         // index that merely has the order (the primary key on `seq`) would
         // be walked in order, filtering out other lanes' rows and history.
@@ -610,25 +678,59 @@ impl PgStore {
         &self,
         claim: &str,
         lanes: &[i32],
+        floors: Option<&[i64]>,
         limit: u32,
         analyze: bool,
     ) -> Result<serde_json::Value> {
         let opts = if analyze { "ANALYZE, " } else { "" };
-        sqlx::query_scalar(&format!("EXPLAIN ({opts}FORMAT JSON) {claim}"))
+        let q = format!("EXPLAIN ({opts}FORMAT JSON) {claim}");
+        let mut q = sqlx::query_scalar(&q)
             .bind(&self.source)
             .bind(lanes)
-            .bind(limit as i64)
-            .fetch_one(&self.pool)
-            .await
-            .context("planning the claim")
+            .bind(limit as i64);
+        if let Some(f) = floors {
+            q = q.bind(f);
+        }
+        q.fetch_one(&self.pool).await.context("planning the claim")
     }
 
     /// Run the claim under `EXPLAIN ANALYZE` and return, for every plan
     /// node that reads the outbox table, its type and the rows it produced
     /// over all loops: what a claim costs, for tests and diagnosis.
     pub async fn claim_cost(&self, lanes: &[i32], limit: u32) -> Result<Vec<(String, f64)>> {
-        let plan = self.explain(&self.claim_sql, lanes, limit, true).await?;
+        let floors = self.current_floors(lanes);
+        let plan = self
+            .explain(&self.claim_sql, lanes, floors.as_deref(), limit, true)
+            .await?;
         Ok(scans_of(&plan, "o"))
+    }
+
+    /// Run the claim under `EXPLAIN (ANALYZE, BUFFERS)` and return the
+    /// buffers (pages) its reads of the outbox table touched, state probes
+    /// included: what walking the lanes cost, dead index entries and all.
+    pub async fn claim_pages(&self, lanes: &[i32], limit: u32) -> Result<f64> {
+        let floors = self.current_floors(lanes);
+        let sql = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", self.claim_sql);
+        let mut q = sqlx::query_scalar::<_, serde_json::Value>(&sql)
+            .bind(&self.source)
+            .bind(lanes)
+            .bind(limit as i64);
+        if let Some(f) = &floors {
+            q = q.bind(f);
+        }
+        let plan = q
+            .fetch_one(&self.pool)
+            .await
+            .context("planning the claim")?;
+        let mut nodes = Vec::new();
+        nodes_of(&plan, "o", &mut nodes);
+        let num = |m: &serde_json::Map<String, serde_json::Value>, k: &str| {
+            m.get(k).and_then(|v| v.as_f64()).unwrap_or(0.0)
+        };
+        Ok(nodes
+            .iter()
+            .map(|m| num(m, "Shared Hit Blocks") + num(m, "Shared Read Blocks"))
+            .sum())
     }
 
     /// The `CREATE INDEX` the claim needs, when the table lacks it.
@@ -795,7 +897,10 @@ impl PgStore {
                 .execute(&self.pool)
                 .await?;
         }
-        let (lanes, epochs) = held.into_iter().unzip();
+        let (lanes, epochs): (Vec<i32>, Vec<i64>) = held.into_iter().unzip();
+        // A lane taken over by another relay starts from the bottom if it
+        // comes back (its floor is still valid, but costs nothing to redo).
+        self.floors_mut().forget_except(&lanes);
         Ok(Leases {
             lanes,
             epochs,
@@ -822,14 +927,20 @@ impl PgStore {
         if lanes.is_empty() {
             return Ok(Vec::new());
         }
-        let rows = sqlx::query(&self.claim_sql)
+        self.raise_floors(lanes).await;
+        let floors = self.current_floors(lanes);
+        let mut q = sqlx::query(&self.claim_sql)
             .bind(&self.source)
             .bind(lanes)
-            .bind(limit as i64)
-            .fetch_all(&self.pool)
-            .await
-            .context("claiming events")?;
+            .bind(limit as i64);
+        if let Some(f) = &floors {
+            q = q.bind(f);
+        }
+        let rows = q.fetch_all(&self.pool).await.context("claiming events")?;
         let mut claims: Vec<Claim> = rows.iter().map(to_claim).collect::<Result<_>>()?;
+        if let Some(seq) = claims.iter().map(Claim::sequence).max() {
+            self.floors_mut().saw(seq);
+        }
         // Retried events only (rare): which fan-out legs already went.
         let retried: Vec<&str> = claims
             .iter()
@@ -857,6 +968,81 @@ impl PgStore {
             }
         }
         Ok(claims)
+    }
+
+    fn floors_mut(&self) -> std::sync::MutexGuard<'_, floor::Floors> {
+        // A poisoned lock only means a panic elsewhere mid-update; floors
+        // are re-checked by every round and sweep.
+        self.floors.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The floors of these lanes, when the claim statement takes them
+    /// (`$4`); `None` for a claim by scan.
+    fn current_floors(&self, lanes: &[i32]) -> Option<Vec<i64>> {
+        if self.missing_index.is_some() {
+            return None;
+        }
+        Some(match self.floor_sql {
+            Some(_) => self.floors_mut().of(lanes),
+            None => vec![floor::BOTTOM; lanes.len()],
+        })
+    }
+
+    /// Run a floor round for these lanes when one is due (see
+    /// `postgres/floor.rs`). Floors only save work: a failed round is
+    /// logged and the claim goes on from the floors it has.
+    async fn raise_floors(&self, lanes: &[i32]) {
+        let Some(sql) = &self.floor_sql else { return };
+        let (floors, floor::Due { lanes, sweep }) = {
+            let f = self.floors_mut();
+            match f.due(lanes, std::time::Instant::now()) {
+                Some(due) => (f.of(&due.lanes), due),
+                None => return,
+            }
+        };
+        let lanes = &lanes[..];
+        let rows: Result<Vec<(i64, i64, Option<i64>, Option<i64>, Option<i64>)>, _> =
+            sqlx::query_as(sql)
+                .bind(&self.source)
+                .bind(lanes)
+                .bind(&floors)
+                .bind(&sweep)
+                .fetch_all(&self.pool)
+                .await;
+        let rows = match rows {
+            Ok(r) if r.len() == lanes.len() => r,
+            Ok(r) => {
+                tracing::warn!(
+                    lanes = lanes.len(),
+                    rows = r.len(),
+                    "claim floor round: unexpected row count"
+                );
+                return;
+            }
+            Err(e) => {
+                tracing::warn!("claim floor round failed (claims start lower): {e:#}");
+                return;
+            }
+        };
+        let round = floor::Round {
+            xmin: rows.first().map_or(0, |r| r.0),
+            xmax: rows.first().map_or(0, |r| r.1),
+            first: rows.iter().map(|r| r.2).collect(),
+            state: rows.iter().map(|r| r.3).collect(),
+            below: rows.iter().map(|r| r.4).collect(),
+            swept: sweep,
+        };
+        let lowered = self
+            .floors_mut()
+            .apply(lanes, &round, std::time::Instant::now());
+        for (lane, seq) in lowered {
+            tracing::warn!(
+                lane,
+                seq,
+                "a pending row turned up below the lane's claim floor (a transaction that took its \
+                 sequence number long before it committed): the lane is walked from it again"
+            );
+        }
     }
 
     /// Mark these claimed rows published. Each row is found by where the
