@@ -109,7 +109,8 @@ pub struct RelayConfig {
     /// that reaches it wait for the next batch (a batch is split, never
     /// failed, so a fan-out-heavy route cannot balloon the relay's memory).
     pub max_batch_bytes: u64,
-    /// Batches worked on at once (each worker owns a share of the lanes;
+    /// Batches worked on at once (a worker claims from the owned lanes no
+    /// other worker has a batch in flight from;
     /// under `capture = "logical"`, a share of the aggregates).
     pub concurrency: u32,
     /// Number of ordering lanes (aggregates are hashed onto lanes; each lane

@@ -341,8 +341,8 @@ async fn claim_pages(store: &Store, lanes: &[i32], batch: u32) -> anyhow::Result
         .await
 }
 
-/// Claim and mark until a claim comes back empty, pausing past a floor
-/// round now and then; returns the aggregate ids claimed, in order.
+/// Claim and mark until a claim comes back empty; returns the aggregate
+/// ids claimed, in order.
 async fn drain(store: &Store, lanes: &[i32]) -> anyhow::Result<Vec<String>> {
     let mut got = Vec::new();
     loop {
@@ -384,10 +384,11 @@ async fn claims_start_past_published_rows_but_never_past_a_row_still_to_commit()
     .execute(&mut *late)
     .await?;
     fill(&db, 20_001, 20_400).await?;
-    // Floor rounds run inside claims, at most every 250 ms: give them a few.
+    // Floor rounds (the relay runs one every 250 ms): give them a few.
     let mut seen = Vec::new();
     for _ in 0..6 {
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        store.raise_floors(&lanes).await;
         seen.extend(drain(&store, &lanes).await?);
     }
     assert_eq!(seen.len(), 400);
@@ -400,6 +401,7 @@ async fn claims_start_past_published_rows_but_never_past_a_row_still_to_commit()
     // at once, not after the 30 s sweep.
     let mut after = Vec::new();
     for _ in 0..3 {
+        store.raise_floors(&lanes).await;
         after.extend(drain(&store, &lanes).await?);
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     }
@@ -412,7 +414,7 @@ async fn claims_start_past_published_rows_but_never_past_a_row_still_to_commit()
     fill(&db, 30_001, 30_040).await?;
     for _ in 0..3 {
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-        store.claim(&lanes, 0).await?;
+        store.raise_floors(&lanes).await;
     }
     let from_floor = claim_pages(&store, &lanes, 40).await?;
     let fresh = open_store(&config, "fresh").await?;

@@ -1,8 +1,9 @@
 //! The relay's background tasks, beside the batch workers: the lease keeper
 //! (which lanes this relay owns, renewed every `lease_ttl / 3`), the
 //! backlog gauge, plugin hot reload, the retention purge (one relay at a
-//! time), the route quarantine records (`quarantine.rs`) and the opt-in
-//! LISTEN wake-up. Each runs until shutdown.
+//! time), the route quarantine records (`quarantine.rs`), the claim floors
+//! (`store/postgres/floor.rs`) and the opt-in LISTEN wake-up. Each runs
+//! until shutdown.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -45,6 +46,22 @@ impl Relay {
             }
             self.health.set_quarantined(self.quarantine.quarantined());
             sleep_or_cancel(QUARANTINE_FOLLOW, &shutdown).await;
+        }
+    }
+
+    /// Raise the owned lanes' claim floors every round interval, beside the
+    /// workers (a claim never waits for a round).
+    pub(super) async fn raise_floors(
+        self: Arc<Self>,
+        mut leases: watch::Receiver<LeaseView>,
+        shutdown: CancellationToken,
+    ) {
+        while !shutdown.is_cancelled() {
+            let lanes = leases.borrow_and_update().lanes.clone();
+            if !lanes.is_empty() {
+                self.store.raise_floors(&lanes).await;
+            }
+            sleep_or_cancel(crate::store::postgres::FLOOR_ROUND_INTERVAL, &shutdown).await;
         }
     }
 

@@ -337,6 +337,12 @@ impl Relay {
             }
             return Ok(());
         }
+        if matches!(*self.store, Store::Postgres(_)) {
+            background.push(spawn_here(
+                self.clone()
+                    .raise_floors(lease_rx.clone(), shutdown.clone()),
+            ));
+        }
         if let Some(retention) = self.config.retention {
             background.push(spawn_here(self.clone().purge(retention, shutdown.clone())));
         }

@@ -412,6 +412,14 @@ impl Store {
         dispatch!(self, s => s.claim(lanes, limit).await)
     }
 
+    /// Move the lanes' claim floors up past what they published (PostgreSQL
+    /// tables with a sequence column; see `postgres/floor.rs`).
+    pub async fn raise_floors(&self, lanes: &[i32]) {
+        if let Store::Postgres(s) = self {
+            s.raise_floors(lanes).await;
+        }
+    }
+
     /// Mark these claimed events published; returns how many were marked
     /// (rows in lanes this relay no longer owns are not).
     pub async fn mark_published(&self, claims: &[&Claim]) -> anyhow::Result<u64> {

@@ -35,11 +35,17 @@
 //! duplicate publish carrying the same event id, never a loss or a reorder of
 //! first deliveries.
 //!
+//! Published rows leave dead entries in the lane index until VACUUM; each
+//! lane's claim starts at a *floor* past them (`postgres/floor.rs`: raised
+//! only where no row can still appear below it), so a long drain stays as
+//! fast at its end as at its start even with autovacuum off.
+//!
 //! A failing event holds back only its own aggregate: its retry time is
 //! stored in `outroute_event_state.blocks_until`, and the claim skips every
 //! later event of an aggregate with an earlier blocking state row (an index
-//! probe per row walked; a held aggregate's pending rows are walked past on
-//! each claim of its lane).
+//! probe per row walked, made only while the source has any state row at
+//! all; a held aggregate's pending rows are walked past on each claim of
+//! its lane).
 //!
 //! Background work is bounded too: the backlog gauge counts at most
 //! [`BACKLOG_EXACT`] rows, and retention runs in one relay at a time.
@@ -63,6 +69,7 @@ use crate::event::RawRow;
 
 mod floor;
 mod logical;
+pub use floor::ROUND_INTERVAL as FLOOR_ROUND_INTERVAL;
 pub use logical::CAPTURE_LANE;
 
 /// Quote a validated identifier (`schema.table` → `"schema"."table"`).
@@ -927,7 +934,6 @@ impl PgStore {
         if lanes.is_empty() {
             return Ok(Vec::new());
         }
-        self.raise_floors(lanes).await;
         let floors = self.current_floors(lanes);
         let mut q = sqlx::query(&self.claim_sql)
             .bind(&self.source)
@@ -988,10 +994,12 @@ impl PgStore {
         })
     }
 
-    /// Run a floor round for these lanes when one is due (see
-    /// `postgres/floor.rs`). Floors only save work: a failed round is
-    /// logged and the claim goes on from the floors it has.
-    async fn raise_floors(&self, lanes: &[i32]) {
+    /// Run a floor round for those of these lanes that are due one (see
+    /// `postgres/floor.rs`); the relay calls it every
+    /// [`FLOOR_ROUND_INTERVAL`] beside its claims, so a claim is always one
+    /// statement. Floors only save work: a failed round is logged and
+    /// claims go on from the floors they have.
+    pub async fn raise_floors(&self, lanes: &[i32]) {
         let Some(sql) = &self.floor_sql else { return };
         let (floors, floor::Due { lanes, sweep }) = {
             let f = self.floors_mut();
