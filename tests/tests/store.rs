@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use outroute::store::Claim;
+use outroute::store::{Claim, Failure, FailureKind};
 use outroute_e2e::*;
 
 fn file_sink_body(dir: &Path, table: &str) -> String {
@@ -159,6 +159,37 @@ async fn a_batch_from_before_a_lane_changed_hands_and_came_back_is_not_marked() 
         a.mark_published(&refs).await?,
         0,
         "a batch claimed under an earlier epoch was marked"
+    );
+    // Nor does its failure record hold the aggregate back.
+    let failure = |c: &Claim| -> anyhow::Result<Failure> {
+        let e = c
+            .row
+            .as_ref()
+            .map_err(|m| anyhow::anyhow!("{}", m.reason))?;
+        Ok(Failure {
+            id: e.id.clone(),
+            lane: c.lane,
+            epoch: c.epoch,
+            aggregate_type: e.aggregate_type.clone(),
+            aggregate_id: e.aggregate_id.clone(),
+            event_type: e.event_type.clone(),
+            sequence: e.sequence,
+            attempts: 1,
+            reason: "broker down".into(),
+            route: None,
+            plugin: None,
+            plugin_version: None,
+            kind: FailureKind::Retry {
+                delay: Duration::from_secs(60),
+            },
+            done_legs: Vec::new(),
+            parked: None,
+        })
+    };
+    assert_eq!(
+        a.record_failures(&[failure(&old[0])?]).await?,
+        0,
+        "a failure of a batch claimed under an earlier epoch was recorded"
     );
     // Claimed again under the current epochs, it is marked.
     let mut fresh = a.claim(&after.lanes, 100).await?;
@@ -559,10 +590,21 @@ async fn the_canonical_table_marked_by_delete_keeps_only_failed_rows() -> anyhow
             .fetch_one(&db.pool)
             .await
             .unwrap_or(-1);
-        delivered >= 20 && left == 1
+        let marked: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM outbox WHERE failed_at IS NOT NULL")
+                .fetch_one(&db.pool)
+                .await
+                .unwrap_or(-1);
+        // The failed row's marker is written after its failure record:
+        // wait for both, not just for the others to be gone.
+        delivered >= 20 && left == 1 && marked == 1
     })
     .await;
-    assert!(drained, "published rows deleted: {}", relay.log_text());
+    assert!(
+        drained,
+        "published rows deleted, the failed one marked: {}",
+        relay.log_text()
+    );
     let (agg, failed): (String, bool) =
         sqlx::query_as("SELECT aggregate_id, failed_at IS NOT NULL FROM outbox")
             .fetch_one(&db.pool)

@@ -246,20 +246,28 @@ impl RowShape {
 #[allow(clippy::result_large_err)]
 fn envelope_event(content: &[u8], lsn: Lsn, at: DateTime<Utc>) -> Result<Event, Malformed> {
     let lsn_seq = lsn.as_u64() as i64;
+    // Without a usable id the message's position names it.
+    let unnamed = |reason: String| Malformed {
+        id: format!("lsn-{}", lsn.to_pg_string()),
+        sequence: lsn_seq,
+        aggregate_type: String::new(),
+        aggregate_id: String::new(),
+        event_type: String::new(),
+        reason,
+    };
     let env: Envelope = match serde_json::from_slice(content) {
         Ok(e) => e,
         Err(e) => {
-            // No id to keep: the message's position names it.
-            return Err(Malformed {
-                id: format!("lsn-{}", lsn.to_pg_string()),
-                sequence: lsn_seq,
-                aggregate_type: String::new(),
-                aggregate_id: String::new(),
-                event_type: String::new(),
-                reason: format!("logical message is not an outroute envelope: {e}"),
-            });
+            return Err(unnamed(format!(
+                "logical message is not an outroute envelope: {e}"
+            )));
         }
     };
+    if env.id.trim().is_empty() {
+        // Every event is known by its id (state row, `ce_id`): an empty
+        // one would be taken for every other envelope without one.
+        return Err(unnamed("the envelope's `id` is empty".into()));
+    }
     RawRow {
         id: env.id,
         sequence: Some(lsn_seq),
@@ -1041,5 +1049,13 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(no_payload.reason, "payload is NULL");
+        let no_id = envelope_event(
+            br#"{"id":" ","aggregate_id":"1","event_type":"x","payload":{}}"#,
+            Lsn(400),
+            at,
+        )
+        .unwrap_err();
+        assert_eq!(no_id.reason, "the envelope's `id` is empty");
+        assert_eq!(no_id.id, format!("lsn-{}", Lsn(400).to_pg_string()));
     }
 }

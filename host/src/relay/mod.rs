@@ -47,41 +47,84 @@ mod background;
 /// The lanes with events in a batch in flight: a lane is in at most one
 /// batch at a time, so the events of one aggregate are never in two
 /// batches (the ordering rules in `pipeline.rs` work within a batch).
+///
+/// Workers claim at the same time (each from the lanes free when it
+/// starts) and take a lane only if no batch had it since their claim
+/// began: every release bumps the lane's generation, so a claim whose
+/// snapshot may predate another batch's marks and failure records never
+/// uses that lane; its rows there stay pending for the next claim.
 #[derive(Debug, Default)]
-pub struct InFlight(std::sync::Mutex<std::collections::HashSet<i32>>);
+pub struct InFlight(std::sync::Mutex<HashMap<i32, Lane>>);
 
-/// Lanes one worker reserved; given back when dropped (also on a panic).
+/// One lane's place in [`InFlight`].
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Lane {
+    busy: bool,
+    /// Releases so far.
+    generation: u64,
+}
+
+/// The free lanes a claim starts from, with their generations.
+pub struct Free(Vec<(i32, u64)>);
+
+/// Lanes one worker took; given back when dropped (also on a panic).
 pub struct Reserved<'a> {
     set: &'a InFlight,
     pub lanes: Vec<i32>,
 }
 
 impl InFlight {
-    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<i32>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<i32, Lane>> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Reserve those of `lanes` (in order) that no batch has.
-    pub fn reserve(&self, lanes: &[i32]) -> Reserved<'_> {
-        let mut busy = self.lock();
-        let lanes = lanes.iter().copied().filter(|l| busy.insert(*l)).collect();
+    /// Those of `lanes` (in order) that no batch has now.
+    pub fn free(&self, lanes: &[i32]) -> Free {
+        let set = self.lock();
+        Free(
+            lanes
+                .iter()
+                .filter_map(|l| match set.get(l) {
+                    Some(s) if s.busy => None,
+                    s => Some((*l, s.map_or(0, |s| s.generation))),
+                })
+                .collect(),
+        )
+    }
+
+    /// Take the lanes of `with_rows` that are still as `free` saw them;
+    /// the others were taken (and maybe given back) meanwhile.
+    pub fn take(&self, free: &Free, with_rows: &std::collections::HashSet<i32>) -> Reserved<'_> {
+        let mut set = self.lock();
+        let lanes = free
+            .0
+            .iter()
+            .filter(|(l, _)| with_rows.contains(l))
+            .filter_map(|(l, generation)| {
+                let s = set.entry(*l).or_default();
+                (!s.busy && s.generation == *generation).then(|| {
+                    s.busy = true;
+                    *l
+                })
+            })
+            .collect();
         Reserved { set: self, lanes }
     }
 }
 
-impl Reserved<'_> {
-    /// Give back every lane except these (the claim found nothing there).
-    pub fn keep_only(&mut self, keep: &std::collections::HashSet<i32>) {
-        let mut busy = self.set.lock();
-        self.lanes.retain(|l| keep.contains(l) || !busy.remove(l));
+impl Free {
+    pub fn lanes(&self) -> Vec<i32> {
+        self.0.iter().map(|(l, _)| *l).collect()
     }
 }
 
 impl Drop for Reserved<'_> {
     fn drop(&mut self) {
-        let mut busy = self.set.lock();
+        let mut set = self.set.lock();
         for l in &self.lanes {
-            busy.remove(l);
+            let s = set.entry(*l).or_default();
+            s.busy = false;
+            s.generation += 1;
         }
     }
 }
@@ -434,7 +477,9 @@ impl Relay {
         // The claim walks the lanes in the order given and stops at a full
         // batch: start at the next lane each time so every lane gets its
         // turn at the front however deep the others' backlogs are.
-        let mut turn = 0usize;
+        // Workers start at different places, so two claims at once mostly
+        // walk different lanes.
+        let mut turn = index as usize * 7;
         while !shutdown.is_cancelled() {
             let view = leases.borrow_and_update().clone();
             let mut lanes: Vec<i32> = if Instant::now() < view.valid_until {
@@ -453,19 +498,15 @@ impl Relay {
             let first = turn % lanes.len();
             lanes.rotate_left(first);
             turn = turn.wrapping_add(1);
-            let mut reserved = self.in_flight.reserve(&lanes);
-            if reserved.lanes.is_empty() {
+            let free = self.in_flight.free(&lanes);
+            let lanes = free.lanes();
+            if lanes.is_empty() {
                 // Every lane has a batch in flight in another worker.
-                drop(reserved);
                 sleep_or_cancel(self.config.poll_min, &shutdown).await;
                 continue;
             }
             let claim_started = Instant::now();
-            let claims = match self
-                .store
-                .claim(&reserved.lanes, self.config.batch_size)
-                .await
-            {
+            let claims = match self.store.claim(&lanes, self.config.batch_size).await {
                 Ok(c) => {
                     metrics::histogram!(m::CLAIM_SECONDS, "source" => self.source.clone())
                         .record(claim_started.elapsed().as_secs_f64());
@@ -479,9 +520,26 @@ impl Relay {
                     continue;
                 }
             };
-            // Lanes the claim found nothing in go back at once: another
-            // worker may claim them while this batch is out.
-            reserved.keep_only(&claims.iter().map(|c| c.lane).collect());
+            let with_rows: std::collections::HashSet<i32> = claims.iter().map(|c| c.lane).collect();
+            let reserved = self.in_flight.take(&free, &with_rows);
+            let claims = if reserved.lanes.len() < with_rows.len() {
+                // Another worker took some of these lanes meanwhile: their
+                // rows stay pending (its batch or the next claim has them).
+                let taken: std::collections::HashSet<i32> =
+                    reserved.lanes.iter().copied().collect();
+                let kept: Vec<Claim> = claims
+                    .into_iter()
+                    .filter(|c| taken.contains(&c.lane))
+                    .collect();
+                if kept.is_empty() {
+                    drop(reserved);
+                    sleep_or_cancel(self.config.poll_min, &shutdown).await;
+                    continue;
+                }
+                kept
+            } else {
+                claims
+            };
             if claims.is_empty() {
                 drop(reserved);
                 tokio::select! {
@@ -1029,6 +1087,7 @@ impl Relay {
         Failure {
             id: claim.id().to_string(),
             lane: claim.lane,
+            epoch: claim.epoch,
             aggregate_type,
             aggregate_id,
             event_type,
@@ -1124,5 +1183,42 @@ impl Relay {
             }
         }
         (ok, failed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn a_lane_is_in_one_batch_and_never_taken_from_a_claim_older_than_its_last_batch() {
+        let f = InFlight::default();
+        let all = [0, 1, 2, 3];
+        // Two workers claim at once from the same free lanes.
+        let a_free = f.free(&all);
+        let b_free = f.free(&all);
+        let a = f.take(&a_free, &HashSet::from([0, 1]));
+        assert_eq!(a.lanes, vec![0, 1]);
+        // B's claim also found rows in lane 1: A has it, so B keeps only 2.
+        let b = f.take(&b_free, &HashSet::from([1, 2]));
+        assert_eq!(b.lanes, vec![2]);
+        assert_eq!(f.free(&all).lanes(), vec![3]);
+        // A's batch ends; lane 0 is free again, but a claim that began while
+        // A had it (or before A gave it back) may not take it.
+        let stale = f.free(&[3]);
+        let before_release = Free(vec![(0, 0)]);
+        drop(a);
+        assert!(
+            f.take(&before_release, &HashSet::from([0]))
+                .lanes
+                .is_empty()
+        );
+        let fresh = f.free(&[0]);
+        assert_eq!(f.take(&fresh, &HashSet::from([0])).lanes, vec![0]);
+        // Lanes without rows are never taken.
+        assert!(f.take(&stale, &HashSet::new()).lanes.is_empty());
+        drop(b);
+        assert_eq!(f.free(&all).lanes(), vec![0, 1, 2, 3]);
     }
 }

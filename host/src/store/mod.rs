@@ -185,6 +185,10 @@ where
 pub struct Failure {
     pub id: String,
     pub lane: i32,
+    /// The lane's lease epoch when the event was claimed (see
+    /// [`Claim::epoch`]): a relay whose lane changed hands since, even if it
+    /// came back, records nothing.
+    pub epoch: Option<i64>,
     pub aggregate_type: String,
     pub aggregate_id: String,
     pub event_type: String,

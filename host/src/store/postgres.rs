@@ -1201,7 +1201,8 @@ impl PgStore {
                    event, commit_lsn) \
                  SELECT $1, $3, $4, $5, $6, $7, $9, {next}, {blocks_sql}, $11, $12, $13, $14, CASE WHEN $15 THEN now() END, $17, \
                    $18::text::jsonb, $19 \
-                 WHERE EXISTS (SELECT 1 FROM outroute_lanes WHERE source = $1 AND owner = $2 AND lane = $16 AND lease_until > now()) \
+                 WHERE EXISTS (SELECT 1 FROM outroute_lanes WHERE source = $1 AND owner = $2 AND lane = $16 AND lease_until > now() \
+                   AND ($20::bigint IS NULL OR epoch = $20)) \
                  ON CONFLICT (source, event_id) {conflict}"
             );
             let (commit_lsn, event) = match &f.parked {
@@ -1228,6 +1229,7 @@ impl PgStore {
                 .bind(&f.done_legs)
                 .bind(event)
                 .bind(commit_lsn)
+                .bind(f.epoch)
                 .execute(&self.pool)
                 .await
                 .context("recording a failed attempt")?
