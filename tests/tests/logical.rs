@@ -282,6 +282,66 @@ async fn failed_event_holds_only_its_aggregate_durably_until_discarded() -> anyh
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn an_unreadable_parked_record_fails_that_event_alone() -> anyhow::Result<()> {
+    let db = TestDb::new_logical().await?;
+    let dir = test_dir("logical-unreadable");
+    let out = dir.join("out.jsonl");
+    let route = "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }";
+    let config = write_config_with(
+        &dir,
+        &db.url,
+        LOGICAL,
+        "lease_ttl = \"2s\"",
+        &relay_body("", &[TestSink::File(&out)], "hostile", "orders", route),
+    )?;
+    db.migrate(&config)?;
+    let relay = Relay::start(&config, &[])?;
+    let c1 = insert(&db, "C", serde_json::json!({"n": 1, "hostile": "reject"})).await?;
+    let c2 = insert(&db, "C", serde_json::json!({"n": 2})).await?;
+    let c3 = insert(&db, "C", serde_json::json!({"n": 3})).await?;
+    let d1 = insert(&db, "D", serde_json::json!({"n": 1})).await?;
+    assert!(file_sink_reaches(&out, 1, Duration::from_secs(20)).await);
+    // c2 and c3 wait behind c1 with the event itself; c2's record is damaged.
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            db.count("SELECT count(*) FROM outroute_event_state WHERE event IS NOT NULL")
+                .await
+                == 3
+        })
+        .await
+    );
+    sqlx::query("UPDATE outroute_event_state SET event = '{\"not\": \"an event\"}' WHERE event_id = $1")
+        .bind(&c2)
+        .execute(&db.pool)
+        .await?;
+    let cfg = config.to_str().unwrap_or_default().to_string();
+    let (code, _, err) = cli(&["failed", "discard", "--id", &c1, "-c", &cfg])?;
+    assert_eq!(code, 0, "{err}");
+    // c2 fails with the reason and holds C (policy block); capture goes on.
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            cli(&["failed", "list", "-c", &cfg])
+                .map(|(_, list, _)| list.contains(&c2) && list.contains("parked record cannot be read"))
+                .unwrap_or(false)
+        })
+        .await,
+        "{}",
+        relay.log_text()
+    );
+    let d2 = insert(&db, "D", serde_json::json!({"n": 2})).await?;
+    assert!(file_sink_reaches(&out, 2, Duration::from_secs(20)).await);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(sorted(delivered_ids(&out)), sorted(vec![d1, d2]));
+    let (code, _, err) = cli(&["failed", "discard", "--id", &c2, "-c", &cfg])?;
+    assert_eq!(code, 0, "{err}");
+    assert!(file_sink_reaches(&out, 3, Duration::from_secs(20)).await);
+    assert!(delivered_ids(&out).contains(&c3));
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn tableless_capture_reads_logical_messages() -> anyhow::Result<()> {
     let db = TestDb::new_logical().await?;
     let dir = test_dir("logical-messages");

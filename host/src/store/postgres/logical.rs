@@ -357,7 +357,7 @@ impl PgStore {
              due AS (SELECT * FROM heads WHERE failed_at IS NULL AND next_attempt_at <= now() \
                ORDER BY commit_lsn, seq LIMIT $2) \
              SELECT q.event_id, q.event::text, q.commit_lsn, q.attempts, q.done_legs, q.ready, \
-               d.aggregate_type, d.aggregate_id \
+               d.aggregate_type, d.aggregate_id, q.seq \
              FROM due d CROSS JOIN LATERAL ( \
                SELECT s.event_id, s.event, s.commit_lsn, s.seq, s.attempts, s.done_legs, \
                  (s.failed_at IS NULL AND s.next_attempt_at <= now()) AS ready \
@@ -395,8 +395,19 @@ impl PgStore {
             let commit_lsn: Option<i64> = r.try_get(2)?;
             let attempts: i32 = r.try_get(3)?;
             let done_legs: Vec<String> = r.try_get(4)?;
-            let parked: ParkedEvent = serde_json::from_str(&text)
-                .with_context(|| format!("parked event {id}: unreadable record"))?;
+            // A record that cannot be read fails that event alone, with
+            // the reason (its aggregate waits, as for any failed event).
+            let row = match serde_json::from_str::<ParkedEvent>(&text) {
+                Ok(parked) => parked.into_row(id, attempts.max(0) as u32),
+                Err(e) => Err(crate::event::Malformed {
+                    id,
+                    sequence: r.try_get(8)?,
+                    aggregate_type: aggregate.0,
+                    aggregate_id: aggregate.1,
+                    event_type: String::new(),
+                    reason: format!("its parked record cannot be read: {e}"),
+                }),
+            };
             claims.push(Claim {
                 lane: CAPTURE_LANE,
                 tid: None,
@@ -407,7 +418,7 @@ impl PgStore {
                     commit_lsn: commit_lsn.unwrap_or(0),
                     parked: true,
                 }),
-                row: parked.into_row(id, attempts.max(0) as u32),
+                row,
             });
         }
         Ok(claims)
