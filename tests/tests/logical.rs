@@ -310,10 +310,12 @@ async fn an_unreadable_parked_record_fails_that_event_alone() -> anyhow::Result<
         })
         .await
     );
-    sqlx::query("UPDATE outroute_event_state SET event = '{\"not\": \"an event\"}' WHERE event_id = $1")
-        .bind(&c2)
-        .execute(&db.pool)
-        .await?;
+    sqlx::query(
+        "UPDATE outroute_event_state SET event = '{\"not\": \"an event\"}' WHERE event_id = $1",
+    )
+    .bind(&c2)
+    .execute(&db.pool)
+    .await?;
     let cfg = config.to_str().unwrap_or_default().to_string();
     let (code, _, err) = cli(&["failed", "discard", "--id", &c1, "-c", &cfg])?;
     assert_eq!(code, 0, "{err}");
@@ -321,7 +323,9 @@ async fn an_unreadable_parked_record_fails_that_event_alone() -> anyhow::Result<
     assert!(
         eventually(Duration::from_secs(20), || async {
             cli(&["failed", "list", "-c", &cfg])
-                .map(|(_, list, _)| list.contains(&c2) && list.contains("parked record cannot be read"))
+                .map(|(_, list, _)| {
+                    list.contains(&c2) && list.contains("parked record cannot be read")
+                })
                 .unwrap_or(false)
         })
         .await,

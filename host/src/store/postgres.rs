@@ -1009,14 +1009,15 @@ impl PgStore {
             }
         };
         let lanes = &lanes[..];
-        let rows: Result<Vec<(i64, i64, Option<i64>, Option<i64>, Option<i64>)>, _> =
-            sqlx::query_as(sql)
-                .bind(&self.source)
-                .bind(lanes)
-                .bind(&floors)
-                .bind(&sweep)
-                .fetch_all(&self.pool)
-                .await;
+        // Per lane: xmin, xmax, first, state, below (see `floor_round`).
+        type Row = (i64, i64, Option<i64>, Option<i64>, Option<i64>);
+        let rows: Result<Vec<Row>, _> = sqlx::query_as(sql)
+            .bind(&self.source)
+            .bind(lanes)
+            .bind(&floors)
+            .bind(&sweep)
+            .fetch_all(&self.pool)
+            .await;
         let rows = match rows {
             Ok(r) if r.len() == lanes.len() => r,
             Ok(r) => {
