@@ -436,7 +436,9 @@ pub struct TableConfig {
     /// Table name, optionally schema-qualified (`app.outbox`).
     pub name: String,
     pub id: String,
-    /// Monotonic ordering column. Unset: `created_at` orders events.
+    /// Monotonic ordering column, filled by a database sequence or identity
+    /// at insert (claim floors rely on later inserts getting higher
+    /// numbers). Unset: `created_at` orders events.
     #[serde(default)]
     pub sequence: Option<String>,
     /// Aggregate type column; unset: `aggregate_type_value` is used.
