@@ -40,6 +40,10 @@ pub const PLUGIN_RELOADS: &str = "outroute_plugin_reloads_total";
 pub const PURGED: &str = "outroute_purged_events_total";
 /// One claim statement (rows or none): what a poll costs the database.
 pub const CLAIM_SECONDS: &str = "outroute_claim_seconds";
+/// Pending rows a sweep found below a lane's claim floor (a producer
+/// transaction that committed long after it took its sequence number):
+/// each lowered the floor, nothing was lost, but the row went out late.
+pub const FLOOR_LOWERED: &str = "outroute_claim_floor_lowered_total";
 /// Commit (the row's created_at) to claim: how fast new rows are noticed.
 pub const PICKUP: &str = "outroute_pickup_seconds";
 /// Events acknowledged after an earlier event of their aggregate failed at

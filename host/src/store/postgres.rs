@@ -1045,6 +1045,12 @@ impl PgStore {
             .floors_mut()
             .apply(lanes, &round, std::time::Instant::now());
         for (lane, seq) in lowered {
+            let source = self
+                .key
+                .strip_prefix("sources.")
+                .unwrap_or(crate::config::DEFAULT_SOURCE)
+                .to_string();
+            metrics::counter!(crate::metrics::FLOOR_LOWERED, "source" => source).increment(1);
             tracing::warn!(
                 lane,
                 seq,
@@ -1052,6 +1058,12 @@ impl PgStore {
                  sequence number long before it committed): the lane is walked from it again"
             );
         }
+    }
+
+    /// Look below every floor on the next [`Self::raise_floors`] instead of
+    /// waiting for the sweep interval.
+    pub fn sweep_floors_soon(&self) {
+        self.floors_mut().sweep_soon(std::time::Instant::now());
     }
 
     /// Mark these claimed rows published. Each row is found by where the

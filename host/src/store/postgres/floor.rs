@@ -175,6 +175,18 @@ impl Floors {
         lowered
     }
 
+    /// Make the next round of every lane a sweep (diagnosis, tests).
+    pub fn sweep_soon(&mut self, now: Instant) {
+        for s in self.lanes.values_mut() {
+            if let Some(t) = now.checked_sub(SWEEP_INTERVAL) {
+                s.last_sweep = t;
+            }
+            if let Some(t) = now.checked_sub(ROUND_INTERVAL) {
+                s.last_round = t;
+            }
+        }
+    }
+
     /// Forget a lane (another relay took it): start from the bottom if it
     /// comes back.
     pub fn forget_except(&mut self, owned: &[i32]) {
