@@ -183,10 +183,13 @@ async fn insert(
     Ok(id)
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn failed_event_holds_only_its_aggregate_durably_until_discarded() -> anyhow::Result<()> {
+/// A migrated database on the logical cluster and a config that routes
+/// through the hostile plugin to a file sink: (database, file, config).
+async fn hostile_to_file(
+    name: &str,
+) -> anyhow::Result<(TestDb, std::path::PathBuf, std::path::PathBuf)> {
     let db = TestDb::new_logical().await?;
-    let dir = test_dir("logical-hold");
+    let dir = test_dir(name);
     let out = dir.join("out.jsonl");
     let route = "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }";
     let config = write_config_with(
@@ -197,6 +200,12 @@ async fn failed_event_holds_only_its_aggregate_durably_until_discarded() -> anyh
         &relay_body("", &[TestSink::File(&out)], "hostile", "orders", route),
     )?;
     db.migrate(&config)?;
+    Ok((db, out, config))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn failed_event_holds_only_its_aggregate_durably_until_discarded() -> anyhow::Result<()> {
+    let (db, out, config) = hostile_to_file("logical-hold").await?;
     let mut relay = Relay::start(&config, &[])?;
 
     let a1 = insert(&db, "A", serde_json::json!({"n": 1})).await?;
@@ -283,18 +292,7 @@ async fn failed_event_holds_only_its_aggregate_durably_until_discarded() -> anyh
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_unreadable_parked_record_fails_that_event_alone() -> anyhow::Result<()> {
-    let db = TestDb::new_logical().await?;
-    let dir = test_dir("logical-unreadable");
-    let out = dir.join("out.jsonl");
-    let route = "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }";
-    let config = write_config_with(
-        &dir,
-        &db.url,
-        LOGICAL,
-        "lease_ttl = \"2s\"",
-        &relay_body("", &[TestSink::File(&out)], "hostile", "orders", route),
-    )?;
-    db.migrate(&config)?;
+    let (db, out, config) = hostile_to_file("logical-unreadable").await?;
     let relay = Relay::start(&config, &[])?;
     let c1 = insert(&db, "C", serde_json::json!({"n": 1, "hostile": "reject"})).await?;
     let c2 = insert(&db, "C", serde_json::json!({"n": 2})).await?;
