@@ -438,7 +438,8 @@ pub struct TableConfig {
     pub id: String,
     /// Monotonic ordering column, filled by a database sequence or identity
     /// at insert (claim floors rely on later inserts getting higher
-    /// numbers). Unset: `created_at` orders events.
+    /// numbers; nullable or `CACHE` > 1 turns them off). Unset:
+    /// `created_at` orders events.
     #[serde(default)]
     pub sequence: Option<String>,
     /// Aggregate type column; unset: `aggregate_type_value` is used.

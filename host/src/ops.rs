@@ -1203,6 +1203,9 @@ pub async fn config_check(arg: &ConfigArg, store: bool) -> Result<ExitCode> {
             let name = table.name;
             let mut s = Store::connect(&l.config, &source, "config-check").await?;
             s.check_table().await?;
+            if let Some(off) = s.postgres().and_then(|p| p.floors_off()) {
+                println!("warning: {off}");
+            }
             match s.missing_index() {
                 None => println!("{key}: table `{name}` ok, lane index usable"),
                 Some(ddl) => println!(

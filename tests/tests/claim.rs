@@ -304,6 +304,37 @@ async fn existing_tables_get_their_lane_index_from_migrate_table() -> anyhow::Re
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn floors_are_off_for_a_sequence_that_may_hand_out_lower_numbers_later() -> anyhow::Result<()>
+{
+    let db = TestDb::new().await?;
+    let dir = test_dir("claim-floor-off");
+    let config = write_config(&dir, &db.url, "lanes = 4", &file_body(&dir, ""))?;
+    db.migrate(&config)?;
+    let c = config.to_string_lossy().to_string();
+    let (code, out, err) = cli(&["config", "check", "--store", "-c", &c])?;
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.contains("warning"), "{out}");
+    // Cached blocks: a session may insert a lower number after a higher one.
+    sqlx::query("ALTER TABLE outbox ALTER COLUMN seq SET CACHE 20")
+        .execute(&db.pool)
+        .await?;
+    let (code, out, err) = cli(&["config", "check", "--store", "-c", &c])?;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("store.table.sequence `seq` comes from a sequence with CACHE > 1"),
+        "{out}"
+    );
+    // Claims still work, from the bottom of each lane.
+    fill(&db, 1, 100).await?;
+    let store = open_store(&config, "cached").await?;
+    let lanes = store.lease_round().await?.lanes;
+    store.raise_floors(&lanes).await;
+    assert_eq!(drain(&store, &lanes).await?.len(), 100);
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn an_index_that_only_has_the_order_is_not_taken_for_a_lane_index() -> anyhow::Result<()> {
     // The canonical table marked by DELETE is not the canonical mapping, so
     // `migrate` builds no lane index for it; its primary key on `seq` has

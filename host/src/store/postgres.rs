@@ -353,7 +353,7 @@ impl TableSql {
             )
         };
         Some(format!(
-            "WITH st AS (SELECT {state_lane} AS lane, min(st.seq) AS seq FROM outroute_event_state st \
+            "WITH st AS MATERIALIZED (SELECT {state_lane} AS lane, min(st.seq) AS seq FROM outroute_event_state st \
                  WHERE st.source = $1 AND st.discarded_at IS NULL GROUP BY 1) \
              SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS xmin, \
                pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS xmax, \
@@ -397,6 +397,9 @@ pub struct PgStore {
     floors: std::sync::Mutex<floor::Floors>,
     /// The floor round statement, when the claim uses floors.
     floor_sql: Option<String>,
+    /// Why the claim uses no floors although the table has a sequence
+    /// column (`config check --store` says it).
+    floors_off: Option<String>,
     /// `capture = "logical"`: the slot and publication read (see
     /// `postgres/logical.rs`); leases are then the one capture lease.
     logical: Option<Logical>,
@@ -513,6 +516,7 @@ impl PgStore {
             missing_index: None,
             floors: Default::default(),
             floor_sql: None,
+            floors_off: None,
         })
     }
 
@@ -611,7 +615,20 @@ impl PgStore {
                 self.key
             );
         }
-        let sql = TableSql::new(t, self.lanes, &base);
+        let mut sql = TableSql::new(t, self.lanes, &base);
+        if let Some(seq) = &t.sequence
+            && self.logical.is_none()
+            && let Some(why) = self.floors_unsafe(seq).await?
+        {
+            let off = format!(
+                "{}.table.sequence `{seq}` {why}: claims walk each lane from its first entry \
+                 (slower after many events were published, until VACUUM)",
+                self.key
+            );
+            tracing::warn!(table = %t.name, "{off}");
+            self.floors_off = Some(off);
+            sql.floor_col = None;
+        }
         if self.logical.is_some() {
             // Streamed, never claimed: no lane index, no lane rows.
             self.sql = Some(sql);
@@ -651,6 +668,32 @@ impl PgStore {
             );
         }
         Ok(())
+    }
+
+    /// Why claim floors cannot be used with this sequence column, if they
+    /// cannot: it may be NULL (such rows would never be at or above a
+    /// floor), or its sequence hands out numbers in cached blocks (a later
+    /// insert may get a lower number). A column filled by the application
+    /// cannot be checked: the docs say it must come from the database.
+    async fn floors_unsafe(&self, column: &str) -> Result<Option<&'static str>> {
+        let (not_null, cache): (bool, Option<i64>) = sqlx::query_as(
+            "SELECT a.attnotnull, \
+               (SELECT s.seqcache FROM pg_sequence s \
+                 WHERE s.seqrelid = pg_get_serial_sequence($1, $2)::regclass) \
+             FROM pg_attribute a WHERE a.attrelid = to_regclass($1) AND a.attname = $2",
+        )
+        .bind(quote(&self.cfg.name))
+        .bind(column)
+        .fetch_one(&self.pool)
+        .await
+        .context("checking the sequence column")?;
+        Ok(if !not_null {
+            Some("may be NULL")
+        } else if cache.is_some_and(|c| c > 1) {
+            Some("comes from a sequence with CACHE > 1")
+        } else {
+            None
+        })
     }
 
     /// Does the lane-index claim plan walk an index of the outbox table
@@ -738,6 +781,12 @@ impl PgStore {
             .iter()
             .map(|m| num(m, "Shared Hit Blocks") + num(m, "Shared Read Blocks"))
             .sum())
+    }
+
+    /// Why claims start each lane from its first entry instead of a floor,
+    /// when the table has a sequence column that floors cannot rely on.
+    pub fn floors_off(&self) -> Option<&str> {
+        self.floors_off.as_deref()
     }
 
     /// The `CREATE INDEX` the claim needs, when the table lacks it.
@@ -1001,7 +1050,8 @@ impl PgStore {
     /// claims go on from the floors they have.
     pub async fn raise_floors(&self, lanes: &[i32]) {
         let Some(sql) = &self.floor_sql else { return };
-        let (floors, floor::Due { lanes, sweep }) = {
+        // `seen` is read here, before the round's statement (see floor.rs).
+        let (floors, floor::Due { lanes, sweep, seen }) = {
             let f = self.floors_mut();
             match f.due(lanes, std::time::Instant::now()) {
                 Some(due) => (f.of(&due.lanes), due),
@@ -1034,6 +1084,7 @@ impl PgStore {
             }
         };
         let round = floor::Round {
+            seen,
             xmin: rows.first().map_or(0, |r| r.0),
             xmax: rows.first().map_or(0, |r| r.1),
             first: rows.iter().map(|r| r.2).collect(),

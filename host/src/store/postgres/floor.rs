@@ -32,7 +32,9 @@
 //! floor; a pending row found there lowers the floor to it (and is logged),
 //! so nothing is ever left behind. Floors are kept per lane in the relay's
 //! memory; a relay that takes a lane over starts it from the bottom.
-//! Tables ordered by a timestamp (no `sequence` column) get no floors.
+//! Tables ordered by a timestamp (no `sequence` column), a nullable
+//! sequence column or a sequence with `CACHE` > 1 (a session may insert a
+//! lower number after another's higher one) get no floors.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -67,6 +69,9 @@ struct Lane {
 /// What one round read, from one snapshot, for the lanes it asked about.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Round {
+    /// The highest sequence number claims had returned *before* the round's
+    /// statement was sent ([`Due::seen`]): allocated before its snapshot.
+    pub seen: Option<i64>,
     pub xmin: i64,
     pub xmax: i64,
     /// Per lane (in the order asked): the lowest pending `seq >= floor`.
@@ -92,6 +97,10 @@ pub struct Floors {
 pub struct Due {
     pub lanes: Vec<i32>,
     pub sweep: Vec<bool>,
+    /// What claims had seen when the round was decided on (goes into
+    /// [`Round::seen`]; a claim that returns while the round runs may see
+    /// rows allocated after its snapshot).
+    pub seen: Option<i64>,
 }
 
 impl Floors {
@@ -114,6 +123,7 @@ impl Floors {
         let mut due = Due {
             lanes: Vec::new(),
             sweep: Vec::new(),
+            seen: self.seen,
         };
         for l in lanes {
             match self.lanes.get(l) {
@@ -164,7 +174,7 @@ impl Floors {
                 s.candidate = None;
             }
             if s.candidate.is_none()
-                && let Some(seen) = self.seen
+                && let Some(seen) = round.seen
             {
                 s.candidate = Some(Candidate {
                     xmax: round.xmax,
@@ -200,6 +210,7 @@ mod tests {
 
     fn round(xmin: i64, xmax: i64, first: Option<i64>, state: Option<i64>) -> Round {
         Round {
+            seen: None,
             xmin,
             xmax,
             first: vec![first],
@@ -209,19 +220,52 @@ mod tests {
         }
     }
 
+    /// The round as the relay sends it: with what claims had seen then.
+    fn seen(f: &Floors, r: Round) -> Round {
+        Round { seen: f.seen, ..r }
+    }
+
+    #[test]
+    fn a_claim_that_returns_while_a_round_runs_does_not_move_its_candidate() {
+        let now = Instant::now();
+        let mut f = Floors::default();
+        f.saw(400);
+        // The round is decided on (seen 400) and its snapshot has xmax 1000.
+        let decided = f.due(&[9], now).map(|d| d.seen);
+        assert_eq!(decided, Some(Some(400)));
+        // Meanwhile a transaction (xid 1001, seq 500 in lane 9) is open and
+        // a claim returns seq 501 of another lane before the round's answer.
+        f.saw(501);
+        f.apply(
+            &[9],
+            &Round {
+                seen: Some(400),
+                ..round(900, 1000, None, None)
+            },
+            now,
+        );
+        // Next round: every transaction below 1000 has ended (1001 has not).
+        f.apply(&[9], &seen(&f, round(1001, 1100, None, None)), now);
+        assert_eq!(
+            f.of(&[9]),
+            vec![401],
+            "the floor passed the open row at 500"
+        );
+    }
+
     #[test]
     fn a_floor_waits_for_the_transactions_of_its_round() {
         let now = Instant::now();
         let mut f = Floors::default();
         f.saw(100);
         // Round 1: candidate (xmax 50, seen 100); nothing applies yet.
-        f.apply(&[3], &round(40, 50, Some(90), None), now);
+        f.apply(&[3], &seen(&f, round(40, 50, Some(90), None)), now);
         assert_eq!(f.of(&[3]), vec![BOTTOM]);
         // Round 2: a transaction older than 50 still runs (xmin 45).
-        f.apply(&[3], &round(45, 60, Some(95), None), now);
+        f.apply(&[3], &seen(&f, round(45, 60, Some(95), None)), now);
         assert_eq!(f.of(&[3]), vec![BOTTOM]);
         // Round 3: all of them ended; the floor is this round's first row.
-        f.apply(&[3], &round(50, 70, Some(97), None), now);
+        f.apply(&[3], &seen(&f, round(50, 70, Some(97), None)), now);
         assert_eq!(f.of(&[3]), vec![97]);
     }
 
@@ -233,6 +277,7 @@ mod tests {
         f.apply(
             &[1, 2],
             &Round {
+                seen: Some(10),
                 xmin: 1,
                 xmax: 5,
                 first: vec![None, None],
@@ -248,6 +293,7 @@ mod tests {
         f.apply(
             &[1, 2],
             &Round {
+                seen: Some(500),
                 xmin: 5,
                 xmax: 9,
                 first: vec![None, Some(400)],
@@ -265,12 +311,12 @@ mod tests {
         let now = Instant::now();
         let mut f = Floors::default();
         f.saw(1_000);
-        f.apply(&[0], &round(1, 2, Some(800), None), now);
-        f.apply(&[0], &round(2, 3, Some(900), None), now);
+        f.apply(&[0], &seen(&f, round(1, 2, Some(800), None)), now);
+        f.apply(&[0], &seen(&f, round(2, 3, Some(900), None)), now);
         assert_eq!(f.of(&[0]), vec![900]);
         // A later round whose first row is lower (cannot happen unless a
         // row reappeared) does not lower the floor...
-        f.apply(&[0], &round(3, 4, Some(850), None), now);
+        f.apply(&[0], &seen(&f, round(3, 4, Some(850), None)), now);
         assert_eq!(f.of(&[0]), vec![900]);
         // ...but a sweep that finds a pending row below does.
         let lowered = f.apply(
@@ -289,26 +335,32 @@ mod tests {
     #[test]
     fn rounds_are_paced_per_lane_and_sweeps_come_due() {
         let t0 = Instant::now();
-        let due = |lanes: Vec<i32>, sweep: Vec<bool>| Some(Due { lanes, sweep });
+        let due = |lanes: Vec<i32>, sweep: Vec<bool>, seen| Some(Due { lanes, sweep, seen });
         let mut f = Floors::default();
-        assert_eq!(f.due(&[4, 6], t0), due(vec![4, 6], vec![false, false]));
+        assert_eq!(
+            f.due(&[4, 6], t0),
+            due(vec![4, 6], vec![false, false], None)
+        );
         f.saw(10);
-        f.apply(&[4, 6], &round(1, 2, Some(5), None), t0);
+        f.apply(&[4, 6], &seen(&f, round(1, 2, Some(5), None)), t0);
         let soon = t0 + Duration::from_millis(10);
         assert_eq!(f.due(&[4, 6], soon), None);
         assert_eq!(
             f.due(&[1, 4], soon),
-            due(vec![1], vec![false]),
+            due(vec![1], vec![false], Some(10)),
             "only the lane never seen"
         );
-        f.apply(&[4, 6], &round(2, 3, Some(5), None), t0);
+        f.apply(&[4, 6], &seen(&f, round(2, 3, Some(5), None)), t0);
         // Lane 4's floor is its first row, lane 6's (empty) what was seen + 1.
         assert_eq!(f.of(&[4, 6]), vec![5, 11]);
         let later = t0 + SWEEP_INTERVAL;
-        assert_eq!(f.due(&[4, 6], later), due(vec![4, 6], vec![true, true]));
+        assert_eq!(
+            f.due(&[4, 6], later),
+            due(vec![4, 6], vec![true, true], Some(10))
+        );
         assert_eq!(
             f.due(&[7], later),
-            due(vec![7], vec![false]),
+            due(vec![7], vec![false], Some(10)),
             "a lane at the bottom never sweeps"
         );
     }
