@@ -705,7 +705,7 @@ impl PgStore {
         let all: Vec<i32> = (0..self.lanes as i32).collect();
         let bottom = vec![floor::BOTTOM; all.len()];
         let plan = self
-            .explain(&claim, &all, Some(&bottom), self.batch_size, false)
+            .explain(&claim, &all, Some(&bottom), self.batch_size, "")
             .await?;
         // Every read of the outbox must be an index scan *on the lane*: an
         // index that merely has the order (the primary key on `seq`) would
@@ -723,16 +723,15 @@ impl PgStore {
             }))
     }
 
-    /// `EXPLAIN (FORMAT JSON[, ANALYZE])` of a claim statement.
+    /// `EXPLAIN ({opts}FORMAT JSON)` of a claim statement (`opts`: "", "ANALYZE, ", …).
     async fn explain(
         &self,
         claim: &str,
         lanes: &[i32],
         floors: Option<&[i64]>,
         limit: u32,
-        analyze: bool,
+        opts: &str,
     ) -> Result<serde_json::Value> {
-        let opts = if analyze { "ANALYZE, " } else { "" };
         let q = format!("EXPLAIN ({opts}FORMAT JSON) {claim}");
         let mut q = sqlx::query_scalar(&q)
             .bind(&self.source)
@@ -750,7 +749,13 @@ impl PgStore {
     pub async fn claim_cost(&self, lanes: &[i32], limit: u32) -> Result<Vec<(String, f64)>> {
         let floors = self.current_floors(lanes);
         let plan = self
-            .explain(&self.claim_sql, lanes, floors.as_deref(), limit, true)
+            .explain(
+                &self.claim_sql,
+                lanes,
+                floors.as_deref(),
+                limit,
+                "ANALYZE, ",
+            )
             .await?;
         Ok(scans_of(&plan, "o"))
     }
@@ -760,18 +765,15 @@ impl PgStore {
     /// included: what walking the lanes cost, dead index entries and all.
     pub async fn claim_pages(&self, lanes: &[i32], limit: u32) -> Result<f64> {
         let floors = self.current_floors(lanes);
-        let sql = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", self.claim_sql);
-        let mut q = sqlx::query_scalar::<_, serde_json::Value>(&sql)
-            .bind(&self.source)
-            .bind(lanes)
-            .bind(limit as i64);
-        if let Some(f) = &floors {
-            q = q.bind(f);
-        }
-        let plan = q
-            .fetch_one(&self.pool)
-            .await
-            .context("planning the claim")?;
+        let plan = self
+            .explain(
+                &self.claim_sql,
+                lanes,
+                floors.as_deref(),
+                limit,
+                "ANALYZE, BUFFERS, ",
+            )
+            .await?;
         let mut nodes = Vec::new();
         nodes_of(&plan, "o", &mut nodes);
         let num = |m: &serde_json::Map<String, serde_json::Value>, k: &str| {
