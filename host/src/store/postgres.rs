@@ -747,32 +747,28 @@ impl PgStore {
     /// node that reads the outbox table, its type and the rows it produced
     /// over all loops: what a claim costs, for tests and diagnosis.
     pub async fn claim_cost(&self, lanes: &[i32], limit: u32) -> Result<Vec<(String, f64)>> {
-        let floors = self.current_floors(lanes);
-        let plan = self
-            .explain(
-                &self.claim_sql,
-                lanes,
-                floors.as_deref(),
-                limit,
-                "ANALYZE, ",
-            )
-            .await?;
+        let plan = self.explain_claim(lanes, limit, "ANALYZE, ").await?;
         Ok(scans_of(&plan, "o"))
+    }
+
+    /// `EXPLAIN` of this relay's claim of `lanes`, from their current floors.
+    async fn explain_claim(
+        &self,
+        lanes: &[i32],
+        limit: u32,
+        opts: &str,
+    ) -> Result<serde_json::Value> {
+        let floors = self.current_floors(lanes);
+        self.explain(&self.claim_sql, lanes, floors.as_deref(), limit, opts)
+            .await
     }
 
     /// Run the claim under `EXPLAIN (ANALYZE, BUFFERS)` and return the
     /// buffers (pages) its reads of the outbox table touched, state probes
     /// included: what walking the lanes cost, dead index entries and all.
     pub async fn claim_pages(&self, lanes: &[i32], limit: u32) -> Result<f64> {
-        let floors = self.current_floors(lanes);
         let plan = self
-            .explain(
-                &self.claim_sql,
-                lanes,
-                floors.as_deref(),
-                limit,
-                "ANALYZE, BUFFERS, ",
-            )
+            .explain_claim(lanes, limit, "ANALYZE, BUFFERS, ")
             .await?;
         let mut nodes = Vec::new();
         nodes_of(&plan, "o", &mut nodes);
