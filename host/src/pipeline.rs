@@ -124,7 +124,7 @@ pub struct LeaseView {
 }
 
 impl LeaseView {
-    fn epoch_of(&self, lane: i32) -> Option<i64> {
+    pub(crate) fn epoch_of(&self, lane: i32) -> Option<i64> {
         self.lanes
             .iter()
             .position(|l| *l == lane)

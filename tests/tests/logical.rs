@@ -2,6 +2,7 @@
 //! logical` PostgreSQL (`scripts/pg-logical`, port 5434): the crash points,
 //! kill -9 and fail-over with several relays, a failing event that holds only
 //! its own aggregate (durably, across a restart) until `failed discard`,
+//! rows written before the slot existed (published from the table first),
 //! tableless capture from `pg_logical_emit_message`, and the clear refusal
 //! on a server without `wal_level = logical`.
 
@@ -338,6 +339,87 @@ async fn an_unreadable_parked_record_fails_that_event_alone() -> anyhow::Result<
     assert_eq!(code, 0, "{err}");
     assert!(file_sink_reaches(&out, 3, Duration::from_secs(20)).await);
     assert!(delivered_ids(&out).contains(&c3));
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rows_written_before_the_slot_go_out_first_in_order() -> anyhow::Result<()> {
+    // The table is in use (lease mode) before anyone creates the slot.
+    let db = TestDb::new_logical().await?;
+    let dir = test_dir("logical-backfill");
+    let out = dir.join("out.jsonl");
+    let route = "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }";
+    let body = relay_body("", &[TestSink::File(&out)], "hostile", "orders", route);
+    let lease = write_config_with(&dir.join("lease"), &db.url, "", "lease_ttl = \"2s\"", &body)?;
+    db.migrate(&lease)?;
+    let done = insert(&db, "P", serde_json::json!({"n": 1})).await?;
+    sqlx::query("UPDATE outbox SET published_at = now() WHERE id = $1::uuid")
+        .bind(&done)
+        .execute(&db.pool)
+        .await?;
+    let a1 = insert(&db, "A", serde_json::json!({"n": 1})).await?;
+    let a2 = insert(&db, "A", serde_json::json!({"n": 2, "hostile": "reject"})).await?;
+    let a3 = insert(&db, "A", serde_json::json!({"n": 3})).await?;
+    let b1 = insert(&db, "B", serde_json::json!({"n": 1})).await?;
+    let b2 = insert(&db, "B", serde_json::json!({"n": 2})).await?;
+
+    // Switching to logical capture: the slot never streams those five.
+    let config = write_config_with(
+        &dir.join("logical"),
+        &db.url,
+        LOGICAL,
+        "lease_ttl = \"2s\"",
+        &body,
+    )?;
+    let cfg = config.to_str().unwrap_or_default().to_string();
+    let (code, said, err) = cli(&["migrate", "-c", &cfg])?;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        said.contains("5 pending rows of `outbox` were written before the slot"),
+        "{said}"
+    );
+    let a4 = insert(&db, "A", serde_json::json!({"n": 4})).await?;
+    let b3 = insert(&db, "B", serde_json::json!({"n": 3})).await?;
+    let c1 = insert(&db, "C", serde_json::json!({"n": 1})).await?;
+
+    let relay = Relay::start(&config, &[])?;
+    assert!(
+        file_sink_reaches(&out, 5, Duration::from_secs(30)).await,
+        "{}",
+        relay.log_text()
+    );
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let got = delivered_ids(&out);
+    // a2 failed and holds A (a3 from the table, a4 from the stream wait
+    // behind it); the row published in lease mode never goes out again.
+    assert_eq!(
+        sorted(got.clone()),
+        sorted(vec![a1.clone(), b1.clone(), b2.clone(), b3.clone(), c1.clone()])
+    );
+    let pos = |id: &String| got.iter().position(|g| g == id);
+    assert!(pos(&b1) < pos(&b2) && pos(&b2) < pos(&b3), "{got:?}");
+    assert_eq!(
+        db.count("SELECT count(*) FROM outroute_capture_backfill WHERE finished_at IS NOT NULL")
+            .await,
+        1
+    );
+    let (code, _, err) = cli(&["failed", "discard", "--id", &a2, "-c", &cfg])?;
+    assert_eq!(code, 0, "{err}");
+    assert!(file_sink_reaches(&out, 7, Duration::from_secs(20)).await);
+    let got = delivered_ids(&out);
+    let of_a: Vec<&String> = got.iter().filter(|g| [&a1, &a3, &a4].contains(g)).collect();
+    assert_eq!(of_a, vec![&a1, &a3, &a4]);
+    assert!(!got.contains(&done) && !got.contains(&a2));
+    // Captured rows were cleaned up, the backfilled ones too; the row
+    // published before the switch stays.
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            db.count("SELECT count(*) FROM outbox").await == 1
+        })
+        .await
+    );
     drop(relay);
     db.drop_db().await;
     Ok(())

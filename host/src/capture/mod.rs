@@ -598,6 +598,13 @@ impl Relay {
         let Some(logical) = self.capture.clone() else {
             bail!("not a logical source");
         };
+        if logical.input == LogicalInput::Table {
+            let epoch = view.epoch_of(CAPTURE_LANE).unwrap_or(-1);
+            let guard = LeaseGuard::new(leases.clone(), view, vec![CAPTURE_LANE]);
+            if !self.backfill(pg, guard, epoch, shutdown).await? {
+                return Ok(());
+            }
+        }
         let client = self.connect_slot(pg, &logical).await?;
         tracing::info!(slot = %logical.slot, "streaming from the replication slot");
         metrics::counter!(m::LEASE_HANDOVERS, "source" => self.source.clone()).increment(1);
@@ -715,6 +722,88 @@ impl Relay {
                     }
                     next_mark += 1;
                 }
+            }
+        }
+    }
+
+    /// Publish the rows written before the slot existed (recorded by
+    /// `outroute migrate` when it created the slot) from the table, batch
+    /// after batch in order, before the stream starts: the stream will never
+    /// bring them. Handled like streamed events (an aggregate with a parked
+    /// queue parks them behind it; failures park), then their rows are
+    /// cleaned up and the progress recorded, fenced by the capture lease.
+    /// A crash re-publishes at most the batch in flight. False: stopped
+    /// (shutdown or lease lost) before the end.
+    async fn backfill(
+        &self,
+        pg: &PgStore,
+        mut lease: LeaseGuard,
+        epoch: i64,
+        stop: &CancellationToken,
+    ) -> Result<bool> {
+        let mut outage_backoff = Duration::from_millis(100);
+        let mut published = 0usize;
+        loop {
+            if stop.is_cancelled() || !lease.held() {
+                return Ok(false);
+            }
+            let Some(mut claims) = pg.backfill_batch(self.config.batch_size).await? else {
+                return Ok(true);
+            };
+            let Some(last) = claims.last().map(|c| match &c.row {
+                Ok(e) => (e.sequence, e.id.clone()),
+                Err(m) => (m.sequence, m.id.clone()),
+            }) else {
+                if !pg.backfill_progress(None, epoch).await? {
+                    return Ok(false);
+                }
+                tracing::info!(
+                    published,
+                    "published the rows written before the slot; streaming"
+                );
+                return Ok(true);
+            };
+            if published == 0 {
+                tracing::info!("publishing the rows written before the slot existed, from the table");
+            }
+            lease.stamp(&mut claims);
+            let held = pg.held_aggregates().await?;
+            let (queue, go): (Vec<Claim>, Vec<Claim>) = claims
+                .into_iter()
+                .partition(|c| held.contains(&aggregate_of(c)));
+            let seqs: Vec<i64> = go
+                .iter()
+                .chain(&queue)
+                .map(|c| match &c.row {
+                    Ok(e) => e.sequence,
+                    Err(m) => m.sequence,
+                })
+                .collect();
+            let waiting: Vec<Failure> = queue.iter().map(|c| self.waiting(c)).collect();
+            loop {
+                let report = self.process(go.clone(), Some(&mut lease)).await?;
+                if !report.outage {
+                    published += report.published;
+                    break;
+                }
+                tracing::warn!(backoff = ?outage_backoff, reason = report.outage_reason.as_deref().unwrap_or(""), "every publish failed; backing off (rows written before the slot)");
+                sleep_or_cancel(crate::pipeline::jitter(outage_backoff), stop).await;
+                outage_backoff = (outage_backoff * 2).min(Duration::from_secs(10));
+                if stop.is_cancelled() || !lease.held() {
+                    return Ok(false);
+                }
+            }
+            outage_backoff = Duration::from_millis(100);
+            if !waiting.is_empty() {
+                let n = self.store.record_failures(&waiting).await?;
+                if (n as usize) < waiting.len() {
+                    return Ok(false);
+                }
+            }
+            failpoint::hit("mid-mark");
+            pg.delete_captured(&runs(seqs)).await?;
+            if !pg.backfill_progress(Some((last.0, &last.1)), epoch).await? {
+                return Ok(false);
             }
         }
     }

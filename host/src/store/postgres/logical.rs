@@ -28,7 +28,7 @@ use std::collections::HashSet;
 use anyhow::{Context, Result, bail};
 use sqlx::Row;
 
-use super::{PgStore, quote};
+use super::{PgStore, TableSql, quote};
 use crate::config::{Cleanup, LogicalInput};
 use crate::store::{Captured, Claim, Leases, ParkedEvent, SlotStatus, Status};
 
@@ -206,8 +206,143 @@ impl PgStore {
                  confirms it, bounded by the server's max_slot_wal_keep_size",
                 l.slot
             ));
+            if l.input == LogicalInput::Table {
+                done.push(self.record_backfill(l.cleanup).await?);
+            }
         }
         Ok(done)
+    }
+
+    /// Right after the slot was created: every row committed before it is
+    /// visible now (and never in the stream); every row committed later is
+    /// in the stream. Record the highest order value of the pending rows
+    /// now: the relay publishes the pending rows up to it from the table
+    /// before it streams (rows committed later with a lower value come
+    /// twice, with the same id — never none). With `cleanup = "keep"` a
+    /// re-created slot records nothing: the kept rows the old slot streamed
+    /// look pending and would all go out again.
+    async fn record_backfill(&self, cleanup: Cleanup) -> Result<String> {
+        let s = TableSql::new(&self.cfg, self.lanes, "text");
+        let (upto, n): (Option<i64>, i64) = sqlx::query_as(&format!(
+            "SELECT max({seq}), count(*) FROM {table} o WHERE {pending}",
+            seq = s.seq,
+            table = s.table,
+            pending = s.pending
+        ))
+        .fetch_one(&self.pool)
+        .await
+        .context("reading the rows written before the slot")?;
+        let existed: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM outroute_capture_backfill WHERE source = $1)",
+        )
+        .bind(&self.source)
+        .fetch_one(&self.pool)
+        .await?;
+        if existed && cleanup == Cleanup::Keep {
+            return Ok(format!(
+                "the slot was re-created: rows committed while no slot existed are not streamed \
+                 (with cleanup = \"keep\" the {n} unmarked rows of `{}` include every row the old \
+                 slot streamed, so outroute cannot tell which ones were missed)",
+                self.cfg.name
+            ));
+        }
+        let Some(upto) = upto else {
+            sqlx::query("DELETE FROM outroute_capture_backfill WHERE source = $1")
+                .bind(&self.source)
+                .execute(&self.pool)
+                .await?;
+            return Ok(format!(
+                "no pending rows in `{}` before the slot",
+                self.cfg.name
+            ));
+        };
+        sqlx::query(
+            "INSERT INTO outroute_capture_backfill (source, upto) VALUES ($1, $2) \
+             ON CONFLICT (source) DO UPDATE SET upto = excluded.upto, done_seq = NULL, done_id = NULL, \
+               created_at = now(), finished_at = NULL",
+        )
+        .bind(&self.source)
+        .bind(upto)
+        .execute(&self.pool)
+        .await?;
+        Ok(format!(
+            "{n} pending rows of `{}` were written before the slot: the relay publishes them from \
+             the table (in order, up to {upto}) before it starts streaming",
+            self.cfg.name
+        ))
+    }
+
+    /// The next rows written before the slot, after the last batch handled
+    /// (`None`: no backfill is due, or it finished). Claims as the stream's
+    /// events: the capture lane, and commit position 0 (before every
+    /// streamed transaction, in the parked queue's order).
+    pub async fn backfill_batch(&self, limit: u32) -> Result<Option<Vec<Claim>>> {
+        let due: Option<i64> = sqlx::query_scalar(
+            "SELECT upto FROM outroute_capture_backfill WHERE source = $1 AND finished_at IS NULL",
+        )
+        .bind(&self.source)
+        .fetch_optional(&self.pool)
+        .await?;
+        if due.is_none() {
+            return Ok(None);
+        }
+        let s = self.sql()?;
+        let min = i64::MIN;
+        let q = format!(
+            "SELECT {cols}, NULL::text AS tid, NULL::int AS state_attempts \
+             FROM {table} o, outroute_capture_backfill b \
+             WHERE b.source = $1 AND {seq} <= b.upto AND {seq} >= coalesce(b.done_seq, {min}) \
+               AND ({seq} > coalesce(b.done_seq, {min}) OR {id}::text > coalesce(b.done_id, '')) \
+               AND {pending} \
+             ORDER BY {seq}, {id}::text LIMIT $2",
+            cols = s.select_cols,
+            table = s.table,
+            seq = s.seq,
+            id = s.id,
+            pending = s.pending,
+        );
+        let rows = sqlx::query(&q)
+            .bind(&self.source)
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await
+            .context("reading rows written before the slot")?;
+        let mut claims = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let mut c = super::to_claim(r)?;
+            c.lane = CAPTURE_LANE;
+            c.captured = Some(Captured {
+                commit_lsn: 0,
+                parked: false,
+            });
+            claims.push(c);
+        }
+        Ok(Some(claims))
+    }
+
+    /// Record how far the backfill got (`last` row handled), or that it
+    /// finished (`None`), fenced by the capture lease `epoch`. False: the
+    /// lease was lost.
+    pub async fn backfill_progress(&self, last: Option<(i64, &str)>, epoch: i64) -> Result<bool> {
+        let n = sqlx::query(
+            "UPDATE outroute_capture_backfill SET \
+               done_seq = coalesce($2, done_seq), done_id = coalesce($3, done_id), \
+               finished_at = CASE WHEN $2 IS NULL THEN now() END \
+             WHERE source = $1 AND finished_at IS NULL \
+               AND EXISTS (SELECT 1 FROM outroute_lanes WHERE source = $1 AND lane = $4 AND owner = $5 \
+                           AND epoch = $6 AND lease_until > now())",
+        )
+        .bind(&self.source)
+        .bind(last.map(|l| l.0))
+        .bind(last.map(|l| l.1))
+        .bind(CAPTURE_LANE)
+        .bind(&self.relay_id)
+        .bind(epoch)
+        .execute(&self.pool)
+        .await
+        .context("recording the backfill's progress")?
+        .rows_affected();
+        Ok(n > 0)
     }
 
     /// `outroute slot drop`: drop the slot (refused while a relay streams).
