@@ -396,7 +396,13 @@ async fn rows_written_before_the_slot_go_out_first_in_order() -> anyhow::Result<
     // behind it); the row published in lease mode never goes out again.
     assert_eq!(
         sorted(got.clone()),
-        sorted(vec![a1.clone(), b1.clone(), b2.clone(), b3.clone(), c1.clone()])
+        sorted(vec![
+            a1.clone(),
+            b1.clone(),
+            b2.clone(),
+            b3.clone(),
+            c1.clone()
+        ])
     );
     let pos = |id: &String| got.iter().position(|g| g == id);
     assert!(pos(&b1) < pos(&b2) && pos(&b2) < pos(&b3), "{got:?}");

@@ -1,5 +1,6 @@
 //! Secured connections against real servers configured that way: a
-//! TLS-only PostgreSQL with a scram-sha-256 password role, nats-server with
+//! TLS-only PostgreSQL with a scram-sha-256 password role (lease mode, and
+//! log-based capture streaming its slot over TLS), nats-server with
 //! TLS (client certificates required) and accounts (user + password, NKey),
 //! a token-protected nats-server, and tansu behind stunnel (TLS with client
 //! certificates). Each works end to end; a wrong password, an untrusted
@@ -357,6 +358,87 @@ async fn kafka_over_tls_through_a_terminator() -> Result<()> {
         .map(|e| e.to_string())
         .unwrap_or_default();
     assert!(err.contains("sinks.k.options.\"sasl.password\""), "{err}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn logical_capture_streams_over_verified_tls() -> Result<()> {
+    let pg = pg_tls()?;
+    let dir = test_dir("pg-tls-logical");
+    std::fs::write(dir.join("password"), format!("{}\n", pg.password))?;
+    let admin_opts = sqlx::postgres::PgConnectOptions::new()
+        .host("127.0.0.1")
+        .port(pg.port)
+        .username(pg.user)
+        .password(pg.password)
+        .database("postgres")
+        .ssl_mode(sqlx::postgres::PgSslMode::VerifyFull)
+        .ssl_root_cert(&pg.ca);
+    let admin = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(admin_opts.clone())
+        .await?;
+    let db = format!("outroute_tlslog_{}", tag());
+    sqlx::query(&format!("CREATE DATABASE {db}"))
+        .execute(&admin)
+        .await?;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(admin_opts.database(&db))
+        .await?;
+    sqlx::query("CREATE TABLE orders (id text PRIMARY KEY, version integer NOT NULL)")
+        .execute(&pool)
+        .await?;
+    let out = dir.join("out.jsonl");
+    let config = dir.join("outroute.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[store]\nurl = \"postgres://{}@127.0.0.1:{}/{db}\"\npassword_file = \"password\"\n\
+             capture = \"logical\"\n[store.tls]\nmode = \"verify-full\"\nca_file = \"{}\"\n\
+             [relay]\ncache_dir = \"{}\"\nlease_ttl = \"2s\"\n\n{}",
+            pg.user,
+            pg.port,
+            pg.ca.display(),
+            std::env::temp_dir().join("outroute-test-cache").display(),
+            relay_body(
+                "",
+                &[TestSink::File(&out)],
+                "order-router",
+                "r",
+                "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }",
+            )
+        ),
+    )?;
+    let cfg = config.display().to_string();
+    let (code, o, e) = cli(&["migrate", "-c", &cfg])?;
+    assert_eq!(code, 0, "migrate over TLS: {o}{e}");
+    let mut relay = Relay::start(&config, &[])?;
+    let w = produce(&pool, "tlslog", 4, 5, 0).await?;
+    assert!(
+        file_sink_reaches(&out, w.committed.len(), Duration::from_secs(30)).await,
+        "events streamed over TLS: {}",
+        relay.log_text()
+    );
+    // The slot's reader (a walsender) is on TLS, verified against our CA.
+    let (walsenders, ssl): (i64, Option<bool>) = sqlx::query_as(
+        "SELECT count(*), bool_and(s.ssl) FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) \
+         WHERE a.backend_type = 'walsender' AND a.datname = current_database()",
+    )
+    .fetch_one(&pool)
+    .await?;
+    assert_eq!((walsenders, ssl), (1, Some(true)), "{}", relay.log_text());
+    relay.terminate(Duration::from_secs(10));
+    pool.close().await;
+    let _ = sqlx::query(
+        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = $1",
+    )
+    .bind(&db)
+    .execute(&admin)
+    .await;
+    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+        .execute(&admin)
+        .await;
     Ok(())
 }
 

@@ -38,7 +38,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, anyhow, bail};
 use chrono::{DateTime, NaiveDateTime, Utc};
-use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent};
+use pgwire_replication::{
+    Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent, SslMode, TlsConfig,
+};
 use serde::Deserialize;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -126,13 +128,7 @@ pub fn replication_config(
     } else {
         decode(&database)
     };
-    if let Some(mode) = needs_tls(sc) {
-        bail!(
-            "{key}: log-based capture streams over a plain connection (TLS on the replication connection \
-             is not built yet), and this source asks for `{mode}`: use a loopback or private network \
-             with `sslmode=disable`/`prefer`, or `capture = \"lease\"`"
-        );
-    }
+    let tls = replication_tls(key, sc, &url, &host)?;
     Ok(ReplicationConfig::new(
         host,
         user,
@@ -145,27 +141,64 @@ pub fn replication_config(
     .with_options("-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=iso_8601")
     .with_application_name(format!("outroute {relay_id}"))
     .with_status_interval(Duration::from_millis(100))
-    .with_wakeup_interval(Duration::from_secs(1)))
+    .with_wakeup_interval(Duration::from_secs(1))
+    .with_tls(tls))
 }
 
-/// The TLS mode a source insists on (`tls.mode` or the URL's `sslmode`),
-/// if it is more than `prefer`.
-pub fn needs_tls(sc: &StoreConfig) -> Option<String> {
-    if let Some(t) = &sc.tls {
-        return match t.mode {
-            PgTlsMode::Disable | PgTlsMode::Prefer => None,
-            m => Some(format!("tls.mode = {m:?}")),
-        };
+/// TLS of the replication connection, as the source's queries have it:
+/// `[store.tls]` when set, else the URL's `sslmode`, `sslrootcert`,
+/// `sslcert` and `sslkey` (libpq's names; unset `sslmode` is `prefer`:
+/// TLS when the server offers it).
+fn replication_tls(key: &str, sc: &StoreConfig, url: &url::Url, host: &str) -> Result<TlsConfig> {
+    let param = |k: &str| {
+        url.query_pairs()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.into_owned())
+    };
+    let (mode, ca, cert, client_key) = match &sc.tls {
+        Some(t) => (
+            match t.mode {
+                PgTlsMode::Disable => SslMode::Disable,
+                PgTlsMode::Prefer => SslMode::Prefer,
+                PgTlsMode::Require => SslMode::Require,
+                PgTlsMode::VerifyCa => SslMode::VerifyCa,
+                PgTlsMode::VerifyFull => SslMode::VerifyFull,
+            },
+            t.ca_file.clone(),
+            t.cert_file.clone(),
+            t.key_file.clone(),
+        ),
+        None => (
+            match param("sslmode").as_deref() {
+                Some("disable") => SslMode::Disable,
+                None | Some("allow") | Some("prefer") => SslMode::Prefer,
+                Some("require") => SslMode::Require,
+                Some("verify-ca") => SslMode::VerifyCa,
+                Some("verify-full") => SslMode::VerifyFull,
+                Some(other) => bail!(
+                    "{key}.url: sslmode `{other}` is not one of disable, allow, prefer, require, verify-ca, verify-full"
+                ),
+            },
+            param("sslrootcert").map(Into::into),
+            param("sslcert").map(Into::into),
+            param("sslkey").map(Into::into),
+        ),
+    };
+    if cert.is_some() != client_key.is_some() {
+        bail!("{key}: a client certificate needs both the certificate and its key");
     }
-    let url = url::Url::parse(&sc.url).ok()?;
-    let mode = url
-        .query_pairs()
-        .find(|(k, _)| k == "sslmode")
-        .map(|(_, v)| v.into_owned())?;
-    match mode.as_str() {
-        "require" | "verify-ca" | "verify-full" => Some(format!("sslmode={mode}")),
-        _ => None,
-    }
+    Ok(TlsConfig {
+        mode,
+        ca_pem_path: ca,
+        // An IP host is verified against the certificate's IP addresses
+        // (as libpq does); the crate wants it named to allow that.
+        sni_hostname: host
+            .parse::<std::net::IpAddr>()
+            .is_ok()
+            .then(|| host.to_string()),
+        client_cert_pem_path: cert,
+        client_key_pem_path: client_key,
+    })
 }
 
 /// A timestamp in PostgreSQL's ISO text form, with or without a zone.
@@ -764,7 +797,9 @@ impl Relay {
                 return Ok(true);
             };
             if published == 0 {
-                tracing::info!("publishing the rows written before the slot existed, from the table");
+                tracing::info!(
+                    "publishing the rows written before the slot existed, from the table"
+                );
             }
             lease.stamp(&mut claims);
             let held = pg.held_aggregates().await?;

@@ -82,15 +82,6 @@ impl Loaded {
                     .into(),
             );
         }
-        if let Some(mode) = crate::capture::needs_tls(sc) {
-            err(
-                format!("{key}.capture"),
-                format!(
-                    "`logical` streams over a plain connection (no TLS on the replication connection yet) \
-                     and this source asks for {mode}"
-                ),
-            );
-        }
         let l = sc.logical.clone().unwrap_or_default();
         for (k, v) in [("slot", &l.slot), ("publication", &l.publication)] {
             if let Some(v) = v

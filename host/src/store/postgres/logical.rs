@@ -116,8 +116,13 @@ impl PgStore {
         }
         if l.input == LogicalInput::Table {
             let listed: bool = sqlx::query_scalar(
-                "SELECT EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 \
-                   AND format('%I.%I', schemaname, tablename)::regclass = to_regclass($2))",
+                // (by catalog join: casting every listed name to regclass
+                // fails for roles without superuser, "permission denied
+                // for schema pg_toast")
+                "SELECT EXISTS (SELECT 1 FROM pg_publication_tables pt \
+                   JOIN pg_namespace n ON n.nspname = pt.schemaname \
+                   JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = pt.tablename \
+                   WHERE pt.pubname = $1 AND c.oid = to_regclass($2))",
             )
             .bind(&l.publication)
             .bind(quote(&self.cfg.name))
