@@ -30,3 +30,15 @@ pub mod shadow;
 pub mod sink;
 pub mod store;
 pub mod topology;
+
+/// Make ring the process's TLS provider, once. Two rustls providers are
+/// compiled in (pgwire-replication's TLS brings aws-lc-rs beside ring, see
+/// `host/Cargo.toml`), and a TLS client that does not name its own (the
+/// NATS client, the replication connection) then finds none and panics.
+/// Called before any such client is built.
+pub fn tls_provider() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}

@@ -110,9 +110,7 @@ enum ConfigAction {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    // Two rustls providers are compiled in (see Cargo.toml): use ring for
-    // every TLS client that does not name its own (NATS, replication).
-    let _ = rustls::crypto::ring::default_provider().install_default();
+    outroute::tls_provider();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -129,6 +129,7 @@ pub fn replication_config(
         decode(&database)
     };
     let tls = replication_tls(key, sc, &url, &host)?;
+    crate::tls_provider();
     Ok(ReplicationConfig::new(
         host,
         user,

@@ -141,6 +141,7 @@ async fn connect_options(
     c: &NatsSinkConfig,
     publish_timeout: Duration,
 ) -> Result<async_nats::ConnectOptions> {
+    crate::tls_provider();
     let mut o = async_nats::ConnectOptions::new()
         .name(format!("outroute/{name}"))
         .connection_timeout(Duration::from_secs(2))
