@@ -370,7 +370,8 @@ async fn rows_written_before_the_slot_go_out_first_in_order() -> anyhow::Result<
         &dir.join("logical"),
         &db.url,
         LOGICAL,
-        "lease_ttl = \"2s\"",
+        // Small batches: the table is read page after page.
+        "lease_ttl = \"2s\"\nbatch_size = 2",
         &body,
     )?;
     let cfg = config.to_str().unwrap_or_default().to_string();

@@ -46,7 +46,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::config::{Logical, LogicalInput, PgTlsMode, StoreConfig, TableConfig};
+use crate::config::{Logical, LogicalInput, StoreConfig, TableConfig};
 use crate::event::{Event, Malformed, RawRow};
 use crate::failpoint;
 use crate::metrics as m;
@@ -147,42 +147,40 @@ pub fn replication_config(
 }
 
 /// TLS of the replication connection, as the source's queries have it:
-/// `[store.tls]` when set, else the URL's `sslmode`, `sslrootcert`,
-/// `sslcert` and `sslkey` (libpq's names; unset `sslmode` is `prefer`:
-/// TLS when the server offers it).
+/// the mode the query pool resolved (`[store.tls]`, the URL's `sslmode` or
+/// its aliases, `PGSSLMODE`; unset is `prefer`: TLS when the server offers
+/// it), and the files from `[store.tls]`, else the URL (`sslrootcert`,
+/// `sslcert`, `sslkey` or sqlx's aliases), else `PGSSLROOTCERT`,
+/// `PGSSLCERT`, `PGSSLKEY`.
 fn replication_tls(key: &str, sc: &StoreConfig, url: &url::Url, host: &str) -> Result<TlsConfig> {
-    let param = |k: &str| {
-        url.query_pairs()
-            .find(|(n, _)| n == k)
-            .map(|(_, v)| v.into_owned())
+    use sqlx::postgres::PgSslMode;
+    let file = |names: &[&str], env: &str| {
+        names
+            .iter()
+            .find_map(|n| {
+                url.query_pairs()
+                    .find(|(k, _)| k == n)
+                    .map(|(_, v)| v.into_owned())
+            })
+            .or_else(|| std::env::var(env).ok())
+            .map(std::path::PathBuf::from)
     };
-    let (mode, ca, cert, client_key) = match &sc.tls {
-        Some(t) => (
-            match t.mode {
-                PgTlsMode::Disable => SslMode::Disable,
-                PgTlsMode::Prefer => SslMode::Prefer,
-                PgTlsMode::Require => SslMode::Require,
-                PgTlsMode::VerifyCa => SslMode::VerifyCa,
-                PgTlsMode::VerifyFull => SslMode::VerifyFull,
-            },
-            t.ca_file.clone(),
-            t.cert_file.clone(),
-            t.key_file.clone(),
-        ),
+    let mode = match crate::store::postgres::connect_options(key, sc)?.get_ssl_mode() {
+        PgSslMode::Disable => SslMode::Disable,
+        PgSslMode::Allow | PgSslMode::Prefer => SslMode::Prefer,
+        PgSslMode::Require => SslMode::Require,
+        PgSslMode::VerifyCa => SslMode::VerifyCa,
+        PgSslMode::VerifyFull => SslMode::VerifyFull,
+    };
+    let t = sc.tls.as_ref();
+    let ca = t
+        .and_then(|t| t.ca_file.clone())
+        .or_else(|| file(&["sslrootcert", "ssl-root-cert", "ssl-ca"], "PGSSLROOTCERT"));
+    let (cert, client_key) = match t.and_then(|t| t.cert_file.clone().zip(t.key_file.clone())) {
+        Some((c, k)) => (Some(c), Some(k)),
         None => (
-            match param("sslmode").as_deref() {
-                Some("disable") => SslMode::Disable,
-                None | Some("allow") | Some("prefer") => SslMode::Prefer,
-                Some("require") => SslMode::Require,
-                Some("verify-ca") => SslMode::VerifyCa,
-                Some("verify-full") => SslMode::VerifyFull,
-                Some(other) => bail!(
-                    "{key}.url: sslmode `{other}` is not one of disable, allow, prefer, require, verify-ca, verify-full"
-                ),
-            },
-            param("sslrootcert").map(Into::into),
-            param("sslcert").map(Into::into),
-            param("sslkey").map(Into::into),
+            file(&["sslcert", "ssl-cert"], "PGSSLCERT"),
+            file(&["sslkey", "ssl-key"], "PGSSLKEY"),
         ),
     };
     if cert.is_some() != client_key.is_some() {

@@ -406,7 +406,10 @@ pub struct PgStore {
 }
 
 /// The URL's options with `store.password` and `store.tls` applied.
-fn connect_options(key: &str, sc: &crate::config::StoreConfig) -> Result<PgConnectOptions> {
+pub(crate) fn connect_options(
+    key: &str,
+    sc: &crate::config::StoreConfig,
+) -> Result<PgConnectOptions> {
     use crate::config::PgTlsMode as M;
     use sqlx::postgres::PgSslMode;
     let mut opts = sc
@@ -1245,8 +1248,11 @@ impl PgStore {
                 // Only the same event at the same stream position is a re-read; another
                 // event under a taken id records nothing, so its batch is not
                 // confirmed (loud, never a silent loss).
+                // (a row published from the table before streaming began
+                // and streamed again is recorded at the slot's start: an
+                // earlier position)
                 "DO UPDATE SET updated_at = st.updated_at \
-                   WHERE st.commit_lsn IS NOT DISTINCT FROM EXCLUDED.commit_lsn AND st.seq = EXCLUDED.seq"
+                   WHERE st.commit_lsn <= EXCLUDED.commit_lsn AND st.seq = EXCLUDED.seq"
                     .to_string()
             } else {
                 "DO UPDATE SET attempts = EXCLUDED.attempts, \

@@ -212,7 +212,7 @@ impl PgStore {
                 l.slot
             ));
             if l.input == LogicalInput::Table {
-                done.push(self.record_backfill(l.cleanup).await?);
+                done.push(self.record_backfill(l.cleanup, &lsn).await?);
             }
         }
         Ok(done)
@@ -226,7 +226,7 @@ impl PgStore {
     /// twice, with the same id — never none). With `cleanup = "keep"` a
     /// re-created slot records nothing: the kept rows the old slot streamed
     /// look pending and would all go out again.
-    async fn record_backfill(&self, cleanup: Cleanup) -> Result<String> {
+    async fn record_backfill(&self, cleanup: Cleanup, slot_lsn: &str) -> Result<String> {
         let s = TableSql::new(&self.cfg, self.lanes, "text");
         let (upto, n): (Option<i64>, i64) = sqlx::query_as(&format!(
             "SELECT max({seq}), count(*) FROM {table} o WHERE {pending}",
@@ -251,25 +251,25 @@ impl PgStore {
                 self.cfg.name
             ));
         }
+        // Nothing to publish is recorded too (finished at once): a later
+        // re-created slot then knows one existed before.
+        sqlx::query(
+            "INSERT INTO outroute_capture_backfill (source, upto, slot_lsn, finished_at) \
+               VALUES ($1, coalesce($2, 0), ($3::pg_lsn - '0/0'::pg_lsn)::bigint, CASE WHEN $2 IS NULL THEN now() END) \
+             ON CONFLICT (source) DO UPDATE SET upto = excluded.upto, slot_lsn = excluded.slot_lsn, \
+               done_seq = NULL, done_id = NULL, created_at = now(), finished_at = excluded.finished_at",
+        )
+        .bind(&self.source)
+        .bind(upto)
+        .bind(slot_lsn)
+        .execute(&self.pool)
+        .await?;
         let Some(upto) = upto else {
-            sqlx::query("DELETE FROM outroute_capture_backfill WHERE source = $1")
-                .bind(&self.source)
-                .execute(&self.pool)
-                .await?;
             return Ok(format!(
                 "no pending rows in `{}` before the slot",
                 self.cfg.name
             ));
         };
-        sqlx::query(
-            "INSERT INTO outroute_capture_backfill (source, upto) VALUES ($1, $2) \
-             ON CONFLICT (source) DO UPDATE SET upto = excluded.upto, done_seq = NULL, done_id = NULL, \
-               created_at = now(), finished_at = NULL",
-        )
-        .bind(&self.source)
-        .bind(upto)
-        .execute(&self.pool)
-        .await?;
         Ok(format!(
             "{n} pending rows of `{}` were written before the slot: the relay publishes them from \
              the table (in order, up to {upto}) before it starts streaming",
@@ -279,18 +279,26 @@ impl PgStore {
 
     /// The next rows written before the slot, after the last batch handled
     /// (`None`: no backfill is due, or it finished). Claims as the stream's
-    /// events: the capture lane, and commit position 0 (before every
-    /// streamed transaction, in the parked queue's order).
+    /// events: the capture lane, and the slot's creation LSN as their commit
+    /// position (after every event an earlier slot parked, before every
+    /// streamed one). Events lease mode failed or an operator discarded are
+    /// not published again.
     pub async fn backfill_batch(&self, limit: u32) -> Result<Option<Vec<Claim>>> {
-        let due: Option<i64> = sqlx::query_scalar(
-            "SELECT upto FROM outroute_capture_backfill WHERE source = $1 AND finished_at IS NULL",
+        let due: Option<i64> = match sqlx::query_scalar(
+            "SELECT slot_lsn FROM outroute_capture_backfill WHERE source = $1 AND finished_at IS NULL",
         )
         .bind(&self.source)
         .fetch_optional(&self.pool)
-        .await?;
-        if due.is_none() {
+        .await
+        {
+            Ok(due) => due,
+            // A relay upgraded before `outroute migrate` ran: nothing recorded.
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P01") => None,
+            Err(e) => return Err(e.into()),
+        };
+        let Some(slot_lsn) = due else {
             return Ok(None);
-        }
+        };
         let s = self.sql()?;
         let min = i64::MIN;
         let q = format!(
@@ -299,6 +307,8 @@ impl PgStore {
              WHERE b.source = $1 AND {seq} <= b.upto AND {seq} >= coalesce(b.done_seq, {min}) \
                AND ({seq} > coalesce(b.done_seq, {min}) OR {id}::text > coalesce(b.done_id, '')) \
                AND {pending} \
+               AND NOT EXISTS (SELECT 1 FROM outroute_event_state s WHERE s.source = $1 \
+                   AND s.event_id = {id}::text AND (s.failed_at IS NOT NULL OR s.discarded_at IS NOT NULL)) \
              ORDER BY {seq}, {id}::text LIMIT $2",
             cols = s.select_cols,
             table = s.table,
@@ -317,11 +327,24 @@ impl PgStore {
             let mut c = super::to_claim(r)?;
             c.lane = CAPTURE_LANE;
             c.captured = Some(Captured {
-                commit_lsn: 0,
+                commit_lsn: slot_lsn,
                 parked: false,
             });
             claims.push(c);
         }
+        // Lease mode's record of an event still retrying (no event stored):
+        // the backfill is its next attempt, parked like a streamed one if
+        // it fails again.
+        let ids: Vec<&str> = claims.iter().map(|c| c.id()).collect();
+        sqlx::query(
+            "DELETE FROM outroute_event_state WHERE source = $1 AND event_id = ANY($2) \
+               AND event IS NULL AND failed_at IS NULL AND discarded_at IS NULL",
+        )
+        .bind(&self.source)
+        .bind(&ids)
+        .execute(&self.pool)
+        .await
+        .context("clearing lease-mode retry records of rows written before the slot")?;
         Ok(Some(claims))
     }
 
