@@ -361,11 +361,13 @@ async fn kafka_over_tls_through_a_terminator() -> Result<()> {
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn logical_capture_streams_over_verified_tls() -> Result<()> {
-    let pg = pg_tls()?;
-    let dir = test_dir("pg-tls-logical");
-    std::fs::write(dir.join("password"), format!("{}\n", pg.password))?;
+/// A database of our own (`<prefix>_<tag>`, with the producers' `orders`
+/// table) on the TLS cluster, reached over verify-full TLS: (admin pool on
+/// `postgres`, pool on the database, its name).
+async fn tls_database(
+    pg: &outroute_e2e::secure::PgTls,
+    prefix: &str,
+) -> Result<(sqlx::PgPool, sqlx::PgPool, String)> {
     let admin_opts = sqlx::postgres::PgConnectOptions::new()
         .host("127.0.0.1")
         .port(pg.port)
@@ -378,7 +380,7 @@ async fn logical_capture_streams_over_verified_tls() -> Result<()> {
         .max_connections(1)
         .connect_with(admin_opts.clone())
         .await?;
-    let db = format!("outroute_tlslog_{}", tag());
+    let db = format!("{prefix}_{}", tag());
     sqlx::query(&format!("CREATE DATABASE {db}"))
         .execute(&admin)
         .await?;
@@ -389,6 +391,15 @@ async fn logical_capture_streams_over_verified_tls() -> Result<()> {
     sqlx::query("CREATE TABLE orders (id text PRIMARY KEY, version integer NOT NULL)")
         .execute(&pool)
         .await?;
+    Ok((admin, pool, db))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn logical_capture_streams_over_verified_tls() -> Result<()> {
+    let pg = pg_tls()?;
+    let dir = test_dir("pg-tls-logical");
+    std::fs::write(dir.join("password"), format!("{}\n", pg.password))?;
+    let (admin, pool, db) = tls_database(&pg, "outroute_tlslog").await?;
     let out = dir.join("out.jsonl");
     let config = dir.join("outroute.toml");
     std::fs::write(
@@ -451,29 +462,7 @@ async fn postgres_over_tls_with_a_password_role() -> Result<()> {
     let pki = Pki::new(&dir.join("pki"))?;
 
     // A database of our own on the TLS cluster, reached over verify-full TLS.
-    let admin_opts = sqlx::postgres::PgConnectOptions::new()
-        .host("127.0.0.1")
-        .port(pg.port)
-        .username(pg.user)
-        .password(pg.password)
-        .database("postgres")
-        .ssl_mode(sqlx::postgres::PgSslMode::VerifyFull)
-        .ssl_root_cert(&pg.ca);
-    let admin = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with(admin_opts.clone())
-        .await?;
-    let db = format!("outroute_tls_{}", tag());
-    sqlx::query(&format!("CREATE DATABASE {db}"))
-        .execute(&admin)
-        .await?;
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(4)
-        .connect_with(admin_opts.database(&db))
-        .await?;
-    sqlx::query("CREATE TABLE orders (id text PRIMARY KEY, version integer NOT NULL)")
-        .execute(&pool)
-        .await?;
+    let (admin, pool, db) = tls_database(&pg, "outroute_tls").await?;
 
     let out = dir.join("out.jsonl");
     let store = |password: &str, tls: &str| {
