@@ -361,6 +361,18 @@ async fn kafka_over_tls_through_a_terminator() -> Result<()> {
     Ok(())
 }
 
+/// The relay body both PostgreSQL-over-TLS tests use: route `r` through
+/// the order router to a file sink at `out`.
+fn orders_to_file(out: &Path) -> String {
+    relay_body(
+        "",
+        &[TestSink::File(out)],
+        "order-router",
+        "r",
+        "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }",
+    )
+}
+
 /// A database of our own (`<prefix>_<tag>`, with the producers' `orders`
 /// table) on the TLS cluster, reached over verify-full TLS: (admin pool on
 /// `postgres`, pool on the database, its name).
@@ -412,13 +424,7 @@ async fn logical_capture_streams_over_verified_tls() -> Result<()> {
             pg.port,
             pg.ca.display(),
             std::env::temp_dir().join("outroute-test-cache").display(),
-            relay_body(
-                "",
-                &[TestSink::File(&out)],
-                "order-router",
-                "r",
-                "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }",
-            )
+            orders_to_file(&out)
         ),
     )?;
     let cfg = config.display().to_string();
@@ -471,13 +477,7 @@ async fn postgres_over_tls_with_a_password_role() -> Result<()> {
             pg.user,
             pg.port,
             std::env::temp_dir().join("outroute-test-cache").display(),
-            relay_body(
-                "",
-                &[TestSink::File(&out)],
-                "order-router",
-                "r",
-                "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }",
-            )
+            orders_to_file(&out)
         )
     };
     let write = |name: &str, body: String| -> Result<String> {
