@@ -129,7 +129,6 @@ pub fn replication_config(
         decode(&database)
     };
     let tls = replication_tls(key, sc, &url, &host)?;
-    crate::tls_provider();
     Ok(ReplicationConfig::new(
         host,
         user,
@@ -775,17 +774,15 @@ impl Relay {
     ) -> Result<bool> {
         let mut outage_backoff = Duration::from_millis(100);
         let mut published = 0usize;
+        let mut announced = false;
         loop {
             if stop.is_cancelled() || !lease.held() {
                 return Ok(false);
             }
-            let Some(mut claims) = pg.backfill_batch(self.config.batch_size).await? else {
+            let Some(claims) = pg.backfill_batch(self.config.batch_size).await? else {
                 return Ok(true);
             };
-            let Some(last) = claims.last().map(|c| match &c.row {
-                Ok(e) => (e.sequence, e.id.clone()),
-                Err(m) => (m.sequence, m.id.clone()),
-            }) else {
+            let Some(last) = claims.last().map(|c| (c.sequence(), c.id().to_string())) else {
                 if !pg.backfill_progress(None, epoch).await? {
                     return Ok(false);
                 }
@@ -795,51 +792,68 @@ impl Relay {
                 );
                 return Ok(true);
             };
-            if published == 0 {
+            if !announced {
                 tracing::info!(
                     "publishing the rows written before the slot existed, from the table"
                 );
+                announced = true;
             }
-            lease.stamp(&mut claims);
+            let seqs: Vec<i64> = claims.iter().map(Claim::sequence).collect();
             let held = pg.held_aggregates().await?;
-            let (queue, go): (Vec<Claim>, Vec<Claim>) = claims
-                .into_iter()
-                .partition(|c| held.contains(&aggregate_of(c)));
-            let seqs: Vec<i64> = go
-                .iter()
-                .chain(&queue)
-                .map(|c| match &c.row {
-                    Ok(e) => e.sequence,
-                    Err(m) => m.sequence,
-                })
-                .collect();
-            let waiting: Vec<Failure> = queue.iter().map(|c| self.waiting(c)).collect();
-            loop {
-                let report = self.process(go.clone(), Some(&mut lease)).await?;
-                if !report.outage {
-                    published += report.published;
-                    break;
-                }
-                tracing::warn!(backoff = ?outage_backoff, reason = report.outage_reason.as_deref().unwrap_or(""), "every publish failed; backing off (rows written before the slot)");
-                sleep_or_cancel(crate::pipeline::jitter(outage_backoff), stop).await;
-                outage_backoff = (outage_backoff * 2).min(Duration::from_secs(10));
-                if stop.is_cancelled() || !lease.held() {
-                    return Ok(false);
-                }
-            }
-            outage_backoff = Duration::from_millis(100);
-            if !waiting.is_empty() {
-                let n = self.store.record_failures(&waiting).await?;
-                if (n as usize) < waiting.len() {
-                    return Ok(false);
-                }
-            }
+            let Some((report, _)) = self
+                .hand_on(claims, &held, &mut lease, stop, &mut outage_backoff)
+                .await?
+            else {
+                return Ok(false);
+            };
+            published += report.published;
             failpoint::hit("mid-mark");
             pg.delete_captured(&runs(seqs)).await?;
             if !pg.backfill_progress(Some((last.0, &last.1)), epoch).await? {
                 return Ok(false);
             }
         }
+    }
+
+    /// Hand a batch of captured events on: those of an aggregate in `held`
+    /// join its parked queue untouched; the rest go through `process`, again
+    /// and again with backoff while every publish fails (the slot is not
+    /// confirmed meanwhile). Returns the report and the aggregates whose
+    /// events joined a queue; `None` when stopped, or the lease lost,
+    /// during an outage.
+    async fn hand_on(
+        &self,
+        mut claims: Vec<Claim>,
+        held: &HashSet<(String, String)>,
+        lease: &mut LeaseGuard,
+        stop: &CancellationToken,
+        backoff: &mut Duration,
+    ) -> Result<Option<(BatchReport, Vec<(String, String)>)>> {
+        lease.stamp(&mut claims);
+        let (queue, go): (Vec<Claim>, Vec<Claim>) = claims
+            .into_iter()
+            .partition(|c| held.contains(&aggregate_of(c)));
+        let report = loop {
+            let report = self.process(go.clone(), Some(&mut *lease)).await?;
+            if !report.outage {
+                break report;
+            }
+            tracing::warn!(backoff = ?*backoff, reason = report.outage_reason.as_deref().unwrap_or(""), "every publish failed; backing off (the slot is not confirmed)");
+            sleep_or_cancel(crate::pipeline::jitter(*backoff), stop).await;
+            *backoff = (*backoff * 2).min(Duration::from_secs(10));
+            if stop.is_cancelled() || !lease.held() {
+                return Ok(None);
+            }
+        };
+        *backoff = Duration::from_millis(100);
+        let waiting: Vec<Failure> = queue.iter().map(|c| self.waiting(c)).collect();
+        if !waiting.is_empty() {
+            let n = self.store.record_failures(&waiting).await?;
+            if (n as usize) < waiting.len() {
+                bail!("capture lease lost while parking events; not confirming");
+            }
+        }
+        Ok(Some((report, queue.iter().map(aggregate_of).collect())))
     }
 
     /// One partition worker: its aggregates' parked queues and stream
@@ -904,37 +918,16 @@ impl Relay {
             for ev in batch.claims.iter().filter_map(|c| c.row.as_ref().ok()) {
                 pickup.record(crate::relay::seconds_since(ev.created_at, now));
             }
-            let mut claims = batch.claims;
-            lease.stamp(&mut claims);
-            // Events of aggregates with a parked queue join it, untouched.
-            let (queue, go): (Vec<Claim>, Vec<Claim>) = claims
-                .into_iter()
-                .partition(|c| held.contains(&aggregate_of(c)));
-            let waiting: Vec<Failure> = queue.iter().map(|c| self.waiting(c)).collect();
-            loop {
-                let report: BatchReport = self.process(go.clone(), Some(&mut lease)).await?;
-                if report.outage {
-                    tracing::warn!(backoff = ?outage_backoff, reason = report.outage_reason.as_deref().unwrap_or(""), "every publish failed; backing off (the slot is not confirmed)");
-                    sleep_or_cancel(crate::pipeline::jitter(outage_backoff), &stop).await;
-                    outage_backoff = (outage_backoff * 2).min(Duration::from_secs(10));
-                    if stop.is_cancelled() || !lease.held() {
-                        return Ok(());
-                    }
-                    continue;
-                }
-                outage_backoff = Duration::from_millis(100);
-                if report.failed + report.retried + report.held + report.deferred > 0 {
-                    held = part.own(pg.held_aggregates().await?);
-                }
-                break;
+            let Some((report, queued)) = self
+                .hand_on(batch.claims, &held, &mut lease, &stop, &mut outage_backoff)
+                .await?
+            else {
+                return Ok(());
+            };
+            if report.failed + report.retried + report.held + report.deferred > 0 {
+                held = part.own(pg.held_aggregates().await?);
             }
-            if !waiting.is_empty() {
-                let n = self.store.record_failures(&waiting).await?;
-                if (n as usize) < waiting.len() {
-                    bail!("capture lease lost while parking events; not confirming");
-                }
-                held.extend(queue.iter().map(aggregate_of));
-            }
+            held.extend(queued);
             // Handled (published or parked): the marks before these events
             // may be confirmed (and their rows deleted) once every worker
             // got there.
