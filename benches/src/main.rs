@@ -687,12 +687,12 @@ async fn db_ceiling(n: usize, marking: &str, batch: u32, workers: u32) -> Result
     Ok(rate)
 }
 
-fn headers(i: usize) -> Vec<(String, String)> {
+fn headers(i: usize) -> Vec<outroute::sink::Header<'static>> {
     vec![
-        ("ce_id".into(), format!("bench-{i}")),
-        ("ce_type".into(), "order-created".into()),
-        ("ce_source".into(), "/outroute/outbox".into()),
-        ("ce_specversion".into(), "1.0".into()),
+        ("ce_id", format!("bench-{i}").into()),
+        ("ce_type", "order-created".into()),
+        ("ce_source", "/outroute/outbox".into()),
+        ("ce_specversion", "1.0".into()),
     ]
 }
 
@@ -1188,7 +1188,7 @@ async fn baseline(n: usize) -> Result<f64> {
         }
         for (id, agg, body) in rows {
             let ids = id.to_string();
-            let h = vec![("ce_id".to_string(), ids.clone())];
+            let h: Vec<outroute::sink::Header> = vec![("ce_id", ids.as_str().into())];
             let out = Outgoing {
                 topic: &topic,
                 key: Some(agg.as_bytes()),

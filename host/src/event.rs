@@ -3,7 +3,11 @@
 //! refuse it ([`Rejection`]). Also the envelope: the CloudEvents headers the
 //! relay puts on every message so consumers can deduplicate by event id.
 
+use std::borrow::Cow;
+
 use chrono::{DateTime, SecondsFormat, Utc};
+
+use crate::sink::Header;
 
 /// One outbox row, validated.
 #[derive(Debug, Clone, PartialEq)]
@@ -53,6 +57,9 @@ pub struct RawRow {
     pub headers: Option<String>,
     pub created_at: Option<DateTime<Utc>>,
     pub attempts: i32,
+    /// The payload comes from a `json`/`jsonb` column: PostgreSQL already
+    /// checked that it is JSON, so it is not parsed again.
+    pub payload_is_json: bool,
 }
 
 /// A row that cannot become an event, with the reason.
@@ -72,51 +79,69 @@ impl RawRow {
     // `Event` (the Ok side) is larger still: boxing the error saves nothing.
     #[allow(clippy::result_large_err)]
     pub fn validate(self) -> Result<Event, Malformed> {
-        let malformed = |row: &RawRow, reason: String| Malformed {
-            id: row.id.clone(),
-            // Unknown order: 0 holds back every event of its aggregate
-            // under the `block` policy (the conservative choice).
-            sequence: row.sequence.unwrap_or(0),
-            aggregate_type: row.aggregate_type.clone().unwrap_or_default(),
-            aggregate_id: row.aggregate_id.clone().unwrap_or_default(),
-            event_type: row.event_type.clone().unwrap_or_default(),
-            reason,
+        // The first thing wrong with the row, if anything (no copies: the
+        // fields move into the event once all are known to be fine).
+        let problem = (|| -> Option<String> {
+            let required = |v: &Option<String>, col: &str| match v.as_deref() {
+                Some("") => Some(format!("{col} is empty")),
+                None => Some(format!("{col} is NULL")),
+                Some(_) => None,
+            };
+            let Some(payload) = &self.payload else {
+                return Some("payload is NULL".into());
+            };
+            if !self.payload_is_json
+                && let Err(e) = serde_json::from_str::<serde::de::IgnoredAny>(payload)
+            {
+                return Some(format!("payload is not valid JSON: {e}"));
+            }
+            required(&self.aggregate_type, "aggregate_type")
+                .or_else(|| required(&self.aggregate_id, "aggregate_id"))
+                .or_else(|| required(&self.event_type, "event_type"))
+        })();
+        let version = match self.event_version.as_deref().map(str::trim) {
+            None => Ok(1),
+            Some(v) => v
+                .parse::<u32>()
+                .map_err(|_| format!("event_version `{v}` is not a version number")),
         };
-        let required = |v: &Option<String>, col: &str| -> Result<String, String> {
-            match v {
-                Some(s) if !s.is_empty() => Ok(s.clone()),
-                Some(_) => Err(format!("{col} is empty")),
-                None => Err(format!("{col} is NULL")),
+        let headers = match self.headers.as_deref() {
+            None | Some("") | Some("null") => Ok(Vec::new()),
+            Some(h) => parse_headers(h),
+        };
+        let reason = match (problem, version, self.sequence, headers, self.created_at) {
+            (Some(p), ..) => p,
+            (None, Err(v), ..) => v,
+            (None, Ok(_), None, ..) => {
+                "the ordering column (sequence, or created_at standing in) is NULL".into()
+            }
+            (None, Ok(_), Some(_), Err(h), _) => h,
+            (None, Ok(_), Some(_), Ok(_), None) => "created_at is NULL".into(),
+            (None, Ok(event_version), Some(sequence), Ok(headers), Some(created_at)) => {
+                return Ok(Event {
+                    id: self.id,
+                    aggregate_type: self.aggregate_type.unwrap_or_default(),
+                    aggregate_id: self.aggregate_id.unwrap_or_default(),
+                    event_type: self.event_type.unwrap_or_default(),
+                    event_version,
+                    sequence,
+                    headers,
+                    created_at,
+                    payload: self.payload.unwrap_or_default().into_bytes(),
+                    attempts: u32::try_from(self.attempts).unwrap_or(0),
+                });
             }
         };
-        let event = (|| -> Result<Event, String> {
-            let payload = self.payload.clone().ok_or("payload is NULL")?;
-            serde_json::from_str::<serde::de::IgnoredAny>(&payload)
-                .map_err(|e| format!("payload is not valid JSON: {e}"))?;
-            Ok(Event {
-                id: self.id.clone(),
-                aggregate_type: required(&self.aggregate_type, "aggregate_type")?,
-                aggregate_id: required(&self.aggregate_id, "aggregate_id")?,
-                event_type: required(&self.event_type, "event_type")?,
-                event_version: match self.event_version.as_deref().map(str::trim) {
-                    None => 1,
-                    Some(v) => v
-                        .parse::<u32>()
-                        .map_err(|_| format!("event_version `{v}` is not a version number"))?,
-                },
-                sequence: self
-                    .sequence
-                    .ok_or("the ordering column (sequence, or created_at standing in) is NULL")?,
-                headers: match self.headers.as_deref() {
-                    None | Some("") | Some("null") => Vec::new(),
-                    Some(h) => parse_headers(h)?,
-                },
-                created_at: self.created_at.ok_or("created_at is NULL")?,
-                payload: payload.into_bytes(),
-                attempts: u32::try_from(self.attempts).unwrap_or(0),
-            })
-        })();
-        event.map_err(|reason| malformed(&self, reason))
+        Err(Malformed {
+            id: self.id,
+            // Unknown order: 0 holds back every event of its aggregate
+            // under the `block` policy (the conservative choice).
+            sequence: self.sequence.unwrap_or(0),
+            aggregate_type: self.aggregate_type.unwrap_or_default(),
+            aggregate_id: self.aggregate_id.unwrap_or_default(),
+            event_type: self.event_type.unwrap_or_default(),
+            reason,
+        })
     }
 }
 
@@ -197,35 +222,41 @@ pub mod ce {
 
 /// The envelope headers for every message routed from `event`, followed by
 /// the plugin's own headers (a plugin cannot override the envelope).
-pub fn envelope(
-    event: &Event,
-    source: &str,
-    plugin_headers: &[(String, String)],
-) -> Vec<(String, String)> {
-    let mut h = Vec::with_capacity(10 + plugin_headers.len());
-    h.push((ce::ID.into(), event.id.clone()));
-    h.push((ce::TYPE.into(), event.event_type.clone()));
-    h.push((ce::SOURCE.into(), source.to_string()));
-    h.push((ce::SPEC_VERSION.into(), "1.0".into()));
+pub fn envelope<'a>(
+    event: &'a Event,
+    source: &'a str,
+    plugin_headers: &'a [(String, String)],
+) -> Vec<Header<'a>> {
+    let b = Cow::Borrowed;
+    let mut h: Vec<Header<'a>> = Vec::with_capacity(12 + plugin_headers.len());
+    h.push((ce::ID, b(&event.id)));
+    h.push((ce::TYPE, b(&event.event_type)));
+    h.push((ce::SOURCE, b(source)));
+    h.push((ce::SPEC_VERSION, b("1.0")));
     h.push((
-        ce::TIME.into(),
-        event
-            .created_at
-            .to_rfc3339_opts(SecondsFormat::Micros, true),
+        ce::TIME,
+        Cow::Owned(
+            event
+                .created_at
+                .to_rfc3339_opts(SecondsFormat::Micros, true),
+        ),
     ));
-    h.push((ce::SUBJECT.into(), event.aggregate_id.clone()));
-    h.push((ce::AGGREGATE_TYPE.into(), event.aggregate_type.clone()));
-    h.push((ce::AGGREGATE_ID.into(), event.aggregate_id.clone()));
-    h.push((ce::EVENT_VERSION.into(), event.event_version.to_string()));
-    h.push((ce::SEQUENCE.into(), event.sequence.to_string()));
+    h.push((ce::SUBJECT, b(&event.aggregate_id)));
+    h.push((ce::AGGREGATE_TYPE, b(&event.aggregate_type)));
+    h.push((ce::AGGREGATE_ID, b(&event.aggregate_id)));
+    h.push((
+        ce::EVENT_VERSION,
+        Cow::Owned(event.event_version.to_string()),
+    ));
+    h.push((ce::SEQUENCE, Cow::Owned(event.sequence.to_string())));
     for name in [ce::TRACEPARENT, ce::TRACESTATE] {
         if let Some(v) = event.header(name) {
-            h.push((name.into(), v.into()));
+            h.push((name, b(v)));
         }
     }
     for (k, v) in plugin_headers {
-        if !h.iter().any(|(hk, _)| hk == k) {
-            h.push((k.clone(), v.clone()));
+        if !h.iter().any(|(hk, _)| *hk == k.as_str()) {
+            h.push((k, b(v)));
         }
     }
     h
@@ -250,6 +281,7 @@ mod tests {
             ),
             created_at: Some(Utc::now()),
             attempts: 0,
+            payload_is_json: false,
         }
     }
 
@@ -293,17 +325,14 @@ mod tests {
     #[test]
     fn envelope_carries_id_and_trace_and_keeps_plugin_headers() {
         let e = raw().validate().unwrap();
-        let h = envelope(
-            &e,
-            "/outroute/test",
-            &[("x".into(), "1".into()), ("ce_id".into(), "forged".into())],
-        );
-        let get = |k: &str| h.iter().find(|(hk, _)| hk == k).map(|(_, v)| v.as_str());
+        let plugin = [("x".into(), "1".into()), ("ce_id".into(), "forged".into())];
+        let h = envelope(&e, "/outroute/test", &plugin);
+        let get = |k: &str| h.iter().find(|(hk, _)| *hk == k).map(|(_, v)| v.as_ref());
         assert_eq!(get("ce_id"), Some("e1"));
         assert_eq!(get("ce_specversion"), Some("1.0"));
         assert_eq!(get("ce_eventversion"), Some("2"));
         assert!(get("traceparent").is_some());
         assert_eq!(get("x"), Some("1"));
-        assert_eq!(h.iter().filter(|(k, _)| k == "ce_id").count(), 1);
+        assert_eq!(h.iter().filter(|(k, _)| *k == "ce_id").count(), 1);
     }
 }

@@ -848,7 +848,15 @@ pub fn metric(text: &str, name_and_labels: &str) -> Option<f64> {
 
 /// Run the `outroute` binary with arguments; returns (status, stdout, stderr).
 pub fn cli(args: &[&str]) -> Result<(i32, String, String)> {
-    let out = Command::new(bin()).args(args).output()?;
+    cli_env(args, &[])
+}
+
+/// [`cli`] with extra environment variables (e.g. a failpoint).
+pub fn cli_env(args: &[&str], env: &[(&str, &str)]) -> Result<(i32, String, String)> {
+    let out = Command::new(bin())
+        .args(args)
+        .envs(env.iter().copied())
+        .output()?;
     Ok((
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),

@@ -149,7 +149,7 @@ async fn jetstream_drops_a_resent_duplicate_and_refuses_oversize() -> anyhow::Re
         auth: None,
     };
     let sink = NatsSink::build("nats", &cfg, &[format!("d{t}.*")], Duration::from_secs(5)).await?;
-    let headers = vec![("ce_id".to_string(), "event-1".to_string())];
+    let headers: Vec<outroute::sink::Header> = vec![("ce_id", "event-1".into())];
     let subject = format!("d{t}.x");
     let msg = |payload: &'static [u8]| Outgoing {
         topic: &subject,
@@ -171,7 +171,7 @@ async fn jetstream_drops_a_resent_duplicate_and_refuses_oversize() -> anyhow::Re
     }
 
     // Producer data that no NATS header can carry fails that message, clearly.
-    let bad = vec![("ce_subject".to_string(), "line\nbreak".to_string())];
+    let bad: Vec<outroute::sink::Header> = vec![("ce_subject", "line\nbreak".into())];
     let m = Outgoing {
         topic: &subject,
         key: None,

@@ -46,7 +46,7 @@ async fn nats_sink(dir: &Path, body: &str, subject: &str) -> Result<NatsSink> {
 
 /// One message published and acknowledged through `sink`.
 async fn publish(sink: &dyn Sink, topic: &str) -> Result<()> {
-    let headers = vec![("ce_id".to_string(), tag())];
+    let headers: Vec<outroute::sink::Header> = vec![("ce_id", tag().into())];
     let id = tag();
     let ack = sink
         .send(

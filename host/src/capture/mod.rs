@@ -52,7 +52,7 @@ use crate::failpoint;
 use crate::metrics as m;
 use crate::pipeline::{LeaseGuard, LeaseView};
 use crate::relay::{BatchReport, Relay, sleep_or_cancel};
-use crate::store::postgres::{CAPTURE_LANE, PgStore};
+use crate::store::postgres::{CAPTURE_LANE, CapturedRows, PgStore};
 use crate::store::{Captured, Claim, Failure, FailureKind};
 
 pub mod pgoutput;
@@ -222,6 +222,8 @@ struct RowShape {
     payload: Option<usize>,
     headers: Option<usize>,
     created_at: Option<usize>,
+    /// The payload column is `json`/`jsonb` (see [`RawRow::payload_is_json`]).
+    payload_is_json: bool,
 }
 
 impl RowShape {
@@ -231,20 +233,48 @@ impl RowShape {
                 .and_then(|c| rel.columns.iter().position(|n| n == c))
         };
         let req = |c: &String| rel.columns.iter().position(|n| n == c);
+        let payload = req(&t.payload);
         RowShape {
+            payload_is_json: payload
+                .and_then(|i| rel.types.get(i))
+                .is_some_and(|ty| pgoutput::JSON_TYPES.contains(ty)),
             id: req(&t.id),
             sequence: pos(&t.sequence),
             aggregate_type: pos(&t.aggregate_type),
             aggregate_id: req(&t.aggregate_id),
             event_type: req(&t.event_type),
             event_version: pos(&t.event_version),
-            payload: req(&t.payload),
+            payload,
             headers: pos(&t.headers),
             created_at: req(&t.created_at),
         }
     }
 
-    fn row(&self, t: &TableConfig, values: &[pgoutput::Value]) -> RawRow {
+    /// Is the payload column also mapped to another key?
+    fn shares_payload_column(&self) -> bool {
+        [
+            self.id,
+            self.sequence,
+            self.aggregate_type,
+            self.aggregate_id,
+            self.event_type,
+            self.event_version,
+            self.headers,
+            self.created_at,
+        ]
+        .contains(&self.payload)
+    }
+
+    fn row(&self, t: &TableConfig, mut values: Vec<pgoutput::Value>) -> RawRow {
+        // The payload (the one large value) moves out; the others are
+        // copied, as two keys may map the same column.
+        let payload = match self.payload.and_then(|i| values.get_mut(i)) {
+            Some(pgoutput::Value::Text(s)) if !self.shares_payload_column() => {
+                Some(std::mem::take(s))
+            }
+            Some(pgoutput::Value::Text(s)) => Some(s.clone()),
+            _ => None,
+        };
         let text = |i: Option<usize>| match i.and_then(|i| values.get(i)) {
             Some(pgoutput::Value::Text(s)) => Some(s.clone()),
             _ => None,
@@ -264,10 +294,11 @@ impl RowShape {
             aggregate_id: text(self.aggregate_id),
             event_type: text(self.event_type),
             event_version: text(self.event_version),
-            payload: text(self.payload),
+            payload,
             headers: text(self.headers),
             created_at,
             attempts: 0,
+            payload_is_json: self.payload_is_json,
         }
     }
 }
@@ -313,6 +344,8 @@ fn envelope_event(content: &[u8], lsn: Lsn, at: DateTime<Utc>) -> Result<Event, 
         headers: env.headers.map(|h| h.to_string()),
         created_at: Some(at),
         attempts: 0,
+        // A `RawValue`: serde_json has just checked it.
+        payload_is_json: true,
     }
     .validate()
 }
@@ -320,20 +353,6 @@ fn envelope_event(content: &[u8], lsn: Lsn, at: DateTime<Utc>) -> Result<Event, 
 /// Postgres micros since 2000-01-01 → UTC.
 fn pg_time(micros: i64) -> DateTime<Utc> {
     DateTime::from_timestamp_micros(micros + 946_684_800_000_000).unwrap_or_else(Utc::now)
-}
-
-/// Runs of consecutive numbers in `seqs`, as inclusive ranges.
-pub fn runs(mut seqs: Vec<i64>) -> Vec<(i64, i64)> {
-    seqs.sort_unstable();
-    seqs.dedup();
-    let mut out: Vec<(i64, i64)> = Vec::new();
-    for s in seqs {
-        match out.last_mut() {
-            Some((_, hi)) if *hi + 1 == s => *hi = s,
-            _ => out.push((s, s)),
-        }
-    }
-    out
 }
 
 /// The reader: owns the replication session, decodes what it brings into
@@ -458,7 +477,7 @@ impl Reader {
                         else {
                             return Ok(None);
                         };
-                        let row = shape.row(&self.table, &values).validate();
+                        let row = shape.row(&self.table, values).validate();
                         Some(Item::Event(Box::new(captured(row, commit_lsn))))
                     }
                     pgoutput::Change::Other(_) => None,
@@ -491,31 +510,28 @@ fn aggregate_of(c: &Claim) -> (String, String) {
     }
 }
 
-/// Work for the cleaner: the rows to delete (runs of sequence numbers) and
-/// the slot position to confirm after.
+/// Work for the cleaner: the rows to delete and the slot position to
+/// confirm after.
 struct CleanupJob {
-    runs: Vec<(i64, i64)>,
+    rows: CapturedRows,
     confirm: Option<Lsn>,
 }
 
 /// Take the marks up to `all` off the queue: their events' rows and the
 /// last one's position.
 fn confirmable(
-    marks: &mut std::collections::VecDeque<(u64, Lsn, Vec<i64>)>,
+    marks: &mut std::collections::VecDeque<(u64, Lsn, CapturedRows)>,
     all: u64,
 ) -> CleanupJob {
-    let mut seqs = Vec::new();
+    let mut rows = CapturedRows::default();
     let mut confirm = None;
     while marks.front().is_some_and(|(n, _, _)| *n <= all) {
-        if let Some((_, lsn, s)) = marks.pop_front() {
-            seqs.extend(s);
+        if let Some((_, lsn, r)) = marks.pop_front() {
+            rows.append(r);
             confirm = Some(lsn);
         }
     }
-    CleanupJob {
-        runs: runs(seqs),
-        confirm,
-    }
+    CleanupJob { rows, confirm }
 }
 
 /// What the dispatcher hands a partition worker, in stream order.
@@ -687,8 +703,9 @@ impl Relay {
         let _stop_cleaner = AbortOnDrop(cleaner_task);
         // Marks not yet confirmed (number, position, the sequence numbers of
         // the events handed out before it), and how far each worker got.
-        let mut marks: std::collections::VecDeque<(u64, Lsn, Vec<i64>)> = Default::default();
-        let mut since_mark: Vec<i64> = Vec::new();
+        let mut marks: std::collections::VecDeque<(u64, Lsn, CapturedRows)> = Default::default();
+        let mut since_mark = CapturedRows::default();
+        let by_id = pg.deletes_by_id();
         let mut next_mark = 0u64;
         let mut reached: Vec<Option<u64>> = vec![None; k];
         loop {
@@ -735,8 +752,10 @@ impl Relay {
                     let (lsn, at) = match item {
                         Item::Event(c) => {
                             match &c.row {
-                                Ok(e) => since_mark.push(e.sequence),
-                                Err(m) if m.sequence > 0 => since_mark.push(m.sequence),
+                                Ok(e) => since_mark.push(e.sequence, by_id.then_some(e.id.as_str())),
+                                Err(m) if m.sequence > 0 => {
+                                    since_mark.push(m.sequence, by_id.then_some(m.id.as_str()))
+                                }
                                 Err(_) => {}
                             }
                             let w = Partition::of_aggregate(&aggregate_of(&c), k);
@@ -798,7 +817,11 @@ impl Relay {
                 );
                 announced = true;
             }
-            let seqs: Vec<i64> = claims.iter().map(Claim::sequence).collect();
+            let by_id = pg.deletes_by_id();
+            let mut rows = CapturedRows::default();
+            for c in &claims {
+                rows.push(c.sequence(), by_id.then_some(c.id()));
+            }
             let held = pg.held_aggregates().await?;
             let Some((report, _)) = self
                 .hand_on(claims, &held, &mut lease, stop, &mut outage_backoff)
@@ -808,7 +831,7 @@ impl Relay {
             };
             published += report.published;
             failpoint::hit("mid-mark");
-            pg.delete_captured(&runs(seqs)).await?;
+            pg.delete_captured(&rows).await?;
             if !pg.backfill_progress(Some((last.0, &last.1)), epoch).await? {
                 return Ok(false);
             }
@@ -961,8 +984,8 @@ impl Relay {
             .as_ref()
             .is_some_and(|l| l.input == LogicalInput::Table);
         while let Some(job) = work.recv().await {
-            if table && !job.runs.is_empty() {
-                match pg.delete_captured(&job.runs).await {
+            if table && !job.rows.is_empty() {
+                match pg.delete_captured(&job.rows).await {
                     Ok(n) if n > 0 => {
                         metrics::counter!(m::PURGED, "source" => self.source.clone()).increment(n)
                     }
@@ -1118,16 +1141,6 @@ impl Drop for AbortOnDrop {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn runs_split_at_gaps() {
-        assert_eq!(
-            runs(vec![5, 3, 4, 9, 10, 12]),
-            vec![(3, 5), (9, 10), (12, 12)]
-        );
-        assert_eq!(runs(vec![]), vec![]);
-        assert_eq!(runs(vec![7, 7]), vec![(7, 7)]);
-    }
 
     #[test]
     fn timestamps_in_iso_text() {

@@ -18,13 +18,17 @@ pub enum Value {
     Unchanged,
 }
 
-/// A published table: its name and column names in order.
+/// A published table: its name, column names and column type OIDs in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Relation {
     pub namespace: String,
     pub name: String,
     pub columns: Vec<String>,
+    pub types: Vec<u32>,
 }
+
+/// The type OIDs of `json` and `jsonb` (fixed in PostgreSQL's catalog).
+pub const JSON_TYPES: [u32; 2] = [114, 3802];
 
 /// What a pgoutput message means to capture.
 #[derive(Debug, PartialEq)]
@@ -95,10 +99,11 @@ pub fn decode(data: &[u8]) -> Result<Change, String> {
             let _identity = r.u8("the replica identity")?;
             let n = r.i16("the column count")?;
             let mut columns = Vec::with_capacity(n.max(0) as usize);
+            let mut types = Vec::with_capacity(n.max(0) as usize);
             for _ in 0..n {
                 let _flags = r.u8("column flags")?;
                 columns.push(r.cstr("a column name")?);
-                let _type = r.i32("a column type")?;
+                types.push(r.i32("a column type")? as u32);
                 let _typmod = r.i32("a column type modifier")?;
             }
             Ok(Change::Relation(
@@ -107,6 +112,7 @@ pub fn decode(data: &[u8]) -> Result<Change, String> {
                     namespace,
                     name,
                     columns,
+                    types,
                 },
             ))
         }
@@ -169,6 +175,7 @@ mod tests {
                     namespace: "public".into(),
                     name: "outbox".into(),
                     columns: vec!["seq".into(), "payload".into()],
+                    types: vec![20, 20],
                 }
             )
         );

@@ -106,7 +106,7 @@ impl Sink for FileSink {
         let headers: serde_json::Map<String, serde_json::Value> = m
             .headers
             .iter()
-            .map(|(k, v)| (k.clone(), json!(v)))
+            .map(|(k, v)| (k.to_string(), json!(v)))
             .collect();
         let line = json!({
             "sink": self.name,

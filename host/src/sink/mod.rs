@@ -31,13 +31,17 @@ pub mod file;
 pub mod kafka;
 pub mod nats;
 
+/// A message header: name and value, borrowed from the event where they can
+/// be (the envelope of every message would otherwise allocate ~20 strings).
+pub type Header<'a> = (&'a str, std::borrow::Cow<'a, str>);
+
 /// One message with its final headers, ready for a broker.
 #[derive(Debug, Clone)]
 pub struct Outgoing<'a> {
     pub topic: &'a str,
     pub key: Option<&'a [u8]>,
     pub partition: Option<i32>,
-    pub headers: &'a [(String, String)],
+    pub headers: &'a [Header<'a>],
     pub payload: &'a [u8],
     /// Broker-side deduplication id (JetStream `Nats-Msg-Id`): the event id,
     /// plus `:n` for the n-th message of a fan-out.

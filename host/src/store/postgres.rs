@@ -70,7 +70,7 @@ use crate::event::RawRow;
 mod floor;
 mod logical;
 pub use floor::ROUND_INTERVAL as FLOOR_ROUND_INTERVAL;
-pub use logical::CAPTURE_LANE;
+pub use logical::{CAPTURE_LANE, CapturedRows};
 
 /// Quote a validated identifier (`schema.table` → `"schema"."table"`).
 fn quote(ident: &str) -> String {
@@ -170,6 +170,9 @@ pub struct TableSql {
     state_lane: String,
     published: String,
     select_cols: String,
+    /// The payload column is `json`/`jsonb` (set by `check_table`): rows
+    /// are not parsed again to check it.
+    payload_is_json: bool,
     /// The lane index: its name and `CREATE INDEX` statement.
     index_name: String,
     index_ddl: String,
@@ -251,6 +254,7 @@ impl TableSql {
             ),
             published,
             select_cols,
+            payload_is_json: false,
             index_name,
             index_ddl,
             cfg: t.clone(),
@@ -403,6 +407,10 @@ pub struct PgStore {
     /// `capture = "logical"`: the slot and publication read (see
     /// `postgres/logical.rs`); leases are then the one capture lease.
     logical: Option<Logical>,
+    /// Logical table input: the sequence column has a unique index, so
+    /// captured rows can be deleted by runs of numbers (else by id: a run
+    /// could take an unread or failed row sharing a number).
+    seq_unique: bool,
 }
 
 /// The URL's options with `store.password` and `store.tls` applied.
@@ -520,6 +528,7 @@ impl PgStore {
             floors: Default::default(),
             floor_sql: None,
             floors_off: None,
+            seq_unique: false,
         })
     }
 
@@ -578,6 +587,7 @@ impl PgStore {
             cols.push(("marking.column", column));
         }
         let mut id_type = String::new();
+        let mut payload_is_json = false;
         for (key, col) in cols {
             let ty: Option<String> = sqlx::query_scalar(
                 "SELECT format_type(a.atttypid, a.atttypmod) FROM pg_attribute a \
@@ -594,6 +604,7 @@ impl PgStore {
                     t.name
                 ),
                 Some(ty) if key == "id" => id_type = ty,
+                Some(ty) if key == "payload" => payload_is_json = ty == "json" || ty == "jsonb",
                 Some(_) => {}
             }
         }
@@ -619,6 +630,7 @@ impl PgStore {
             );
         }
         let mut sql = TableSql::new(t, self.lanes, &base);
+        sql.payload_is_json = payload_is_json;
         if let Some(seq) = &t.sequence
             && self.logical.is_none()
             && let Some(why) = self.floors_unsafe(seq).await?
@@ -634,6 +646,10 @@ impl PgStore {
         }
         if self.logical.is_some() {
             // Streamed, never claimed: no lane index, no lane rows.
+            self.seq_unique = match &t.sequence {
+                Some(seq) => self.unique_column(seq).await?,
+                None => false,
+            };
             self.sql = Some(sql);
             return Ok(());
         }
@@ -697,6 +713,22 @@ impl PgStore {
         } else {
             None
         })
+    }
+
+    /// Does a unique index of the table have exactly this column as its key
+    /// (the primary key of the canonical table's `seq`)?
+    async fn unique_column(&self, column: &str) -> Result<bool> {
+        sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_index i \
+               JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] \
+               WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indnkeyatts = 1 \
+                 AND i.indpred IS NULL AND i.indexprs IS NULL AND a.attname = $2)",
+        )
+        .bind(quote(&self.cfg.name))
+        .bind(column)
+        .fetch_one(&self.pool)
+        .await
+        .context("checking whether the sequence column is unique")
     }
 
     /// Does the lane-index claim plan walk an index of the outbox table
@@ -993,7 +1025,11 @@ impl PgStore {
             q = q.bind(f);
         }
         let rows = q.fetch_all(&self.pool).await.context("claiming events")?;
-        let mut claims: Vec<Claim> = rows.iter().map(to_claim).collect::<Result<_>>()?;
+        let json = self.sql()?.payload_is_json;
+        let mut claims: Vec<Claim> = rows
+            .iter()
+            .map(|r| to_claim(r, json))
+            .collect::<Result<_>>()?;
         if let Some(seq) = claims.iter().map(Claim::sequence).max() {
             self.floors_mut().saw(seq);
         }
@@ -1780,7 +1816,9 @@ impl PgStore {
             .bind(cursor.map(|c| c.id.as_str()).unwrap_or(""))
             .fetch_all(&self.pool)
             .await?;
-        rows.iter().map(to_claim).collect()
+        rows.iter()
+            .map(|r| to_claim(r, s.payload_is_json))
+            .collect()
     }
 
     pub async fn published_count(&self, f: &Filter) -> Result<i64> {
@@ -1889,32 +1927,69 @@ fn scans_of(plan: &serde_json::Value, alias: &str) -> Vec<(String, f64)> {
         .collect()
 }
 
-fn to_claim(r: &PgRow) -> Result<Claim> {
-    let id: String = r.try_get("id")?;
-    let lane: i32 = r.try_get("lane")?;
-    let state_attempts: Option<i32> = r.try_get("state_attempts")?;
-    let read = || -> Result<RawRow, sqlx::Error> {
+/// Positions of the columns every claim statement returns: `select_cols`,
+/// then `tid` and `state_attempts` (read by position: a lookup by name
+/// hashes the name, twelve times per row).
+mod col {
+    pub const ID: usize = 0;
+    pub const SEQ: usize = 1;
+    pub const AGGREGATE_TYPE: usize = 2;
+    pub const AGGREGATE_ID: usize = 3;
+    pub const EVENT_TYPE: usize = 4;
+    pub const EVENT_VERSION: usize = 5;
+    pub const PAYLOAD: usize = 6;
+    pub const HEADERS: usize = 7;
+    pub const CREATED_AT: usize = 8;
+    pub const LANE: usize = 9;
+    pub const TID: usize = 10;
+    pub const STATE_ATTEMPTS: usize = 11;
+    /// The names, in order (checked against the SQL in a unit test).
+    #[cfg(test)]
+    pub const NAMES: [&str; 12] = [
+        "id",
+        "seq",
+        "aggregate_type",
+        "aggregate_id",
+        "event_type",
+        "event_version",
+        "payload",
+        "headers",
+        "created_at",
+        "lane",
+        "tid",
+        "state_attempts",
+    ];
+}
+
+/// A claim statement's row as a claim. `payload_is_json`: the payload
+/// column is `json`/`jsonb` (not parsed again).
+fn to_claim(r: &PgRow, payload_is_json: bool) -> Result<Claim> {
+    let id: String = r.try_get(col::ID)?;
+    let lane: i32 = r.try_get(col::LANE)?;
+    let state_attempts: Option<i32> = r.try_get(col::STATE_ATTEMPTS)?;
+    let read = |id: String| -> Result<RawRow, sqlx::Error> {
         Ok(RawRow {
-            id: id.clone(),
-            sequence: r.try_get("seq")?,
-            aggregate_type: r.try_get("aggregate_type")?,
-            aggregate_id: r.try_get("aggregate_id")?,
-            event_type: r.try_get("event_type")?,
-            event_version: r.try_get("event_version")?,
-            payload: r.try_get("payload")?,
-            headers: r.try_get("headers")?,
-            created_at: r.try_get("created_at")?,
+            id,
+            sequence: r.try_get(col::SEQ)?,
+            aggregate_type: r.try_get(col::AGGREGATE_TYPE)?,
+            aggregate_id: r.try_get(col::AGGREGATE_ID)?,
+            event_type: r.try_get(col::EVENT_TYPE)?,
+            event_version: r.try_get(col::EVENT_VERSION)?,
+            payload: r.try_get(col::PAYLOAD)?,
+            headers: r.try_get(col::HEADERS)?,
+            created_at: r.try_get(col::CREATED_AT)?,
             attempts: state_attempts.unwrap_or(0),
+            payload_is_json,
         })
     };
     // A row that cannot even be read fails on its own, with the reason.
-    let row = match read() {
+    let row = match read(id.clone()) {
         Ok(raw) => raw.validate(),
-        Err(e) => Err(super::unreadable(r, id.clone(), e)),
+        Err(e) => Err(super::unreadable(r, id, e)),
     };
     Ok(Claim {
         lane,
-        tid: r.try_get("tid")?,
+        tid: r.try_get(col::TID)?,
         has_state: state_attempts.is_some(),
         done_legs: Vec::new(),
         epoch: None,
@@ -1926,6 +2001,24 @@ fn to_claim(r: &PgRow) -> Result<Claim> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn claim_columns_come_in_the_order_to_claim_reads_them() {
+        let s = TableSql::new(&TableConfig::canonical(), 16, "uuid");
+        for sql in [
+            format!("{}, {}", s.select_cols, s.claim_extras()),
+            s.claim_by_lane(Ordering::Aggregate),
+        ] {
+            let mut at = 0;
+            for name in col::NAMES {
+                let alias = format!(" AS {name}");
+                let found = sql[at..]
+                    .find(&alias)
+                    .unwrap_or_else(|| panic!("`{alias}` missing or out of order in {sql}"));
+                at += found + alias.len();
+            }
+        }
+    }
 
     #[test]
     fn identifiers_are_quoted() {

@@ -511,6 +511,7 @@ fn to_claim(r: &SqliteRow) -> Result<Claim> {
             headers: r.try_get("headers")?,
             created_at: created.and_then(|c| parse_time(&c)),
             attempts: r.try_get::<i64, _>("attempts")? as i32,
+            payload_is_json: false,
         })
     };
     let row = match read() {

@@ -21,7 +21,8 @@
 //!   lease mode.
 //! * **Cleanup.** Captured rows are deleted by ranges of the sequence column
 //!   after they were handled (published or parked): one index range scan per
-//!   run of consecutive sequence numbers, never an UPDATE per event.
+//!   run of consecutive sequence numbers, never an UPDATE per event (by id
+//!   when the sequence column has no unique index).
 
 use std::collections::HashSet;
 
@@ -30,10 +31,54 @@ use sqlx::Row;
 
 use super::{PgStore, TableSql, quote};
 use crate::config::{Cleanup, LogicalInput};
+use crate::failpoint;
 use crate::store::{Captured, Claim, Leases, ParkedEvent, SlotStatus, Status};
 
 /// The lane number of the capture lease in `outroute_lanes`.
 pub const CAPTURE_LANE: i32 = -1;
+
+/// The table rows of handled captured events, for the cleanup: their
+/// sequence numbers, and their ids when the sequence column is not known
+/// to be unique ([`PgStore::deletes_by_id`]).
+#[derive(Debug, Default)]
+pub struct CapturedRows {
+    pub seqs: Vec<i64>,
+    pub ids: Vec<String>,
+}
+
+impl CapturedRows {
+    /// Add one handled event's row.
+    pub fn push(&mut self, seq: i64, id: Option<&str>) {
+        self.seqs.push(seq);
+        if let Some(id) = id {
+            self.ids.push(id.to_string());
+        }
+    }
+
+    pub fn append(&mut self, mut other: CapturedRows) {
+        self.seqs.append(&mut other.seqs);
+        self.ids.append(&mut other.ids);
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty() && self.ids.is_empty()
+    }
+
+    /// Runs of consecutive sequence numbers, as inclusive ranges.
+    pub fn runs(&self) -> Vec<(i64, i64)> {
+        let mut seqs = self.seqs.clone();
+        seqs.sort_unstable();
+        seqs.dedup();
+        let mut out: Vec<(i64, i64)> = Vec::new();
+        for s in seqs {
+            match out.last_mut() {
+                Some((_, hi)) if *hi + 1 == s => *hi = s,
+                _ => out.push((s, s)),
+            }
+        }
+        out
+    }
+}
 
 /// The parked events that still hold their aggregate: waiting, retrying,
 /// or failed under the `block` policy (not discarded, not failed under `skip`).
@@ -139,6 +184,14 @@ impl PgStore {
                     quote(&self.cfg.name)
                 );
             }
+            if self.backfill_interrupted().await? {
+                bail!(
+                    "{}.logical.slot: `outroute migrate` stopped right after creating slot `{}`, before \
+                     it recorded the rows written before it: run `outroute migrate` again",
+                    self.key,
+                    l.slot
+                );
+            }
         }
         Ok(())
     }
@@ -190,32 +243,116 @@ impl PgStore {
         .bind(&l.slot)
         .fetch_one(&self.pool)
         .await?;
+        let table = l.input == LogicalInput::Table;
         if has_slot {
             done.push(format!("replication slot `{}`: present", l.slot));
-        } else {
-            let lsn: String = sqlx::query_scalar(
-                "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
-            )
-            .bind(&l.slot)
-            .fetch_one(&self.pool)
-            .await
-            .with_context(|| {
-                format!(
-                    "{}.logical.slot: creating slot `{}` (the role needs REPLICATION; \
-                     max_replication_slots may be used up)",
-                    self.key, l.slot
+            if table && self.backfill_interrupted().await? {
+                // An earlier migrate created the slot and stopped before it
+                // recorded the rows written before it: record them now.
+                // Rows committed since the slot was created are then both
+                // in the table's record and in the stream: published twice
+                // (same id), never lost.
+                let lsn: String = sqlx::query_scalar(
+                    "SELECT coalesce(confirmed_flush_lsn, restart_lsn)::text FROM pg_replication_slots \
+                     WHERE slot_name = $1",
                 )
-            })?;
-            done.push(format!(
-                "created replication slot `{}` (pgoutput) at {lsn}: it keeps WAL until the relay \
-                 confirms it, bounded by the server's max_slot_wal_keep_size",
-                l.slot
-            ));
-            if l.input == LogicalInput::Table {
-                done.push(self.record_backfill(l.cleanup, &lsn).await?);
+                .bind(&l.slot)
+                .fetch_one(&self.pool)
+                .await?;
+                done.push(format!(
+                    "an earlier `outroute migrate` stopped right after creating slot `{}`: recording \
+                     the rows written before it now (rows committed since may be published twice)",
+                    l.slot
+                ));
+                done.push(self.record_backfill(&lsn).await?);
             }
+            return Ok(done);
+        }
+        // Recorded before the slot exists, so that a migrate stopping right
+        // after creating it is noticed (the relay refuses to stream, the next
+        // migrate records the rows).
+        let keep_note = if table {
+            self.begin_backfill(l.cleanup).await?
+        } else {
+            None
+        };
+        let lsn: String = sqlx::query_scalar(
+            "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
+        )
+        .bind(&l.slot)
+        .fetch_one(&self.pool)
+        .await
+        .with_context(|| {
+            format!(
+                "{}.logical.slot: creating slot `{}` (the role needs REPLICATION; \
+                 max_replication_slots may be used up)",
+                self.key, l.slot
+            )
+        })?;
+        done.push(format!(
+            "created replication slot `{}` (pgoutput) at {lsn}: it keeps WAL until the relay \
+             confirms it, bounded by the server's max_slot_wal_keep_size",
+            l.slot
+        ));
+        match keep_note {
+            Some(note) => done.push(note),
+            None if table => {
+                failpoint::hit("slot-created");
+                done.push(self.record_backfill(&lsn).await?);
+            }
+            None => {}
         }
         Ok(done)
+    }
+
+    /// Did a migrate stop between creating the slot and recording the rows
+    /// written before it (see [`PgStore::begin_backfill`])?
+    async fn backfill_interrupted(&self) -> Result<bool> {
+        match sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM outroute_capture_backfill \
+               WHERE source = $1 AND upto IS NULL AND finished_at IS NULL)",
+        )
+        .bind(&self.source)
+        .fetch_one(&self.pool)
+        .await
+        {
+            Ok(b) => Ok(b),
+            // Coordination tables not migrated yet: nothing was recorded.
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P01") => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Right before the slot is created: record that it is being created
+    /// (`upto` NULL). Returns the note to print instead when nothing will be
+    /// recorded: with `cleanup = "keep"` a re-created slot records nothing,
+    /// because the kept rows the old slot streamed look pending and would
+    /// all go out again.
+    async fn begin_backfill(&self, cleanup: Cleanup) -> Result<Option<String>> {
+        let existed: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM outroute_capture_backfill WHERE source = $1)",
+        )
+        .bind(&self.source)
+        .fetch_one(&self.pool)
+        .await?;
+        if existed && cleanup == Cleanup::Keep {
+            return Ok(Some(format!(
+                "the slot was re-created: rows committed while no slot existed are not streamed \
+                 (with cleanup = \"keep\" the unmarked rows of `{}` include every row the old \
+                 slot streamed, so outroute cannot tell which ones were missed)",
+                self.cfg.name
+            )));
+        }
+        sqlx::query(
+            "INSERT INTO outroute_capture_backfill (source, upto, slot_lsn) VALUES ($1, NULL, 0) \
+             ON CONFLICT (source) DO UPDATE SET upto = NULL, slot_lsn = 0, done_seq = NULL, \
+               done_id = NULL, created_at = now(), finished_at = NULL",
+        )
+        .bind(&self.source)
+        .execute(&self.pool)
+        .await
+        .context("recording that the slot is being created")?;
+        Ok(None)
     }
 
     /// Right after the slot was created: every row committed before it is
@@ -223,10 +360,8 @@ impl PgStore {
     /// in the stream. Record the highest order value of the pending rows
     /// now: the relay publishes the pending rows up to it from the table
     /// before it streams (rows committed later with a lower value come
-    /// twice, with the same id — never none). With `cleanup = "keep"` a
-    /// re-created slot records nothing: the kept rows the old slot streamed
-    /// look pending and would all go out again.
-    async fn record_backfill(&self, cleanup: Cleanup, slot_lsn: &str) -> Result<String> {
+    /// twice, with the same id — never none).
+    async fn record_backfill(&self, slot_lsn: &str) -> Result<String> {
         let s = TableSql::new(&self.cfg, self.lanes, "text");
         let (upto, n): (Option<i64>, i64) = sqlx::query_as(&format!(
             "SELECT max({seq}), count(*) FROM {table} o WHERE {pending}",
@@ -237,20 +372,6 @@ impl PgStore {
         .fetch_one(&self.pool)
         .await
         .context("reading the rows written before the slot")?;
-        let existed: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM outroute_capture_backfill WHERE source = $1)",
-        )
-        .bind(&self.source)
-        .fetch_one(&self.pool)
-        .await?;
-        if existed && cleanup == Cleanup::Keep {
-            return Ok(format!(
-                "the slot was re-created: rows committed while no slot existed are not streamed \
-                 (with cleanup = \"keep\" the {n} unmarked rows of `{}` include every row the old \
-                 slot streamed, so outroute cannot tell which ones were missed)",
-                self.cfg.name
-            ));
-        }
         // Nothing to publish is recorded too (finished at once): a later
         // re-created slot then knows one existed before.
         sqlx::query(
@@ -284,8 +405,8 @@ impl PgStore {
     /// streamed one). Events lease mode failed or an operator discarded are
     /// not published again.
     pub async fn backfill_batch(&self, limit: u32) -> Result<Option<Vec<Claim>>> {
-        let due: Option<i64> = match sqlx::query_scalar(
-            "SELECT slot_lsn FROM outroute_capture_backfill WHERE source = $1 AND finished_at IS NULL",
+        let due: Option<(bool, i64)> = match sqlx::query_as(
+            "SELECT upto IS NULL, slot_lsn FROM outroute_capture_backfill WHERE source = $1 AND finished_at IS NULL",
         )
         .bind(&self.source)
         .fetch_optional(&self.pool)
@@ -296,8 +417,15 @@ impl PgStore {
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P01") => None,
             Err(e) => return Err(e.into()),
         };
-        let Some(slot_lsn) = due else {
-            return Ok(None);
+        let slot_lsn = match due {
+            None => return Ok(None),
+            Some((true, _)) => bail!(
+                "{}.logical.slot: `outroute migrate` stopped right after creating slot `{}`, before \
+                 it recorded the rows written before it: run `outroute migrate` again",
+                self.key,
+                self.logical.as_ref().map_or("", |l| l.slot.as_str())
+            ),
+            Some((false, lsn)) => lsn,
         };
         let s = self.sql()?;
         let min = i64::MIN;
@@ -324,7 +452,7 @@ impl PgStore {
             .context("reading rows written before the slot")?;
         let mut claims = Vec::with_capacity(rows.len());
         for r in &rows {
-            let mut c = super::to_claim(r)?;
+            let mut c = super::to_claim(r, s.payload_is_json)?;
             c.lane = CAPTURE_LANE;
             c.captured = Some(Captured {
                 commit_lsn: slot_lsn,
@@ -611,10 +739,12 @@ impl PgStore {
         Ok(n)
     }
 
-    /// Delete captured rows whose sequence numbers lie in `runs` (inclusive
-    /// ranges of consecutive handled sequence numbers). One index range
-    /// scan per run; a sequence number never handled is never in a run.
-    pub async fn delete_captured(&self, runs: &[(i64, i64)]) -> Result<u64> {
+    /// Delete the rows of handled captured events: by runs of consecutive
+    /// sequence numbers (one index range scan per run; a number never
+    /// handled is never in a run), or by id when the sequence column is not
+    /// unique (a run would also take an unread or lease-mode failed row
+    /// sharing a number).
+    pub async fn delete_captured(&self, rows: &CapturedRows) -> Result<u64> {
         let Some(l) = &self.logical else {
             return Ok(0);
         };
@@ -623,8 +753,22 @@ impl PgStore {
         else {
             return Ok(0);
         };
-        if runs.is_empty() {
+        if rows.is_empty() {
             return Ok(0);
+        }
+        if !self.seq_unique {
+            let s = self.sql()?;
+            return Ok(sqlx::query(&format!(
+                "DELETE FROM {} o WHERE {} = ANY({})",
+                s.table,
+                s.id,
+                s.ids_param(1)
+            ))
+            .bind(&rows.ids)
+            .execute(&self.pool)
+            .await
+            .context("deleting captured rows")?
+            .rows_affected());
         }
         let q = format!(
             "DELETE FROM {} WHERE {} BETWEEN $1 AND $2",
@@ -633,7 +777,7 @@ impl PgStore {
         );
         let mut tx = self.pool.begin().await?;
         let mut n = 0;
-        for (lo, hi) in runs {
+        for (lo, hi) in rows.runs() {
             n += sqlx::query(&q)
                 .bind(lo)
                 .bind(hi)
@@ -644,6 +788,12 @@ impl PgStore {
         }
         tx.commit().await?;
         Ok(n)
+    }
+
+    /// Whether [`CapturedRows`] must carry ids: the sequence column is not
+    /// known to be unique.
+    pub fn deletes_by_id(&self) -> bool {
+        !self.seq_unique
     }
 
     /// Backlog of a logical source: parked events not failed, and the age
@@ -690,5 +840,24 @@ impl PgStore {
             relays,
             slot: self.slot_status().await?,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CapturedRows;
+
+    #[test]
+    fn runs_split_at_gaps() {
+        let rows = |seqs: Vec<i64>| CapturedRows {
+            seqs,
+            ids: Vec::new(),
+        };
+        assert_eq!(
+            rows(vec![5, 3, 4, 9, 10, 12]).runs(),
+            vec![(3, 5), (9, 10), (12, 12)]
+        );
+        assert_eq!(rows(vec![]).runs(), vec![]);
+        assert_eq!(rows(vec![7, 7]).runs(), vec![(7, 7)]);
     }
 }
