@@ -567,6 +567,14 @@ impl Plugin {
     /// Route a batch of events; one answer per event, in order. Blocking:
     /// call from a blocking thread.
     pub fn route_batch(&self, events: &[Event]) -> Vec<Answer> {
+        self.route_inputs(&PluginInputs::from_events(events.iter()))
+    }
+
+    /// [`PluginHandle::route_batch`] for events already in the plugin's
+    /// form (the relay makes them on its own thread, so the events
+    /// themselves need not be copied to the plugin's).
+    pub fn route_inputs(&self, inputs: &PluginInputs) -> Vec<Answer> {
+        let events = inputs.0.as_slice();
         match events {
             [] => Vec::new(),
             [one] => vec![self.route_one(one)],
@@ -576,7 +584,7 @@ impl Plugin {
 
     /// One `route-batch` call, stopped if it takes much longer than the
     /// plugin's measured cost says it should; then one event at a time.
-    fn route_many(&self, events: &[Event]) -> Vec<Answer> {
+    fn route_many(&self, events: &[wit::Event]) -> Vec<Answer> {
         let n = events.len();
         let mut inst = match self.checkout() {
             Ok(i) => i,
@@ -590,8 +598,7 @@ impl Plugin {
             .min(self.limits.cpu_budget.saturating_mul(n as u32));
         let deadline = inst.store.data_mut().begin_call(allowed, n);
         inst.store.set_epoch_deadline(deadline);
-        let wit_events: Vec<wit::Event> = events.iter().map(to_wit).collect();
-        match inst.router.call_route_batch(&mut inst.store, &wit_events) {
+        match inst.router.call_route_batch(&mut inst.store, events) {
             Ok(outcomes) if outcomes.len() == n => {
                 self.measured(inst.store.data().cpu_used(), n);
                 self.keep_counts(&mut inst);
@@ -622,7 +629,7 @@ impl Plugin {
         }
     }
 
-    fn one_at_a_time(&self, events: &[Event]) -> Vec<Answer> {
+    fn one_at_a_time(&self, events: &[wit::Event]) -> Vec<Answer> {
         let mut stopped = false;
         events
             .iter()
@@ -639,14 +646,14 @@ impl Plugin {
             .collect()
     }
 
-    fn route_one(&self, event: &Event) -> Answer {
+    fn route_one(&self, event: &wit::Event) -> Answer {
         let mut inst = match self.checkout() {
             Ok(i) => i,
             Err(e) => return self.not_instantiated(1, &e).remove(0),
         };
         let deadline = inst.store.data_mut().begin_call(self.limits.cpu_budget, 1);
         inst.store.set_epoch_deadline(deadline);
-        match inst.router.call_route(&mut inst.store, &to_wit(event)) {
+        match inst.router.call_route(&mut inst.store, event) {
             Ok(outcome) => {
                 self.measured(inst.store.data().cpu_used(), 1);
                 self.keep_counts(&mut inst);
@@ -771,6 +778,29 @@ fn truncate(s: &str, n: usize) -> String {
         s.to_string()
     } else {
         format!("{}…", s.chars().take(n).collect::<String>())
+    }
+}
+
+/// A batch of events as a plugin receives them (WIT `event` records).
+#[derive(Clone)]
+pub struct PluginInputs(Vec<wit::Event>);
+
+impl PluginInputs {
+    pub fn from_events<'e>(events: impl Iterator<Item = &'e Event>) -> Self {
+        PluginInputs(events.map(to_wit).collect())
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The event ids, in order.
+    pub fn ids(&self) -> Vec<String> {
+        self.0.iter().map(|e| e.id.clone()).collect()
     }
 }
 

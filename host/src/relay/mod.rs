@@ -32,11 +32,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::config::{Loaded, RelayConfig};
-use crate::event::{Event, Message, Rejection};
+use crate::event::{Message, Rejection};
 use crate::failpoint;
 use crate::metrics::{self as m, Health};
 use crate::pipeline::{Fate, LeaseGuard, LeaseView, Pipeline, Plan, attempts_so_far, jitter};
-use crate::plugin::{Answer, Limit, Limits, PluginHandle, Runtime};
+use crate::plugin::{Answer, Limit, Limits, PluginHandle, PluginInputs, Runtime};
 use crate::quarantine::{Admission, Change, Quarantine};
 use crate::routing::{Route, Routes};
 use crate::sink::Sinks;
@@ -795,15 +795,16 @@ impl Relay {
             if idxs.is_empty() {
                 continue;
             }
-            let batch: Vec<Event> = idxs
-                .iter()
-                .filter_map(|i| events[*i].0.row.as_ref().ok().cloned())
-                .collect();
+            // Made here, once: the events stay in the batch, their WIT
+            // records go to the plugin's thread.
+            let batch = PluginInputs::from_events(
+                idxs.iter().filter_map(|i| events[*i].0.row.as_ref().ok()),
+            );
             calls.push(async move {
                 let answers = match &self.shadows[route_idx] {
                     None => self.call_plugin(route_idx, batch).await,
                     Some(shadow) => {
-                        let ids: Vec<String> = batch.iter().map(|e| e.id.clone()).collect();
+                        let ids = batch.ids();
                         let (candidate, answers) = futures::join!(
                             self.call_shadow(shadow, batch.clone()),
                             self.call_plugin(route_idx, batch)
@@ -903,7 +904,7 @@ impl Relay {
         }
     }
 
-    async fn call_plugin(&self, route_idx: usize, batch: Vec<Event>) -> Vec<Answer> {
+    async fn call_plugin(&self, route_idx: usize, batch: PluginInputs) -> Vec<Answer> {
         let n = batch.len();
         let Some(plugin) = self.plugins[route_idx].current() else {
             return (0..n)
@@ -913,7 +914,7 @@ impl Relay {
         let route = self.routes.0[route_idx].name().to_string();
         let started = Instant::now();
         let result = tokio::task::spawn_blocking(move || {
-            let answers = plugin.route_batch(&batch);
+            let answers = plugin.route_inputs(&batch);
             (answers, plugin.take_counts(), plugin)
         })
         .await;
@@ -939,9 +940,9 @@ impl Relay {
 
     /// The shadow's answers to a batch (its limits are the route's; an
     /// unusable candidate answers nothing and is not compared).
-    async fn call_shadow(&self, shadow: &Shadow, batch: Vec<Event>) -> Option<Vec<Answer>> {
+    async fn call_shadow(&self, shadow: &Shadow, batch: PluginInputs) -> Option<Vec<Answer>> {
         let plugin = shadow.plugin.current()?;
-        tokio::task::spawn_blocking(move || plugin.route_batch(&batch))
+        tokio::task::spawn_blocking(move || plugin.route_inputs(&batch))
             .await
             .ok()
     }
