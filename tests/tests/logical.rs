@@ -3,7 +3,8 @@
 //! kill -9 and fail-over with several relays, a failing event that holds only
 //! its own aggregate (durably, across a restart) until `failed discard`,
 //! rows written before the slot existed (published from the table first,
-//! also after a `migrate` that died right after creating the slot),
+//! also after a `migrate` that died right after creating the slot), rows
+//! sharing an order value, a partitioned outbox,
 //! tableless capture from `pg_logical_emit_message`, and the clear refusal
 //! on a server without `wal_level = logical`.
 
@@ -561,6 +562,78 @@ async fn rows_sharing_an_order_value_are_each_published() -> anyhow::Result<()> 
         .await,
         "captured rows were not cleaned up"
     );
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}
+
+/// A partitioned outbox: `migrate` publishes its inserts under the
+/// table's own name (not each partition's), so they are recognised and go
+/// out; a publication made without that is refused, naming the fix.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_partitioned_outbox_is_captured_under_its_own_name() -> anyhow::Result<()> {
+    let db = TestDb::new_logical().await?;
+    for ddl in [
+        "CREATE TABLE pev (seq bigint GENERATED ALWAYS AS IDENTITY, id uuid NOT NULL, \
+         aggregate_id text NOT NULL, event_type text NOT NULL, payload jsonb NOT NULL, \
+         created_at timestamptz NOT NULL DEFAULT now()) PARTITION BY RANGE (created_at)",
+        "CREATE TABLE pev_old PARTITION OF pev FOR VALUES FROM ('2000-01-01') TO ('2020-01-01')",
+        "CREATE TABLE pev_now PARTITION OF pev DEFAULT",
+    ] {
+        sqlx::query(ddl).execute(&db.pool).await?;
+    }
+    let dir = test_dir("logical-partitioned");
+    let out = dir.join("out.jsonl");
+    let route = "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }";
+    let mapping = "[store.table]\nname = \"pev\"\nid = \"id\"\nsequence = \"seq\"\naggregate_type_value = \"order\"\n\
+                   aggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\npayload = \"payload\"\n\
+                   created_at = \"created_at\"\nmarking = { style = \"delete\" }\n";
+    let body = format!(
+        "{mapping}\n{}",
+        relay_body("", &[TestSink::File(&out)], "order-router", "orders", route)
+    );
+    // First a publication made by hand the plain way: refused, with the fix.
+    sqlx::query("CREATE PUBLICATION outroute_pev FOR TABLE pev WITH (publish = 'insert')")
+        .execute(&db.pool)
+        .await?;
+    let config = write_config_with(
+        &dir,
+        &db.url,
+        &format!("{LOGICAL}\nlogical = {{ publication = \"outroute_pev\" }}"),
+        "lease_ttl = \"2s\"",
+        &body,
+    )?;
+    db.migrate(&config)?;
+    let cfg = config.to_str().unwrap_or_default().to_string();
+    let (code, _, err) = cli(&["config", "check", "--store", "-c", &cfg])?;
+    assert_ne!(code, 0);
+    assert!(err.contains("publish_via_partition_root = true"), "{err}");
+    // Without the hand-made one, migrate makes it right.
+    sqlx::query("DROP PUBLICATION outroute_pev")
+        .execute(&db.pool)
+        .await?;
+    db.migrate(&config)?;
+    let relay = Relay::start(&config, &[])?;
+    let mut want = Vec::new();
+    for (n, at) in [(1, "2010-06-01"), (2, "2026-12-02")] {
+        let id = uuid::Uuid::new_v4().to_string();
+        sqlx::query(
+            "INSERT INTO pev (id, aggregate_id, event_type, payload, created_at) \
+             VALUES ($1::uuid, 'P', 'created', jsonb_build_object('n', $2::int), $3::timestamptz)",
+        )
+        .bind(&id)
+        .bind(n)
+        .bind(at)
+        .execute(&db.pool)
+        .await?;
+        want.push(id);
+    }
+    assert!(
+        file_sink_reaches(&out, 2, Duration::from_secs(30)).await,
+        "{}",
+        relay.log_text()
+    );
+    assert_eq!(delivered_ids(&out), want);
     drop(relay);
     db.drop_db().await;
     Ok(())

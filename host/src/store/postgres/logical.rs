@@ -173,6 +173,16 @@ impl PgStore {
             .bind(quote(&self.cfg.name))
             .fetch_one(&self.pool)
             .await?;
+            if !listed && self.partitioned().await? {
+                bail!(
+                    "{}.logical.publication: publication `{}` publishes the partitions of `{}` under \
+                     their own names (ALTER PUBLICATION {} SET (publish_via_partition_root = true))",
+                    self.key,
+                    l.publication,
+                    self.cfg.name,
+                    quote(&l.publication)
+                );
+            }
             if !listed {
                 bail!(
                     "{}.logical.publication: publication `{}` does not include table `{}` \
@@ -220,10 +230,18 @@ impl PgStore {
             done.push(format!("publication `{}`: present", l.publication));
         } else {
             let ddl = match l.input {
+                // A partitioned table's inserts are published under its own
+                // name (else each partition's, which the relay would not
+                // recognise as the outbox).
                 LogicalInput::Table => format!(
-                    "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert')",
+                    "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert'{})",
                     quote(&l.publication),
-                    quote(&self.cfg.name)
+                    quote(&self.cfg.name),
+                    if self.partitioned().await? {
+                        ", publish_via_partition_root = true"
+                    } else {
+                        ""
+                    }
                 ),
                 // Logical messages are sent whatever the publication holds.
                 LogicalInput::Messages => format!(
@@ -303,6 +321,16 @@ impl PgStore {
             None => {}
         }
         Ok(done)
+    }
+
+    /// Is the outbox a partitioned table?
+    async fn partitioned(&self) -> Result<bool> {
+        Ok(sqlx::query_scalar(
+            "SELECT coalesce((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)), false)",
+        )
+        .bind(quote(&self.cfg.name))
+        .fetch_one(&self.pool)
+        .await?)
     }
 
     /// Did a migrate stop between creating the slot and recording the rows
