@@ -721,7 +721,7 @@ impl PgStore {
         sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM pg_index i \
                JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] \
-               WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indnkeyatts = 1 \
+               WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indisvalid AND i.indnkeyatts = 1 \
                  AND i.indpred IS NULL AND i.indexprs IS NULL AND a.attname = $2)",
         )
         .bind(quote(&self.cfg.name))

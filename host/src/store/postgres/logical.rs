@@ -50,7 +50,9 @@ impl CapturedRows {
     /// Add one handled event's row.
     pub fn push(&mut self, seq: i64, id: Option<&str>) {
         self.seqs.push(seq);
-        if let Some(id) = id {
+        // (An empty id — a malformed row's NULL — names no row, and would
+        // fail the whole statement's cast to the id column's type.)
+        if let Some(id) = id.filter(|id| !id.is_empty()) {
             self.ids.push(id.to_string());
         }
     }
@@ -195,12 +197,7 @@ impl PgStore {
                 );
             }
             if self.backfill_interrupted().await? {
-                bail!(
-                    "{}.logical.slot: `outroute migrate` stopped right after creating slot `{}`, before \
-                     it recorded the rows written before it: run `outroute migrate` again",
-                    self.key,
-                    l.slot
-                );
+                bail!("{}", self.interrupted_migrate());
             }
         }
         Ok(())
@@ -283,6 +280,7 @@ impl PgStore {
                     l.slot
                 ));
                 done.push(self.record_backfill(&lsn).await?);
+                self.end_backfill_marker().await?;
             }
             return Ok(done);
         }
@@ -313,10 +311,16 @@ impl PgStore {
             l.slot
         ));
         match keep_note {
-            Some(note) => done.push(note),
+            Some(note) => {
+                done.push(note);
+                // (A marker left by an earlier migrate whose slot creation
+                // failed would keep relays waiting.)
+                self.end_backfill_marker().await?;
+            }
             None if table => {
                 failpoint::hit("slot-created");
                 done.push(self.record_backfill(&lsn).await?);
+                self.end_backfill_marker().await?;
             }
             None => {}
         }
@@ -333,14 +337,30 @@ impl PgStore {
         .await?)
     }
 
+    /// The key of the row that says "`outroute migrate` is creating the
+    /// slot" (see [`PgStore::begin_backfill`]). A key of its own, not a
+    /// state of the source's row: a relay of an earlier version, which
+    /// knows nothing of it, must not take it for a finished backfill.
+    fn backfill_marker(&self) -> String {
+        format!("{} (creating the slot)", self.source)
+    }
+
+    fn interrupted_migrate(&self) -> String {
+        format!(
+            "{}.logical.slot: `outroute migrate` did not finish creating slot `{}` (it is still running, \
+             or it stopped before it recorded the rows written before the slot): run `outroute migrate` again",
+            self.key,
+            self.logical.as_ref().map_or("", |l| l.slot.as_str())
+        )
+    }
+
     /// Did a migrate stop between creating the slot and recording the rows
-    /// written before it (see [`PgStore::begin_backfill`])?
+    /// written before it (or is one doing so now)?
     async fn backfill_interrupted(&self) -> Result<bool> {
         match sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM outroute_capture_backfill \
-               WHERE source = $1 AND upto IS NULL AND finished_at IS NULL)",
+            "SELECT EXISTS (SELECT 1 FROM outroute_capture_backfill WHERE source = $1)",
         )
-        .bind(&self.source)
+        .bind(self.backfill_marker())
         .fetch_one(&self.pool)
         .await
         {
@@ -352,10 +372,12 @@ impl PgStore {
     }
 
     /// Right before the slot is created: record that it is being created
-    /// (`upto` NULL). Returns the note to print instead when nothing will be
-    /// recorded: with `cleanup = "keep"` a re-created slot records nothing,
-    /// because the kept rows the old slot streamed look pending and would
-    /// all go out again.
+    /// (the marker row), so that relays do not stream until the rows
+    /// written before it are recorded, and the next migrate finishes the
+    /// job if this one stops. Returns the note to print instead when nothing
+    /// will be recorded: with `cleanup = "keep"` a re-created slot records
+    /// nothing, because the kept rows the old slot streamed look pending and
+    /// would all go out again.
     async fn begin_backfill(&self, cleanup: Cleanup) -> Result<Option<String>> {
         let existed: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM outroute_capture_backfill WHERE source = $1)",
@@ -372,15 +394,24 @@ impl PgStore {
             )));
         }
         sqlx::query(
-            "INSERT INTO outroute_capture_backfill (source, upto, slot_lsn) VALUES ($1, NULL, 0) \
-             ON CONFLICT (source) DO UPDATE SET upto = NULL, slot_lsn = 0, done_seq = NULL, \
-               done_id = NULL, created_at = now(), finished_at = NULL",
+            "INSERT INTO outroute_capture_backfill (source, upto) VALUES ($1, 0) \
+             ON CONFLICT (source) DO UPDATE SET created_at = now()",
         )
-        .bind(&self.source)
+        .bind(self.backfill_marker())
         .execute(&self.pool)
         .await
         .context("recording that the slot is being created")?;
         Ok(None)
+    }
+
+    /// The rows written before the slot are recorded: relays may stream.
+    async fn end_backfill_marker(&self) -> Result<()> {
+        sqlx::query("DELETE FROM outroute_capture_backfill WHERE source = $1")
+            .bind(self.backfill_marker())
+            .execute(&self.pool)
+            .await
+            .context("clearing the slot-creation marker")?;
+        Ok(())
     }
 
     /// Right after the slot was created: every row committed before it is
@@ -433,10 +464,13 @@ impl PgStore {
     /// streamed one). Events lease mode failed or an operator discarded are
     /// not published again.
     pub async fn backfill_batch(&self, limit: u32) -> Result<Option<Vec<Claim>>> {
+        // The source's record, or the marker of a slot being created (first).
         let due: Option<(bool, i64)> = match sqlx::query_as(
-            "SELECT upto IS NULL, slot_lsn FROM outroute_capture_backfill WHERE source = $1 AND finished_at IS NULL",
+            "SELECT source = $2, slot_lsn FROM outroute_capture_backfill \
+             WHERE (source = $1 AND finished_at IS NULL) OR source = $2 ORDER BY source = $2 DESC LIMIT 1",
         )
         .bind(&self.source)
+        .bind(self.backfill_marker())
         .fetch_optional(&self.pool)
         .await
         {
@@ -447,12 +481,7 @@ impl PgStore {
         };
         let slot_lsn = match due {
             None => return Ok(None),
-            Some((true, _)) => bail!(
-                "{}.logical.slot: `outroute migrate` stopped right after creating slot `{}`, before \
-                 it recorded the rows written before it: run `outroute migrate` again",
-                self.key,
-                self.logical.as_ref().map_or("", |l| l.slot.as_str())
-            ),
+            Some((true, _)) => bail!("{}", self.interrupted_migrate()),
             Some((false, lsn)) => lsn,
         };
         let s = self.sql()?;
@@ -822,6 +851,11 @@ impl PgStore {
     /// known to be unique.
     pub fn deletes_by_id(&self) -> bool {
         !self.seq_unique
+            && self.cfg.sequence.is_some()
+            && self
+                .logical
+                .as_ref()
+                .is_some_and(|l| l.cleanup == Cleanup::Delete && l.input == LogicalInput::Table)
     }
 
     /// Backlog of a logical source: parked events not failed, and the age
