@@ -14,6 +14,19 @@ use outroute_e2e::*;
 
 const POINTS: [&str; 4] = ["after-claim", "before-ack", "after-ack", "mid-mark"];
 const LOGICAL: &str = "capture = \"logical\"";
+/// The route of the tests that publish to a file sink.
+const FILE_ROUTE: &str = "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }";
+
+/// A `[store.table]` mapping of a test's own table `name`: columns `id`,
+/// `aggregate_id`, `event_type`, `payload`, `created_at`, and the order
+/// column `seq`.
+fn own_table(name: &str, seq: &str) -> String {
+    format!(
+        "[store.table]\nname = \"{name}\"\nid = \"id\"\nsequence = \"{seq}\"\naggregate_type_value = \"order\"\n\
+         aggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\npayload = \"payload\"\n\
+         created_at = \"created_at\"\nmarking = {{ style = \"delete\" }}\n"
+    )
+}
 
 fn kafka_config(
     dir: &std::path::Path,
@@ -194,7 +207,7 @@ async fn hostile_to_file(
     let db = TestDb::new_logical().await?;
     let dir = test_dir(name);
     let out = dir.join("out.jsonl");
-    let route = "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }";
+    let route = FILE_ROUTE;
     let config = write_config_with(
         &dir,
         &db.url,
@@ -352,7 +365,7 @@ async fn rows_written_before_the_slot_go_out_first_in_order() -> anyhow::Result<
     let db = TestDb::new_logical().await?;
     let dir = test_dir("logical-backfill");
     let out = dir.join("out.jsonl");
-    let route = "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }";
+    let route = FILE_ROUTE;
     let body = relay_body("", &[TestSink::File(&out)], "hostile", "orders", route);
     let lease = write_config_with(&dir.join("lease"), &db.url, "", "lease_ttl = \"2s\"", &body)?;
     db.migrate(&lease)?;
@@ -439,7 +452,7 @@ async fn a_migrate_stopped_right_after_creating_the_slot_loses_nothing() -> anyh
     let db = TestDb::new_logical().await?;
     let dir = test_dir("logical-migrate-crash");
     let out = dir.join("out.jsonl");
-    let route = "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }";
+    let route = FILE_ROUTE;
     let body = relay_body("", &[TestSink::File(&out)], "order-router", "orders", route);
     let lease = write_config_with(&dir.join("lease"), &db.url, "", "lease_ttl = \"2s\"", &body)?;
     db.migrate(&lease)?;
@@ -531,10 +544,8 @@ async fn rows_sharing_an_order_value_are_each_published() -> anyhow::Result<()> 
     let mut want = vec![add(1, "X").await?, add(1, "Y").await?, add(2, "Z").await?];
     let dir = test_dir("logical-ties");
     let out = dir.join("out.jsonl");
-    let route = "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }";
-    let mapping = "[store.table]\nname = \"ev\"\nid = \"id\"\nsequence = \"pos\"\naggregate_type_value = \"order\"\n\
-                   aggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\npayload = \"payload\"\n\
-                   created_at = \"created_at\"\nmarking = { style = \"delete\" }\n";
+    let route = FILE_ROUTE;
+    let mapping = own_table("ev", "pos");
     let body = format!(
         "{mapping}\n{}",
         relay_body("", &[TestSink::File(&out)], "order-router", "orders", route)
@@ -584,10 +595,8 @@ async fn a_partitioned_outbox_is_captured_under_its_own_name() -> anyhow::Result
     }
     let dir = test_dir("logical-partitioned");
     let out = dir.join("out.jsonl");
-    let route = "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }";
-    let mapping = "[store.table]\nname = \"pev\"\nid = \"id\"\nsequence = \"seq\"\naggregate_type_value = \"order\"\n\
-                   aggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\npayload = \"payload\"\n\
-                   created_at = \"created_at\"\nmarking = { style = \"delete\" }\n";
+    let route = FILE_ROUTE;
+    let mapping = own_table("pev", "seq");
     let body = format!(
         "{mapping}\n{}",
         relay_body("", &[TestSink::File(&out)], "order-router", "orders", route)
@@ -644,7 +653,7 @@ async fn tableless_capture_reads_logical_messages() -> anyhow::Result<()> {
     let db = TestDb::new_logical().await?;
     let dir = test_dir("logical-messages");
     let out = dir.join("out.jsonl");
-    let route = "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }";
+    let route = FILE_ROUTE;
     let config = write_config_with(
         &dir,
         &db.url,
@@ -720,7 +729,7 @@ async fn without_wal_level_logical_it_refuses_naming_the_setting() -> anyhow::Re
     // The shared cluster runs with wal_level = replica.
     let db = TestDb::new().await?;
     let dir = test_dir("logical-refused");
-    let route = "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }";
+    let route = FILE_ROUTE;
     let config = write_config_with(
         &dir,
         &db.url,
