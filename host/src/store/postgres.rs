@@ -1963,21 +1963,27 @@ mod col {
 
 /// A claim statement's row as a claim. `payload_is_json`: the payload
 /// column is `json`/`jsonb` (not parsed again).
+///
+/// Read unchecked: the statement casts every column to the type read here
+/// (`::text`, `::bigint`, `::timestamptz`, the lane and attempts `int`), so
+/// sqlx's per-value type-compatibility check — most of the cost of reading
+/// a row, measured — proves nothing; a value of another type still fails
+/// to decode, as an error.
 fn to_claim(r: &PgRow, payload_is_json: bool) -> Result<Claim> {
-    let id: String = r.try_get(col::ID)?;
-    let lane: i32 = r.try_get(col::LANE)?;
-    let state_attempts: Option<i32> = r.try_get(col::STATE_ATTEMPTS)?;
+    let id: String = r.try_get_unchecked(col::ID)?;
+    let lane: i32 = r.try_get_unchecked(col::LANE)?;
+    let state_attempts: Option<i32> = r.try_get_unchecked(col::STATE_ATTEMPTS)?;
     let read = |id: String| -> Result<RawRow, sqlx::Error> {
         Ok(RawRow {
             id,
-            sequence: r.try_get(col::SEQ)?,
-            aggregate_type: r.try_get(col::AGGREGATE_TYPE)?,
-            aggregate_id: r.try_get(col::AGGREGATE_ID)?,
-            event_type: r.try_get(col::EVENT_TYPE)?,
-            event_version: r.try_get(col::EVENT_VERSION)?,
-            payload: r.try_get(col::PAYLOAD)?,
-            headers: r.try_get(col::HEADERS)?,
-            created_at: r.try_get(col::CREATED_AT)?,
+            sequence: r.try_get_unchecked(col::SEQ)?,
+            aggregate_type: r.try_get_unchecked(col::AGGREGATE_TYPE)?,
+            aggregate_id: r.try_get_unchecked(col::AGGREGATE_ID)?,
+            event_type: r.try_get_unchecked(col::EVENT_TYPE)?,
+            event_version: r.try_get_unchecked(col::EVENT_VERSION)?,
+            payload: r.try_get_unchecked(col::PAYLOAD)?,
+            headers: r.try_get_unchecked(col::HEADERS)?,
+            created_at: r.try_get_unchecked(col::CREATED_AT)?,
             attempts: state_attempts.unwrap_or(0),
             payload_is_json,
         })
@@ -1989,7 +1995,7 @@ fn to_claim(r: &PgRow, payload_is_json: bool) -> Result<Claim> {
     };
     Ok(Claim {
         lane,
-        tid: r.try_get(col::TID)?,
+        tid: r.try_get_unchecked(col::TID)?,
         has_state: state_attempts.is_some(),
         done_legs: Vec::new(),
         epoch: None,
