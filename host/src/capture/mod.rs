@@ -224,6 +224,9 @@ struct RowShape {
     created_at: Option<usize>,
     /// The payload column is `json`/`jsonb` (see [`RawRow::payload_is_json`]).
     payload_is_json: bool,
+    /// No other key maps the payload column: its value can move out of the
+    /// decoded row instead of being copied.
+    payload_movable: bool,
 }
 
 impl RowShape {
@@ -234,10 +237,11 @@ impl RowShape {
         };
         let req = |c: &String| rel.columns.iter().position(|n| n == c);
         let payload = req(&t.payload);
-        RowShape {
+        let mut shape = RowShape {
             payload_is_json: payload
                 .and_then(|i| rel.types.get(i))
                 .is_some_and(|ty| pgoutput::JSON_TYPES.contains(ty)),
+            payload_movable: false,
             id: req(&t.id),
             sequence: pos(&t.sequence),
             aggregate_type: pos(&t.aggregate_type),
@@ -247,31 +251,26 @@ impl RowShape {
             payload,
             headers: pos(&t.headers),
             created_at: req(&t.created_at),
-        }
-    }
-
-    /// Is the payload column also mapped to another key?
-    fn shares_payload_column(&self) -> bool {
-        [
-            self.id,
-            self.sequence,
-            self.aggregate_type,
-            self.aggregate_id,
-            self.event_type,
-            self.event_version,
-            self.headers,
-            self.created_at,
+        };
+        shape.payload_movable = ![
+            shape.id,
+            shape.sequence,
+            shape.aggregate_type,
+            shape.aggregate_id,
+            shape.event_type,
+            shape.event_version,
+            shape.headers,
+            shape.created_at,
         ]
-        .contains(&self.payload)
+        .contains(&shape.payload);
+        shape
     }
 
     fn row(&self, t: &TableConfig, mut values: Vec<pgoutput::Value>) -> RawRow {
         // The payload (the one large value) moves out; the others are
         // copied, as two keys may map the same column.
         let payload = match self.payload.and_then(|i| values.get_mut(i)) {
-            Some(pgoutput::Value::Text(s)) if !self.shares_payload_column() => {
-                Some(std::mem::take(s))
-            }
+            Some(pgoutput::Value::Text(s)) if self.payload_movable => Some(std::mem::take(s)),
             Some(pgoutput::Value::Text(s)) => Some(s.clone()),
             _ => None,
         };

@@ -62,8 +62,9 @@ impl CapturedRows {
         self.ids.append(&mut other.ids);
     }
 
+    /// (Every id comes with its row's sequence number.)
     pub fn is_empty(&self) -> bool {
-        self.seqs.is_empty() && self.ids.is_empty()
+        self.seqs.is_empty()
     }
 
     /// Runs of consecutive sequence numbers, as inclusive ranges.
@@ -802,12 +803,7 @@ impl PgStore {
     /// unique (a run would also take an unread or lease-mode failed row
     /// sharing a number).
     pub async fn delete_captured(&self, rows: &CapturedRows) -> Result<u64> {
-        let Some(l) = &self.logical else {
-            return Ok(0);
-        };
-        let (Cleanup::Delete, LogicalInput::Table, Some(seq)) =
-            (l.cleanup, l.input, self.cfg.sequence.as_ref())
-        else {
+        let Some(seq) = self.cleanup_column() else {
             return Ok(0);
         };
         if rows.is_empty() {
@@ -850,12 +846,16 @@ impl PgStore {
     /// Whether [`CapturedRows`] must carry ids: the sequence column is not
     /// known to be unique.
     pub fn deletes_by_id(&self) -> bool {
-        !self.seq_unique
-            && self.cfg.sequence.is_some()
-            && self
-                .logical
-                .as_ref()
-                .is_some_and(|l| l.cleanup == Cleanup::Delete && l.input == LogicalInput::Table)
+        !self.seq_unique && self.cleanup_column().is_some()
+    }
+
+    /// The sequence column, when captured rows are cleaned up at all
+    /// (table input, `cleanup = "delete"`, a sequence column mapped).
+    fn cleanup_column(&self) -> Option<&str> {
+        let l = self.logical.as_ref()?;
+        (l.cleanup == Cleanup::Delete && l.input == LogicalInput::Table)
+            .then_some(self.cfg.sequence.as_deref())
+            .flatten()
     }
 
     /// Backlog of a logical source: parked events not failed, and the age
