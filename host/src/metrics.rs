@@ -22,6 +22,8 @@ pub const BACKLOG: &str = "outroute_backlog_events";
 pub const OLDEST_PENDING_AGE: &str = "outroute_oldest_pending_age_seconds";
 pub const EVENTS_PUBLISHED: &str = "outroute_events_published_total";
 pub const MESSAGES_PUBLISHED: &str = "outroute_messages_published_total";
+/// Commit to the last acknowledgement of an event (see [`PICKUP`] for what
+/// "commit" is in each capture mode).
 pub const COMMIT_TO_ACK: &str = "outroute_commit_to_ack_seconds";
 pub const PLUGIN_CALL: &str = "outroute_plugin_call_seconds";
 /// Events a route's shadow (candidate) plugin answered beside the active one.
@@ -44,7 +46,10 @@ pub const CLAIM_SECONDS: &str = "outroute_claim_seconds";
 /// transaction that committed long after it took its sequence number):
 /// each lowered the floor, nothing was lost, but the row went out late.
 pub const FLOOR_LOWERED: &str = "outroute_claim_floor_lowered_total";
-/// Commit (the row's created_at) to claim: how fast new rows are noticed.
+/// Commit to claim: how fast new events are noticed. Logical capture knows
+/// the commit time (the WAL's commit record); lease mode only the row's
+/// `created_at`, the producer's transaction start, so its figure includes
+/// the producer's own time in the transaction.
 pub const PICKUP: &str = "outroute_pickup_seconds";
 /// Events acknowledged after an earlier event of their aggregate failed at
 /// ack time: their first delivery was out of order (re-sent after it).

@@ -444,7 +444,7 @@ impl Reader {
                     }
                 };
                 let row = envelope_event(&content, lsn, at);
-                Some(Item::Event(Box::new(captured(row, commit_lsn))))
+                Some(Item::Event(Box::new(captured(row, commit_lsn, at))))
             }
             ReplicationEvent::XLogData { data, .. } => {
                 if self.input != LogicalInput::Table {
@@ -471,13 +471,13 @@ impl Reader {
                         None
                     }
                     pgoutput::Change::Insert(oid, values) => {
-                        let (Some(shape), Some((commit_lsn, _))) =
+                        let (Some(shape), Some((commit_lsn, at))) =
                             (self.shapes.get(&oid), self.open)
                         else {
                             return Ok(None);
                         };
                         let row = shape.row(&self.table, values).validate();
-                        Some(Item::Event(Box::new(captured(row, commit_lsn))))
+                        Some(Item::Event(Box::new(captured(row, commit_lsn, at))))
                     }
                     pgoutput::Change::Other(_) => None,
                 }
@@ -486,7 +486,7 @@ impl Reader {
     }
 }
 
-fn captured(row: Result<Event, Malformed>, commit_lsn: i64) -> Claim {
+fn captured(row: Result<Event, Malformed>, commit_lsn: i64, at: DateTime<Utc>) -> Claim {
     Claim {
         lane: CAPTURE_LANE,
         tid: None,
@@ -496,6 +496,7 @@ fn captured(row: Result<Event, Malformed>, commit_lsn: i64) -> Claim {
         captured: Some(Captured {
             commit_lsn,
             parked: false,
+            committed_at: Some(at),
         }),
         row,
     }
@@ -852,14 +853,15 @@ impl Relay {
         backoff: &mut Duration,
     ) -> Result<Option<(BatchReport, Vec<(String, String)>)>> {
         lease.stamp(&mut claims);
-        let (queue, go): (Vec<Claim>, Vec<Claim>) = claims
+        let (queue, mut go): (Vec<Claim>, Vec<Claim>) = claims
             .into_iter()
             .partition(|c| held.contains(&aggregate_of(c)));
         let report = loop {
-            let report = self.process(go.clone(), Some(&mut *lease)).await?;
+            let mut report = self.process(go, Some(&mut *lease)).await?;
             if !report.outage {
                 break report;
             }
+            go = std::mem::take(&mut report.unsent);
             tracing::warn!(backoff = ?*backoff, reason = report.outage_reason.as_deref().unwrap_or(""), "every publish failed; backing off (the slot is not confirmed)");
             sleep_or_cancel(crate::pipeline::jitter(*backoff), stop).await;
             *backoff = (*backoff * 2).min(Duration::from_secs(10));
@@ -937,8 +939,8 @@ impl Relay {
             failpoint::hit("after-claim");
             let now = Utc::now();
             let pickup = metrics::histogram!(m::PICKUP, "source" => self.source.clone());
-            for ev in batch.claims.iter().filter_map(|c| c.row.as_ref().ok()) {
-                pickup.record(crate::relay::seconds_since(ev.created_at, now));
+            for at in batch.claims.iter().filter_map(Claim::committed_at) {
+                pickup.record(crate::relay::seconds_since(at, now));
             }
             let Some((report, queued)) = self
                 .hand_on(batch.claims, &held, &mut lease, &stop, &mut outage_backoff)

@@ -168,7 +168,7 @@ pub struct Relay {
 }
 
 /// How many events a batch published, held and failed.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
+#[derive(Debug, Default)]
 pub struct BatchReport {
     pub published: usize,
     pub held: usize,
@@ -183,6 +183,9 @@ pub struct BatchReport {
     pub order_risks: usize,
     /// Events of quarantined routes, recorded as waiting.
     pub deferred: usize,
+    /// On an outage, the batch's claims, untouched, for the caller that
+    /// must try them again (logical capture cannot leave them pending).
+    pub unsent: Vec<Claim>,
 }
 
 /// A route's shadow: the candidate plugin and its file, for reports.
@@ -619,6 +622,7 @@ impl Relay {
             // Nothing went out: leave every event pending; the worker backs off.
             report.outage = true;
             report.outage_reason = Some(reason);
+            report.unsent = events.into_iter().map(|(claim, _)| claim).collect();
             return Ok(report);
         }
         failpoint::hit("after-ack");
@@ -644,8 +648,8 @@ impl Relay {
                 }
                 Fate::Publish => {
                     to_mark.push(claim);
-                    if let Ok(ev) = &claim.row {
-                        commit_to_ack.record(seconds_since(ev.created_at, now));
+                    if let Some(at) = claim.committed_at() {
+                        commit_to_ack.record(seconds_since(at, now));
                     }
                     if let Plan::Publish { route, messages } = plan {
                         *published.entry(*route).or_default() += 1;

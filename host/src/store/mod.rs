@@ -54,6 +54,10 @@ pub struct Captured {
     /// Read back from the parked queue (`outroute_event_state`) instead of
     /// the stream: "marked" by deleting its state row.
     pub parked: bool,
+    /// When the producer's transaction committed (from the stream's commit
+    /// record); `None` for events read back from the table or the parked
+    /// queue.
+    pub committed_at: Option<DateTime<Utc>>,
 }
 
 /// A logically captured event as it waits in `outroute_event_state.event`
@@ -147,6 +151,23 @@ impl Claim {
         match &self.row {
             Ok(e) => &e.id,
             Err(m) => &m.id,
+        }
+    }
+
+    /// When the event became visible, as well as it is known: the commit
+    /// time for a streamed event, else the row's `created_at` (the
+    /// producer's transaction start, so a little early).
+    pub fn committed_at(&self) -> Option<DateTime<Utc>> {
+        match (&self.captured, &self.row) {
+            (
+                Some(Captured {
+                    committed_at: Some(at),
+                    ..
+                }),
+                _,
+            ) => Some(*at),
+            (_, Ok(e)) => Some(e.created_at),
+            (_, Err(_)) => None,
         }
     }
 }

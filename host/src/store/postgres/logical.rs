@@ -515,6 +515,7 @@ impl PgStore {
             c.captured = Some(Captured {
                 commit_lsn: slot_lsn,
                 parked: false,
+                committed_at: None,
             });
             claims.push(c);
         }
@@ -766,6 +767,7 @@ impl PgStore {
                 captured: Some(Captured {
                     commit_lsn: commit_lsn.unwrap_or(0),
                     parked: true,
+                    committed_at: None,
                 }),
                 row,
             });
