@@ -106,6 +106,7 @@ pub struct Delivery {
 /// The lanes a batch was claimed from, checked before every event is sent
 /// and bounding how long acknowledgements are awaited: a relay never sends
 /// for lanes it no longer holds.
+#[derive(Clone)]
 pub struct LeaseGuard {
     view: watch::Receiver<LeaseView>,
     /// The claimed lanes, each with its lease epoch at claim time.

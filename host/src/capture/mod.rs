@@ -504,10 +504,25 @@ fn captured(row: Result<Event, Malformed>, commit_lsn: i64, at: DateTime<Utc>) -
 
 /// The aggregate of a claim (also of a malformed row, as far as known).
 fn aggregate_of(c: &Claim) -> (String, String) {
+    let (t, id) = aggregate_key(c);
+    (t.to_string(), id.to_string())
+}
+
+/// [`aggregate_of`], borrowed.
+fn aggregate_key(c: &Claim) -> (&str, &str) {
     match &c.row {
-        Ok(e) => (e.aggregate_type.clone(), e.aggregate_id.clone()),
-        Err(m) => (m.aggregate_type.clone(), m.aggregate_id.clone()),
+        Ok(e) => (&e.aggregate_type, &e.aggregate_id),
+        Err(m) => (&m.aggregate_type, &m.aggregate_id),
     }
+}
+
+/// A hash of the aggregate, fixed for the process: the dispatcher and every
+/// worker agree on it. (A `(String, String)` hashes as its two `str`s.)
+fn aggregate_hash<A: std::hash::Hash>(aggregate: &A) -> u64 {
+    use std::hash::Hasher;
+    let mut h = std::hash::DefaultHasher::new();
+    aggregate.hash(&mut h);
+    h.finish()
 }
 
 /// Work for the cleaner: the rows to delete and the slot position to
@@ -553,11 +568,8 @@ struct Partition {
 impl Partition {
     /// The partition of an aggregate (a hash fixed for the process: every
     /// worker and the dispatcher agree).
-    fn of_aggregate(aggregate: &(String, String), of: usize) -> usize {
-        use std::hash::{Hash, Hasher};
-        let mut h = std::hash::DefaultHasher::new();
-        aggregate.hash(&mut h);
-        (h.finish() % of.max(1) as u64) as usize
+    fn of_aggregate<A: std::hash::Hash>(aggregate: &A, of: usize) -> usize {
+        (aggregate_hash(aggregate) % of.max(1) as u64) as usize
     }
 
     fn own(&self, all: HashSet<(String, String)>) -> HashSet<(String, String)> {
@@ -565,6 +577,59 @@ impl Partition {
             .filter(|a| Self::of_aggregate(a, self.of) == self.index)
             .collect()
     }
+}
+
+/// Batches a partition worker has out at once (see [`Relay::partition`]).
+const BATCHES_IN_FLIGHT: usize = 2;
+
+/// A partition worker's state between batches.
+struct Worker {
+    part: Partition,
+    /// Aggregates with a parked queue: their stream events join it.
+    held: HashSet<(String, String)>,
+    outage_backoff: Duration,
+    /// Batches handed on, oldest first.
+    out: std::collections::VecDeque<Out>,
+    reached: mpsc::UnboundedSender<(usize, u64)>,
+}
+
+impl Worker {
+    /// A batch still out holds this event's aggregate.
+    fn busy(&self, c: &Claim) -> bool {
+        let h = aggregate_hash(&aggregate_key(c));
+        self.out.iter().any(|b| b.aggregates.contains(&h))
+    }
+}
+
+/// What `hand_on` returns, and the backoff it left.
+type HandedOn = (
+    Result<Option<(BatchReport, Vec<(String, String)>)>>,
+    Duration,
+);
+
+/// Wait for the oldest batch out to end and take its outcome (`None`: it
+/// carries only a mark). Cancel-safe: nothing is taken until the task ended.
+async fn oldest(out: &mut std::collections::VecDeque<Out>) -> Option<HandedOn> {
+    let task = out.front_mut()?.task.as_mut()?;
+    let ended = (&mut task.0).await;
+    if let Some(o) = out.front_mut() {
+        o.task = None;
+    }
+    Some(ended.unwrap_or_else(|e| {
+        (
+            Err(anyhow!("a capture batch stopped: {e}")),
+            Duration::from_millis(100),
+        )
+    }))
+}
+
+/// A batch handed on (or only a mark, queued behind the batches out).
+struct Out {
+    task: Option<AbortOnDrop<HandedOn>>,
+    /// Hashes of its aggregates (see [`aggregate_hash`]).
+    aggregates: Vec<u64>,
+    mark: Option<u64>,
+    last_commit: Option<DateTime<Utc>>,
 }
 
 /// One partition's batch: events in stream order and the last mark seen.
@@ -758,7 +823,7 @@ impl Relay {
                                 }
                                 Err(_) => {}
                             }
-                            let w = Partition::of_aggregate(&aggregate_of(&c), k);
+                            let w = Partition::of_aggregate(&aggregate_key(&c), k);
                             // A worker that ended: join_next says why.
                             let _ = feeds[w].send(Feed::Event(c)).await;
                             continue;
@@ -883,12 +948,20 @@ impl Relay {
     /// One partition worker: its aggregates' parked queues and stream
     /// events, batch after batch, in order. Returns `Ok` when the lease or
     /// the stream ends, `Err` when the stream must restart.
+    ///
+    /// Up to [`BATCHES_IN_FLIGHT`] batches are out at once: while one waits
+    /// for its acknowledgements the next is collected and handed on, so an
+    /// event that arrives meanwhile is not held up by it. A batch never
+    /// holds an aggregate that one still out holds (collecting stops at the
+    /// first such event), so each aggregate's events still go one batch
+    /// after the other, in stream order; batches finish, and report their
+    /// marks, in the order they started.
     async fn partition(
         self: Arc<Self>,
         part: Partition,
         mut feed: mpsc::Receiver<Feed>,
         reached: mpsc::UnboundedSender<(usize, u64)>,
-        mut lease: LeaseGuard,
+        lease: LeaseGuard,
         stop: CancellationToken,
     ) -> Result<()> {
         let Some(pg) = self.store.logical() else {
@@ -896,12 +969,22 @@ impl Relay {
         };
         // This partition's parked queues as the database has them: every
         // relay that owned the slot before wrote its parked events there.
-        let mut held = part.own(pg.held_aggregates().await?);
+        let mut w = Worker {
+            held: part.own(pg.held_aggregates().await?),
+            outage_backoff: Duration::from_millis(100),
+            out: Default::default(),
+            part,
+            reached,
+        };
+        let mut lease = lease;
+        // The next item of the feed, when collecting stopped before it.
+        let mut carry: Option<Feed> = None;
         let mut last_parked = Instant::now() - PARKED_EVERY;
         // The last round moved events: the next comes at once (a long queue
         // drains at batch speed), otherwise every PARKED_EVERY.
         let mut parked_moving = false;
-        let mut outage_backoff = Duration::from_millis(100);
+        // The parked queues' time came while batches were out.
+        let mut parked_due = false;
         while !stop.is_cancelled() {
             if !lease.held() {
                 tracing::warn!("capture lease lost: stopping the stream (a standby takes over)");
@@ -909,30 +992,76 @@ impl Relay {
             }
             // Operators' `failed retry|discard` and earlier owners' records
             // reach this partition's view of the parked queues.
-            let due = last_parked.elapsed() >= PARKED_EVERY;
-            if due {
-                held = part.own(pg.held_aggregates().await?);
+            if last_parked.elapsed() >= PARKED_EVERY {
+                w.held = part.own(pg.held_aggregates().await?);
                 last_parked = Instant::now();
+                parked_due |= !w.held.is_empty();
             }
-            // Parked events whose turn came, before the stream's later ones.
-            if !held.is_empty() && (parked_moving || due) {
-                let moved = self.retry_parked(pg, &held, &mut lease).await?;
+            // Parked events whose turn came, before the stream's later ones;
+            // with no batch out, so a queue released here goes before its
+            // aggregate's later events.
+            if parked_due || parked_moving {
+                if !w.out.is_empty() {
+                    if !self.finish_oldest(pg, &mut w).await? {
+                        return Ok(());
+                    }
+                    continue;
+                }
+                parked_due = false;
+                let moved = if w.held.is_empty() {
+                    0
+                } else {
+                    self.retry_parked(pg, &w.held, &mut lease).await?
+                };
                 parked_moving = moved > 0;
                 if parked_moving {
-                    held = part.own(pg.held_aggregates().await?);
+                    w.held = part.own(pg.held_aggregates().await?);
                 }
-            } else {
-                parked_moving = false;
             }
             let wait = if parked_moving {
                 Duration::ZERO
             } else {
                 PARKED_EVERY
             };
-            let batch = self.collect(&mut feed, wait, &stop).await?;
+            // Collect the next batch unless enough are out, or the next
+            // event is of an aggregate a batch still out holds.
+            let blocked = w.out.len() >= BATCHES_IN_FLIGHT
+                || matches!(&carry, Some(Feed::Event(c)) if w.busy(c));
+            if blocked {
+                if !self.finish_oldest(pg, &mut w).await? {
+                    return Ok(());
+                }
+                continue;
+            }
+            let busy: HashSet<u64> = w
+                .out
+                .iter()
+                .flat_map(|b| b.aggregates.iter().copied())
+                .collect();
+            // Both branches are cancel-safe: waiting for a task, or for the
+            // feed's first item.
+            let batch = tokio::select! {
+                biased;
+                done = oldest(&mut w.out), if !w.out.is_empty() => {
+                    if !self.take_in(pg, &mut w, done).await? {
+                        return Ok(());
+                    }
+                    continue;
+                }
+                batch = self.collect(&mut feed, &mut carry, &busy, wait, &stop) => batch?,
+            };
             if batch.claims.is_empty() {
                 if let Some(mark) = batch.mark {
-                    let _ = reached.send((part.index, mark));
+                    // After the batches still out, like any mark.
+                    w.out.push_back(Out {
+                        task: None,
+                        aggregates: Vec::new(),
+                        mark: Some(mark),
+                        last_commit: batch.last_commit,
+                    });
+                    if w.out.len() == 1 {
+                        self.finish_oldest(pg, &mut w).await?;
+                    }
                 }
                 continue;
             }
@@ -942,29 +1071,75 @@ impl Relay {
             for at in batch.claims.iter().filter_map(Claim::committed_at) {
                 pickup.record(crate::relay::seconds_since(at, now));
             }
-            let Some((report, queued)) = self
-                .hand_on(batch.claims, &held, &mut lease, &stop, &mut outage_backoff)
-                .await?
-            else {
-                return Ok(());
-            };
-            if report.failed + report.retried + report.held + report.deferred > 0 {
-                held = part.own(pg.held_aggregates().await?);
+            let aggregates = batch
+                .claims
+                .iter()
+                .map(|c| aggregate_hash(&aggregate_key(c)))
+                .collect();
+            let (me, held, mut guard, stop) =
+                (self.clone(), w.held.clone(), lease.clone(), stop.clone());
+            let mut backoff = w.outage_backoff;
+            let claims = batch.claims;
+            let task = tokio::spawn(
+                async move {
+                    let r = me
+                        .hand_on(claims, &held, &mut guard, &stop, &mut backoff)
+                        .await;
+                    (r, backoff)
+                }
+                .in_current_span(),
+            );
+            w.out.push_back(Out {
+                task: Some(AbortOnDrop(task)),
+                aggregates,
+                mark: batch.mark,
+                last_commit: batch.last_commit,
+            });
+        }
+        // Graceful stop: the batches out finish and report their marks.
+        while !w.out.is_empty() {
+            if !self.finish_oldest(pg, &mut w).await? {
+                break;
             }
-            held.extend(queued);
-            // Handled (published or parked): the marks before these events
-            // may be confirmed (and their rows deleted) once every worker
-            // got there.
-            if let Some(mark) = batch.mark {
-                let _ = reached.send((part.index, mark));
-            }
-            if let Some(at) = batch.last_commit {
-                metrics::gauge!(m::SLOT_LAG_SECONDS, "source" => self.source.clone())
-                    .set(((Utc::now() - at).num_milliseconds().max(0) as f64) / 1e3);
-            }
-            self.health.set_store_ok(true);
         }
         Ok(())
+    }
+
+    /// Wait for the oldest batch out and take in what became of it. False:
+    /// it stopped without finishing (shutdown or lease lost).
+    async fn finish_oldest(&self, pg: &PgStore, w: &mut Worker) -> Result<bool> {
+        let done = oldest(&mut w.out).await;
+        self.take_in(pg, w, done).await
+    }
+
+    /// Take in what became of the oldest batch out (`done`, from
+    /// [`oldest`]): the parked queues it added to, then its mark.
+    async fn take_in(&self, pg: &PgStore, w: &mut Worker, done: Option<HandedOn>) -> Result<bool> {
+        if let Some((r, backoff)) = done {
+            w.outage_backoff = backoff;
+            let Some((report, queued)) = r? else {
+                return Ok(false);
+            };
+            if report.failed + report.retried + report.held + report.deferred > 0 {
+                w.held = w.part.own(pg.held_aggregates().await?);
+            }
+            w.held.extend(queued);
+        }
+        let Some(out) = w.out.pop_front() else {
+            return Ok(true);
+        };
+        // Handled (published or parked): the marks before these events
+        // may be confirmed (and their rows deleted) once every worker got
+        // there.
+        if let Some(mark) = out.mark {
+            let _ = w.reached.send((w.part.index, mark));
+        }
+        if let Some(at) = out.last_commit {
+            metrics::gauge!(m::SLOT_LAG_SECONDS, "source" => self.source.clone())
+                .set(((Utc::now() - at).num_milliseconds().max(0) as f64) / 1e3);
+        }
+        self.health.set_store_ok(true);
+        Ok(true)
     }
 
     /// The cleaner: per confirmable mark, in stream order, delete the rows
@@ -1054,24 +1229,37 @@ impl Relay {
 
     /// Gather a batch from a partition's feed: wait up to `wait` for the
     /// first item, then take what is already there, up to
-    /// `relay.batch_size` events.
+    /// `relay.batch_size` events. Stops before an event whose aggregate is
+    /// in `busy` (a batch still out holds it), leaving it in `carry`, where
+    /// the next call starts.
     async fn collect(
         &self,
         feed: &mut mpsc::Receiver<Feed>,
+        carry: &mut Option<Feed>,
+        busy: &HashSet<u64>,
         wait: Duration,
         stop: &CancellationToken,
     ) -> Result<Batch> {
         let mut batch = Batch::default();
-        let mut next = tokio::select! {
-            biased;
-            _ = stop.cancelled() => return Ok(batch),
-            item = feed.recv() => item,
-            _ = tokio::time::sleep(wait) => return Ok(batch),
+        let mut next = match carry.take() {
+            Some(item) => Some(item),
+            None => tokio::select! {
+                biased;
+                _ = stop.cancelled() => return Ok(batch),
+                item = feed.recv() => item,
+                _ = tokio::time::sleep(wait) => return Ok(batch),
+            },
         };
         loop {
             match next {
                 None => bail!("the stream dispatcher stopped"),
-                Some(Feed::Event(c)) => batch.claims.push(*c),
+                Some(Feed::Event(c)) => {
+                    if !busy.is_empty() && busy.contains(&aggregate_hash(&aggregate_key(&c))) {
+                        *carry = Some(Feed::Event(c));
+                        break;
+                    }
+                    batch.claims.push(*c)
+                }
                 Some(Feed::Mark(n, at)) => {
                     batch.mark = Some(n);
                     if at.is_some() {
@@ -1131,9 +1319,9 @@ impl Relay {
 }
 
 /// Abort the reader task when the streaming session ends, however it ends.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
+struct AbortOnDrop<T = ()>(tokio::task::JoinHandle<T>);
 
-impl Drop for AbortOnDrop {
+impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {
         self.0.abort();
     }
@@ -1142,6 +1330,22 @@ impl Drop for AbortOnDrop {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_aggregate_lands_in_one_partition_whether_owned_or_borrowed() {
+        // The dispatcher hashes borrowed keys, `Partition::own` the parked
+        // queues' owned ones: both must pick the same worker.
+        for (t, id) in [("order", "o-1"), ("", ""), ("a", "bc"), ("ab", "c")] {
+            let owned = (t.to_string(), id.to_string());
+            assert_eq!(aggregate_hash(&owned), aggregate_hash(&(t, id)));
+            assert_eq!(
+                Partition::of_aggregate(&owned, 7),
+                Partition::of_aggregate(&(t, id), 7)
+            );
+        }
+        // ("a", "bc") and ("ab", "c") are different aggregates.
+        assert_ne!(aggregate_hash(&("a", "bc")), aggregate_hash(&("ab", "c")));
+    }
 
     #[test]
     fn timestamps_in_iso_text() {
