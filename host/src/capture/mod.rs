@@ -1052,15 +1052,25 @@ impl Relay {
             };
             if batch.claims.is_empty() {
                 if let Some(mark) = batch.mark {
-                    // After the batches still out, like any mark.
-                    w.out.push_back(Out {
-                        task: None,
-                        aggregates: Vec::new(),
-                        mark: Some(mark),
-                        last_commit: batch.last_commit,
-                    });
-                    if w.out.len() == 1 {
-                        self.finish_oldest(pg, &mut w).await?;
+                    // It comes after every event of the batches out: the
+                    // youngest reports it when it ends (a slot of its own
+                    // would keep the next batch from going out).
+                    match w.out.back_mut() {
+                        Some(last) => {
+                            last.mark = Some(mark);
+                            if batch.last_commit.is_some() {
+                                last.last_commit = batch.last_commit;
+                            }
+                        }
+                        None => {
+                            w.out.push_back(Out {
+                                task: None,
+                                aggregates: Vec::new(),
+                                mark: Some(mark),
+                                last_commit: batch.last_commit,
+                            });
+                            self.finish_oldest(pg, &mut w).await?;
+                        }
                     }
                 }
                 continue;
@@ -1096,10 +1106,16 @@ impl Relay {
                 last_commit: batch.last_commit,
             });
         }
-        // Graceful stop: the batches out finish and report their marks.
+        // Graceful stop: the batches out finish and report their marks; once
+        // one stopped short, the younger ones still finish sending (their
+        // marks are not reported: the next reader starts before them).
+        let mut reporting = true;
         while !w.out.is_empty() {
-            if !self.finish_oldest(pg, &mut w).await? {
-                break;
+            if reporting {
+                reporting = self.finish_oldest(pg, &mut w).await?;
+            } else {
+                let _ = oldest(&mut w.out).await;
+                w.out.pop_front();
             }
         }
         Ok(())
