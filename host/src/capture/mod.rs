@@ -593,14 +593,6 @@ struct Worker {
     reached: mpsc::UnboundedSender<(usize, u64)>,
 }
 
-impl Worker {
-    /// A batch still out holds this event's aggregate.
-    fn busy(&self, c: &Claim) -> bool {
-        let h = aggregate_hash(&aggregate_key(c));
-        self.out.iter().any(|b| b.aggregates.contains(&h))
-    }
-}
-
 /// What `hand_on` returns, and the backoff it left.
 type HandedOn = (
     Result<Option<(BatchReport, Vec<(String, String)>)>>,
@@ -963,7 +955,7 @@ impl Relay {
         part: Partition,
         mut feed: mpsc::Receiver<Feed>,
         reached: mpsc::UnboundedSender<(usize, u64)>,
-        lease: LeaseGuard,
+        mut lease: LeaseGuard,
         stop: CancellationToken,
     ) -> Result<()> {
         let Some(pg) = self.store.logical() else {
@@ -978,7 +970,6 @@ impl Relay {
             part,
             reached,
         };
-        let mut lease = lease;
         // The next item of the feed, when collecting stopped before it.
         let mut carry: Option<Feed> = None;
         let mut last_parked = Instant::now() - PARKED_EVERY;
@@ -1030,20 +1021,21 @@ impl Relay {
             // A full batch out means a backlog: a second one would not
             // shorten anyone's wait (measured: it cost the drain ~10 %), so
             // the pipeline is for arrivals at a steady rate.
+            let busy: HashSet<u64> = w
+                .out
+                .iter()
+                .flat_map(|b| b.aggregates.iter().copied())
+                .collect();
             let blocked = w.out.len() >= BATCHES_IN_FLIGHT
                 || w.out.back().is_some_and(|b| b.full)
-                || matches!(&carry, Some(Feed::Event(c)) if w.busy(c));
+                || matches!(&carry, Some(Feed::Event(c))
+                    if busy.contains(&aggregate_hash(&aggregate_key(c))));
             if blocked {
                 if !self.finish_oldest(pg, &mut w).await? {
                     return Ok(());
                 }
                 continue;
             }
-            let busy: HashSet<u64> = w
-                .out
-                .iter()
-                .flat_map(|b| b.aggregates.iter().copied())
-                .collect();
             // Both branches are cancel-safe: waiting for a task, or for the
             // feed's first item.
             let batch = tokio::select! {
