@@ -335,8 +335,10 @@ async fn main() -> Result<()> {
                 args.rate
             ),
             format!(
-                "p50 ≤ {} ms, p99 ≤ {} ms",
-                l["commit_to_ack_ms_bucket"]["p50"], l["commit_to_ack_ms_bucket"]["p99"]
+                "p50 ≤ {} ms, p99 ≤ {} ms; relay {:.2} cores",
+                l["commit_to_ack_ms_bucket"]["p50"],
+                l["commit_to_ack_ms_bucket"]["p99"],
+                l["relay_cores"].as_f64().unwrap_or(0.0)
             ),
         ));
         push_claim_figures(&mut table, "", &l);
@@ -386,13 +388,14 @@ async fn main() -> Result<()> {
                 table.push((
                     format!("{label} capture @{}/s commit→consumer", args.rate),
                     format!(
-                        "p50 {:.1} ms, p99 {:.1} ms; pickup p50 ≤ {} ms, p99 ≤ {} ms; commit→ack p50 ≤ {} ms, p99 ≤ {} ms; RSS {:.0} MiB",
+                        "p50 {:.1} ms, p99 {:.1} ms; pickup p50 ≤ {} ms, p99 ≤ {} ms; commit→ack p50 ≤ {} ms, p99 ≤ {} ms; relay {:.2} cores, RSS {:.0} MiB",
                         ms("commit_to_consumer_ms", "p50"),
                         ms("commit_to_consumer_ms", "p99"),
                         l["pickup_ms_bucket"]["p50"],
                         l["pickup_ms_bucket"]["p99"],
                         l["commit_to_ack_ms_bucket"]["p50"],
                         l["commit_to_ack_ms_bucket"]["p99"],
+                        l["relay_cores"].as_f64().unwrap_or(0.0),
                         l["peak_rss_mib"].as_f64().unwrap_or(0.0),
                     ),
                 ));
@@ -1425,7 +1428,9 @@ async fn latency(
 
     // 4 writers, each at rate/4 events/s, each event its own transaction.
     let per_writer = Duration::from_secs_f64(4.0 / rate as f64);
-    let end = Instant::now() + Duration::from_secs(secs);
+    let pid = relay.child.id();
+    let (cpu0, t0) = (proc_stats(pid).0, Instant::now());
+    let end = t0 + Duration::from_secs(secs);
     let mut writers = Vec::new();
     for w in 0..4 {
         let pool = db.pool.clone();
@@ -1456,6 +1461,8 @@ async fn latency(
         committed.extend(w.await??);
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
+    // The relay's CPU over the steady window and the 2 s tail after it.
+    let relay_cores = (proc_stats(pid).0 - cpu0) / t0.elapsed().as_secs_f64().max(1e-3);
     stop.store(true, Ordering::Relaxed);
     let _ = consumer.join();
     let mut lat: Vec<f64> = Vec::new();
@@ -1468,10 +1475,11 @@ async fn latency(
     let (_, metrics) = outroute_e2e::http_get(&http, "/metrics")
         .await
         .unwrap_or_default();
-    let rss = proc_stats(relay.child.id()).1;
+    let rss = proc_stats(pid).1;
     relay.terminate(Duration::from_secs(15));
     db.drop_db().await;
     Ok(json!({
+        "relay_cores": relay_cores,
         "committed": committed.len(),
         "received": lat.len(),
         "achieved_rate": committed.len() as f64 / secs as f64,

@@ -224,9 +224,9 @@ struct RowShape {
     created_at: Option<usize>,
     /// The payload column is `json`/`jsonb` (see [`RawRow::payload_is_json`]).
     payload_is_json: bool,
-    /// No other key maps the payload column: its value can move out of the
-    /// decoded row instead of being copied.
-    payload_movable: bool,
+    /// How many keys map each column: a value mapped once moves out of the
+    /// decoded row, one mapped twice is copied.
+    uses: Vec<u8>,
 }
 
 impl RowShape {
@@ -241,7 +241,7 @@ impl RowShape {
             payload_is_json: payload
                 .and_then(|i| rel.types.get(i))
                 .is_some_and(|ty| pgoutput::JSON_TYPES.contains(ty)),
-            payload_movable: false,
+            uses: vec![0; rel.columns.len()],
             id: req(&t.id),
             sequence: pos(&t.sequence),
             aggregate_type: pos(&t.aggregate_type),
@@ -252,31 +252,37 @@ impl RowShape {
             headers: pos(&t.headers),
             created_at: req(&t.created_at),
         };
-        shape.payload_movable = ![
+        for i in [
             shape.id,
             shape.sequence,
             shape.aggregate_type,
             shape.aggregate_id,
             shape.event_type,
             shape.event_version,
+            shape.payload,
             shape.headers,
             shape.created_at,
         ]
-        .contains(&shape.payload);
+        .into_iter()
+        .flatten()
+        {
+            shape.uses[i] = shape.uses[i].saturating_add(1);
+        }
         shape
     }
 
     fn row(&self, t: &TableConfig, mut values: Vec<pgoutput::Value>) -> RawRow {
-        // The payload (the one large value) moves out; the others are
-        // copied, as two keys may map the same column.
-        let payload = match self.payload.and_then(|i| values.get_mut(i)) {
-            Some(pgoutput::Value::Text(s)) if self.payload_movable => Some(std::mem::take(s)),
-            Some(pgoutput::Value::Text(s)) => Some(s.clone()),
-            _ => None,
-        };
-        let text = |i: Option<usize>| match i.and_then(|i| values.get(i)) {
-            Some(pgoutput::Value::Text(s)) => Some(s.clone()),
-            _ => None,
+        // Each value moves out of the decoded row, unless two keys map its
+        // column: then each gets a copy.
+        let mut text = |i: Option<usize>| {
+            let i = i?;
+            match values.get_mut(i) {
+                Some(pgoutput::Value::Text(s)) if self.uses.get(i) == Some(&1) => {
+                    Some(std::mem::take(s))
+                }
+                Some(pgoutput::Value::Text(s)) => Some(s.clone()),
+                _ => None,
+            }
         };
         let created_at = text(self.created_at).and_then(|s| parse_timestamp(&s));
         let sequence = match t.sequence {
@@ -293,7 +299,7 @@ impl RowShape {
             aggregate_id: text(self.aggregate_id),
             event_type: text(self.event_type),
             event_version: text(self.event_version),
-            payload,
+            payload: text(self.payload),
             headers: text(self.headers),
             created_at,
             attempts: 0,
@@ -912,9 +918,14 @@ impl Relay {
         backoff: &mut Duration,
     ) -> Result<Option<(BatchReport, Vec<(String, String)>)>> {
         lease.stamp(&mut claims);
-        let (queue, mut go): (Vec<Claim>, Vec<Claim>) = claims
-            .into_iter()
-            .partition(|c| held.contains(&aggregate_of(c)));
+        // (The usual case, nothing parked, needs no per-event lookup.)
+        let (queue, mut go): (Vec<Claim>, Vec<Claim>) = if held.is_empty() {
+            (Vec::new(), claims)
+        } else {
+            claims
+                .into_iter()
+                .partition(|c| held.contains(&aggregate_of(c)))
+        };
         let report = loop {
             let mut report = self.process(go, Some(&mut *lease)).await?;
             if !report.outage {
@@ -1372,6 +1383,47 @@ mod tests {
         assert_eq!(z, parse_timestamp("2026-12-01 19:56:00+00").unwrap());
         assert!(parse_timestamp("2026-12-01 19:56:00").is_some());
         assert!(parse_timestamp("yesterday").is_none());
+    }
+
+    #[test]
+    fn a_column_two_keys_map_reaches_both() {
+        // `t_outbox`-like: the aggregate id doubles as the event id here.
+        let mut t = TableConfig::canonical();
+        t.id = "aggregate_id".into();
+        t.sequence = None;
+        t.event_version = None;
+        t.headers = None;
+        let cols = [
+            "aggregate_type",
+            "aggregate_id",
+            "event_type",
+            "payload",
+            "created_at",
+        ];
+        let rel = pgoutput::Relation {
+            namespace: "public".into(),
+            name: "outbox".into(),
+            columns: cols.iter().map(|c| c.to_string()).collect(),
+            types: vec![25, 25, 25, 3802, 1184],
+        };
+        let shape = RowShape::of(&rel, &t);
+        let text = |s: &str| pgoutput::Value::Text(s.into());
+        let values = vec![
+            text("order"),
+            text("o-1"),
+            text("order-paid"),
+            text(r#"{"total":1}"#),
+            text("2026-12-01 19:56:00.5+00"),
+        ];
+        let e = shape.row(&t, values).validate().unwrap();
+        assert_eq!((e.id.as_str(), e.aggregate_id.as_str()), ("o-1", "o-1"));
+        assert_eq!(
+            (e.aggregate_type.as_str(), e.event_type.as_str()),
+            ("order", "order-paid")
+        );
+        assert_eq!(e.payload, br#"{"total":1}"#.to_vec());
+        // Without a sequence column the commit-time order stands in.
+        assert_eq!(e.sequence, e.created_at.timestamp_micros());
     }
 
     #[test]
