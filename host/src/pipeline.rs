@@ -25,7 +25,8 @@
 //! and marks/records after it, so it is unit-tested below with a scripted
 //! sink that fails chosen messages at send or at ack time.
 
-use std::collections::{HashMap, HashSet};
+// Per-batch maps: foldhash (see host/Cargo.toml), not SipHash.
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -279,10 +280,10 @@ impl Pipeline {
     ) -> Delivery {
         // Refused before sending: later events of that aggregate wait.
         if self.ordered() {
-            let mut blocked: HashSet<(String, String)> = HashSet::new();
+            let mut blocked: HashSet<Aggregate<'_>> = HashSet::new();
             for (claim, plan) in events.iter_mut() {
-                let (t, i) = aggregate_of(claim);
-                let key = (t.to_string(), i.to_string());
+                let claim: &Claim = claim;
+                let key = aggregate_of(claim);
                 if blocked.contains(&key) {
                     *plan = Plan::Held;
                 } else if matches!(plan, Plan::Held | Plan::Defer { .. }) {

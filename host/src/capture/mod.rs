@@ -200,15 +200,32 @@ fn replication_tls(key: &str, sc: &StoreConfig, url: &url::Url, host: &str) -> R
 }
 
 /// A timestamp in PostgreSQL's ISO text form, with or without a zone.
+/// (The formats are parsed once: parsing them per row was most of the cost.)
 fn parse_timestamp(s: &str) -> Option<DateTime<Utc>> {
-    DateTime::parse_from_str(s, "%Y-%m-%d %H:%M:%S%.f%#z")
-        .map(|t| t.with_timezone(&Utc))
+    use chrono::format::{Item, Parsed, StrftimeItems, parse};
+    use std::sync::LazyLock;
+    static ZONED: LazyLock<Vec<Item<'static>>> = LazyLock::new(|| {
+        StrftimeItems::new("%Y-%m-%d %H:%M:%S%.f%#z")
+            .parse_to_owned()
+            .unwrap_or_default()
+    });
+    static PLAIN: LazyLock<Vec<Item<'static>>> = LazyLock::new(|| {
+        StrftimeItems::new("%Y-%m-%d %H:%M:%S%.f")
+            .parse_to_owned()
+            .unwrap_or_default()
+    });
+    let mut zoned = Parsed::new();
+    if parse(&mut zoned, s, ZONED.iter()).is_ok()
+        && let Ok(t) = zoned.to_datetime()
+    {
+        return Some(t.with_timezone(&Utc));
+    }
+    let mut plain = Parsed::new();
+    parse(&mut plain, s, PLAIN.iter()).ok()?;
+    plain
+        .to_naive_datetime_with_offset(0)
         .ok()
-        .or_else(|| {
-            NaiveDateTime::parse_from_str(s, "%Y-%m-%d %H:%M:%S%.f")
-                .ok()
-                .map(|n| n.and_utc())
-        })
+        .map(|n: NaiveDateTime| n.and_utc())
 }
 
 /// Column positions of the mapped columns in one published relation.
@@ -525,10 +542,8 @@ fn aggregate_key(c: &Claim) -> (&str, &str) {
 /// A hash of the aggregate, fixed for the process: the dispatcher and every
 /// worker agree on it. (A `(String, String)` hashes as its two `str`s.)
 fn aggregate_hash<A: std::hash::Hash>(aggregate: &A) -> u64 {
-    use std::hash::Hasher;
-    let mut h = std::hash::DefaultHasher::new();
-    aggregate.hash(&mut h);
-    h.finish()
+    use std::hash::BuildHasher;
+    foldhash::fast::FixedState::with_seed(0).hash_one(aggregate)
 }
 
 /// Work for the cleaner: the rows to delete and the slot position to
