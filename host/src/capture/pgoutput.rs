@@ -201,30 +201,30 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_value_that_is_not_utf8_is_kept_lossily() {
+    /// An insert into relation 1 of one text value: `len` as the declared
+    /// length, then `bytes`.
+    fn one_value_insert(len: i32, bytes: &[u8]) -> Vec<u8> {
         let mut ins = vec![b'I'];
         ins.extend_from_slice(&1i32.to_be_bytes());
         ins.push(b'N');
         ins.extend_from_slice(&1i16.to_be_bytes());
         ins.push(b't');
-        ins.extend_from_slice(&3i32.to_be_bytes());
-        ins.extend_from_slice(&[b'a', 0xff, b'b']);
+        ins.extend_from_slice(&len.to_be_bytes());
+        ins.extend_from_slice(bytes);
+        ins
+    }
+
+    #[test]
+    fn a_value_that_is_not_utf8_is_kept_lossily() {
         assert_eq!(
-            decode(&ins).unwrap(),
+            decode(&one_value_insert(3, &[b'a', 0xff, b'b'])).unwrap(),
             Change::Insert(1, vec![Value::Text("a\u{fffd}b".into())])
         );
     }
 
     #[test]
     fn truncated_messages_are_errors_not_panics() {
-        let mut ins = vec![b'I'];
-        ins.extend_from_slice(&1i32.to_be_bytes());
-        ins.push(b'N');
-        ins.extend_from_slice(&1i16.to_be_bytes());
-        ins.push(b't');
-        ins.extend_from_slice(&100i32.to_be_bytes());
-        ins.extend_from_slice(b"short");
+        let ins = one_value_insert(100, b"short");
         assert!(decode(&ins).unwrap_err().contains("inside a value"));
         assert!(decode(&[b'R', 0, 0]).is_err());
         assert_eq!(decode(b"U").unwrap(), Change::Other(b'U'));
