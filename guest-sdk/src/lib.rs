@@ -188,12 +188,44 @@ impl Event {
     ///
     /// `Event::new("order", "42", "order-created", json!({})).expand("orders.{event_type}")`
     /// is `"orders.order-created"`.
+    ///
+    /// One pass over the template: a value is never expanded again, and any
+    /// other `{…}` stays as written. (It runs for every message, so it is
+    /// kept cheap: measured in the relay, four `str::replace` calls cost a
+    /// metadata-only router about a quarter of its time in the plugin.)
     pub fn expand(&self, template: &str) -> String {
-        template
-            .replace("{aggregate_type}", &self.aggregate_type)
-            .replace("{aggregate_id}", &self.aggregate_id)
-            .replace("{event_type}", &self.event_type)
-            .replace("{event_version}", &self.event_version.to_string())
+        use std::fmt::Write;
+        let mut out = String::with_capacity(template.len() + 32);
+        let mut rest = template;
+        while let Some(at) = rest.find('{') {
+            out.push_str(&rest[..at]);
+            rest = &rest[at..];
+            let field = [
+                ("{aggregate_type}", Some(self.aggregate_type.as_str())),
+                ("{aggregate_id}", Some(self.aggregate_id.as_str())),
+                ("{event_type}", Some(self.event_type.as_str())),
+                ("{event_version}", None),
+            ]
+            .into_iter()
+            .find(|(name, _)| rest.starts_with(name));
+            match field {
+                Some((name, value)) => {
+                    match value {
+                        Some(v) => out.push_str(v),
+                        None => {
+                            let _ = write!(out, "{}", self.event_version);
+                        }
+                    }
+                    rest = &rest[name.len()..];
+                }
+                None => {
+                    out.push('{');
+                    rest = &rest[1..];
+                }
+            }
+        }
+        out.push_str(rest);
+        out
     }
 
     /// The first header with this name (case-sensitive).
@@ -314,6 +346,26 @@ mod tests {
             Err(Rejection::Invalid(r)) => assert!(r.contains("not valid JSON"), "{r}"),
             other => panic!("expected invalid, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn templates_expand_in_one_pass() {
+        let e = Event::new(
+            "order",
+            "{event_type}",
+            "order-created",
+            serde_json::json!({}),
+        );
+        assert_eq!(
+            e.expand("{aggregate_type}s.{event_type}.v{event_version}"),
+            "orders.order-created.v1"
+        );
+        // A value is not expanded again; unknown or unclosed braces stay.
+        assert_eq!(
+            e.expand("{aggregate_id}/{tenant}/{"),
+            "{event_type}/{tenant}/{"
+        );
+        assert_eq!(e.expand("plain"), "plain");
     }
 
     #[test]
