@@ -483,11 +483,16 @@ impl Pipeline {
                 let n = seen
                     .entry((msg.sink.as_str(), msg.topic.as_str()))
                     .or_insert(0);
-                let mut dedup = match *n {
-                    0 => format!("{}:{}", ev.id, msg.topic),
-                    n => format!("{}:{}:{n}", ev.id, msg.topic),
+                // `concat`, not `format!`: two ids per message through the
+                // formatting machinery were ~2.5 % of the relay's instructions.
+                let count = (*n > 0).then(|| n.to_string());
+                let (id, topic) = (ev.id.as_str(), msg.topic.as_str());
+                let mut dedup = match &count {
+                    None => [id, ":", topic].concat(),
+                    Some(c) => [id, ":", topic, ":", c].concat(),
                 };
-                let leg = format!("{}/{}#{}", msg.sink, msg.topic, *n);
+                let count = count.as_deref().unwrap_or("0");
+                let leg = [msg.sink.as_str(), "/", topic, "#", count].concat();
                 *n += 1;
                 // Acknowledged by an earlier attempt (its sibling leg's
                 // broker was down): not sent again.
