@@ -485,14 +485,14 @@ impl Pipeline {
                     .or_insert(0);
                 // `concat`, not `format!`: two ids per message through the
                 // formatting machinery were ~2.5 % of the relay's instructions.
-                let count = (*n > 0).then(|| n.to_string());
+                let repeat = (*n > 0).then(|| n.to_string());
                 let (id, topic) = (ev.id.as_str(), msg.topic.as_str());
-                let mut dedup = match &count {
+                let mut dedup = match &repeat {
                     None => [id, ":", topic].concat(),
-                    Some(c) => [id, ":", topic, ":", c].concat(),
+                    Some(r) => [id, ":", topic, ":", r].concat(),
                 };
-                let count = count.as_deref().unwrap_or("0");
-                let leg = [msg.sink.as_str(), "/", topic, "#", count].concat();
+                let nth = repeat.as_deref().unwrap_or("0");
+                let leg = [msg.sink.as_str(), "/", topic, "#", nth].concat();
                 *n += 1;
                 // Acknowledged by an earlier attempt (its sibling leg's
                 // broker was down): not sent again.
