@@ -480,3 +480,121 @@ async fn claims_start_past_published_rows_but_never_past_a_row_still_to_commit()
     db.drop_db().await;
     Ok(())
 }
+
+/// The canonical table mapped with `marking = { style = "ledger" }`.
+const LEDGER_MAPPING: &str = "[store.table]\nname = \"outbox\"\nid = \"id\"\nsequence = \"seq\"\n\
+    aggregate_type = \"aggregate_type\"\naggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\n\
+    event_version = \"event_version\"\npayload = \"payload\"\nheaders = \"headers\"\n\
+    created_at = \"created_at\"\nattempts = \"attempts\"\nlast_error = \"last_error\"\n\
+    failed_at = \"failed_at\"\nmarking = { style = \"ledger\" }\n";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_ledger_marks_without_rewriting_rows_and_a_new_owner_starts_at_the_recorded_floor()
+-> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("claim-ledger");
+    let config = write_config(&dir, &db.url, "lanes = 4", &file_body(&dir, LEDGER_MAPPING))?;
+    db.migrate(&config)?;
+    let (code, out, err) = cli(&["migrate", "--table", "-c", &config.to_string_lossy()])?;
+    assert_eq!(code, 0, "{out}{err}");
+    fill(&db, 1, 5_000).await?;
+    let a = open_store(&config, "a").await?;
+    assert_eq!(a.missing_index(), None, "the canonical lane index serves the ledger");
+    let lanes = a.lease_round().await?.lanes;
+    assert_eq!(drain(&a, &lanes).await?.len(), 5_000);
+    // Published by ledger rows; the outbox rows themselves are untouched.
+    assert_eq!(
+        db.count("SELECT count(*) FROM outroute_ledger WHERE source = 'outbox'").await,
+        5_000
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await,
+        0
+    );
+    // A row already in the ledger is not marked again (an earlier owner
+    // published it): the mark reports it as not marked.
+    fill(&db, 5_001, 5_010).await?;
+    let claims = a.claim(&lanes, 100).await?;
+    assert_eq!(claims.len(), 10);
+    let refs: Vec<&Claim> = claims.iter().collect();
+    assert_eq!(a.mark_published(&refs).await?, 10);
+    assert_eq!(a.mark_published(&refs).await?, 0);
+    assert!(a.claim(&lanes, 100).await?.is_empty());
+
+    // Floors rise with the rounds and are recorded with the lease.
+    for _ in 0..4 {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        a.raise_floors(&lanes).await;
+    }
+    a.lease_round().await?;
+    assert_eq!(
+        db.count("SELECT count(*) FROM outroute_lanes WHERE source = 'outbox' AND floor > 4000")
+            .await,
+        4,
+        "every lane's floor recorded past the published rows"
+    );
+
+    // A relay that takes the lanes over starts there: its first claim does
+    // not walk the 5,010 published rows (they stay in the lane index).
+    a.release_all().await?;
+    fill(&db, 6_001, 6_020).await?;
+    let b = open_store(&config, "b").await?;
+    let lanes_b = b.lease_round().await?.lanes;
+    assert_eq!(lanes_b.len(), 4);
+    let pages = claim_pages(&b, &lanes_b, 100).await?;
+    let fresh = open_store(&config, "c").await?;
+    let from_bottom = claim_pages(&fresh, &lanes_b, 100).await?;
+    eprintln!("ledger: takeover claim {pages} pages, from the bottom {from_bottom}");
+    assert!(
+        pages * 4.0 < from_bottom && pages < 100.0,
+        "the new owner's claim touched {pages} pages (from the bottom: {from_bottom})"
+    );
+    assert_eq!(drain(&b, &lanes_b).await?.len(), 20);
+
+    // `failed retry` of a discarded event below the floors: its lane's
+    // recorded floor is lowered and the owner claims it again.
+    let seq: i64 = sqlx::query_scalar("SELECT seq FROM outbox WHERE aggregate_id = 'o-7'")
+        .fetch_one(&db.pool)
+        .await?;
+    sqlx::query("DELETE FROM outroute_ledger WHERE source = 'outbox' AND seq = $1")
+        .bind(seq)
+        .execute(&db.pool)
+        .await?;
+    sqlx::query("UPDATE outbox SET failed_at = now() WHERE seq = $1")
+        .bind(seq)
+        .execute(&db.pool)
+        .await?;
+    sqlx::query(
+        "INSERT INTO outroute_event_state (source, event_id, aggregate_type, aggregate_id, seq, \
+           attempts, failed_at, discarded_at, last_error) \
+         SELECT 'outbox', id::text, aggregate_type, aggregate_id, seq, 3, now(), now(), 'boom' \
+         FROM outbox WHERE seq = $1",
+    )
+    .bind(seq)
+    .execute(&db.pool)
+    .await?;
+    let retried = b
+        .failed_retry(&outroute::store::Filter {
+            include_discarded: true,
+            ..Default::default()
+        })
+        .await?;
+    assert_eq!(retried, 1);
+    b.lease_round().await?;
+    assert_eq!(drain(&b, &lanes_b).await?, vec!["o-7".to_string()]);
+
+    // Retention takes ledger rows and their outbox rows together.
+    let mut purged = 0;
+    loop {
+        let n = b.purge_published(std::time::Duration::ZERO, 1000).await?;
+        if n == 0 {
+            break;
+        }
+        purged += n;
+    }
+    assert_eq!(purged, 5_030);
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM outroute_ledger").await, 0);
+    db.drop_db().await;
+    Ok(())
+}
