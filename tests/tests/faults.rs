@@ -19,17 +19,6 @@ fn kafka_config(
     t: &str,
     relay: &str,
 ) -> anyhow::Result<std::path::PathBuf> {
-    kafka_config_with(dir, db, t, relay, "")
-}
-
-/// With a `[store.table]` mapping (`""`: the canonical table).
-fn kafka_config_with(
-    dir: &std::path::Path,
-    db: &TestDb,
-    t: &str,
-    relay: &str,
-    mapping: &str,
-) -> anyhow::Result<std::path::PathBuf> {
     let route = format!(
         "config = {{ sink = \"kafka\", topic = \"t{t}.{{event_type}}\" }}\nallow = {{ kafka = [\"t{t}.*\"] }}"
     );
@@ -37,43 +26,12 @@ fn kafka_config_with(
         dir,
         &db.url,
         relay,
-        &format!(
-            "{mapping}{}",
-            relay_body("", &[TestSink::Kafka], "order-router", "orders", &route)
-        ),
+        &relay_body("", &[TestSink::Kafka], "order-router", "orders", &route),
     )
 }
-
-/// The canonical table with publish state in the ledger (`marking = ledger`).
-const LEDGER: &str = "[store.table]\nname = \"outbox\"\nid = \"id\"\nsequence = \"seq\"\n\
-    aggregate_type = \"aggregate_type\"\naggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\n\
-    event_version = \"event_version\"\npayload = \"payload\"\nheaders = \"headers\"\n\
-    created_at = \"created_at\"\nattempts = \"attempts\"\nlast_error = \"last_error\"\n\
-    failed_at = \"failed_at\"\nmarking = { style = \"ledger\" }\n";
 
 #[tokio::test(flavor = "multi_thread")]
 async fn crash_at_every_point_loses_nothing_and_keeps_order() -> anyhow::Result<()> {
-    crash_at_every_point(
-        "",
-        "SELECT count(*) FROM outbox WHERE published_at IS NULL",
-    )
-    .await
-}
-
-/// The same crash points with publish state in the ledger: a crash
-/// between the ack and the ledger insert re-publishes, never loses.
-#[tokio::test(flavor = "multi_thread")]
-async fn crash_at_every_point_under_the_ledger_loses_nothing_and_keeps_order() -> anyhow::Result<()>
-{
-    crash_at_every_point(
-        LEDGER,
-        "SELECT count(*) FROM outbox o WHERE NOT EXISTS \
-         (SELECT 1 FROM outroute_ledger p WHERE p.source = 'outbox' AND p.seq = o.seq)",
-    )
-    .await
-}
-
-async fn crash_at_every_point(mapping: &str, unmarked: &str) -> anyhow::Result<()> {
     let iterations: usize = std::env::var("OUTROUTE_CRASH_ITERATIONS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -83,19 +41,13 @@ async fn crash_at_every_point(mapping: &str, unmarked: &str) -> anyhow::Result<(
     let topic = format!("t{t}.order-updated");
     create_topic(&topic, 3).await?;
     let dir = test_dir("crash");
-    let config = kafka_config_with(
+    let config = kafka_config(
         &dir,
         &db,
         &t,
         "lease_ttl = \"1s\"\nlanes = 8\nbatch_size = 40\nconcurrency = 2",
-        mapping,
     )?;
     db.migrate(&config)?;
-    if !mapping.is_empty() {
-        let c = config.to_string_lossy().to_string();
-        let (code, out, err) = cli(&["migrate", "--table", "-c", &c])?;
-        anyhow::ensure!(code == 0, "migrate --table: {out}{err}");
-    }
 
     let (all, crashes) = crash_at_points(&db.pool, &config, &POINTS, iterations).await?;
     let mut relay = Relay::start(&config, &[])?;
@@ -105,7 +57,9 @@ async fn crash_at_every_point(mapping: &str, unmarked: &str) -> anyhow::Result<(
     report.assert_clean();
     assert!(
         eventually(Duration::from_secs(20), || async {
-            db.count(unmarked).await == 0
+            db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+                .await
+                == 0
         })
         .await,
         "rows left unmarked"

@@ -2101,16 +2101,15 @@ impl PgStore {
             .await?
             .rows_affected();
         if let Marking::Ledger { .. } = &s.cfg.marking {
-            // Of the ledger's lowest `4 × batch` sequence numbers, those
-            // published long enough ago, with their rows (one statement: a
-            // ledger row never goes without its outbox row). Bounded by the
-            // batch; events published late (retried) at the bottom are
-            // stepped over, and only 3 × batch of them would hold the rest
-            // back until they are old enough too — later, never early.
+            // The ledger's lowest `batch` sequence numbers, those published
+            // long enough ago, with their rows (one statement: a ledger
+            // row never goes without its outbox row). Bounded by the
+            // batch; an event published late (retried) keeps the ones
+            // above it until it is old enough too — later, never early.
             let q = format!(
                 "WITH gone AS (DELETE FROM outroute_ledger p WHERE p.source = $3 \
                    AND p.seq = ANY(ARRAY(SELECT l.seq FROM outroute_ledger l WHERE l.source = $3 \
-                                          ORDER BY l.seq LIMIT $2 * 4)) \
+                                          ORDER BY l.seq LIMIT $2)) \
                    AND p.published_at < now() - make_interval(secs => $1) RETURNING p.seq) \
                  DELETE FROM {table} o USING gone WHERE {seq} = gone.seq",
                 table = s.table,
