@@ -413,17 +413,6 @@ pub enum Marking {
     },
     /// Delete the row once published.
     Delete,
-    /// Leave the row as it is and record its sequence number in outroute's
-    /// narrow publish ledger (`outroute_ledger`): a ~40-byte insert
-    /// instead of a new version of the whole row with its index entries.
-    /// Needs a unique `sequence` column. Rows whose `column` is set count
-    /// as published too (stamped before the switch, or by a relay still
-    /// on `published_at`), so a table can move to the ledger while relays
-    /// run.
-    Ledger {
-        #[serde(default = "default_published_at")]
-        column: String,
-    },
 }
 
 fn default_published_at() -> String {

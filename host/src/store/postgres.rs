@@ -113,9 +113,7 @@ impl Shape {
         };
         let aggregate_id = format!("{}::text", col(&t.aggregate_id));
         let mut pending = match &t.marking {
-            Marking::PublishedAt { column } | Marking::Ledger { column } => {
-                vec![format!("{} IS NULL", col(column))]
-            }
+            Marking::PublishedAt { column } => vec![format!("{} IS NULL", col(column))],
             Marking::Status {
                 column, pending, ..
             } => vec![format!("{} = {}", col(column), literal(pending))],
@@ -161,9 +159,6 @@ pub struct TableSql {
     aggregate_id: String,
     /// Pending rows, lane and order over alias `o`.
     pending: String,
-    /// What the row itself says about being pending (`pending` without
-    /// the publish ledger's probe; the same for other markings).
-    row_pending: String,
     lane: String,
     order: String,
     order_desc: String,
@@ -196,16 +191,8 @@ impl TableSql {
         };
         let q = Shape::new(t, lanes, "o");
         let (aggregate_type, aggregate_id) = (q.aggregate_type.clone(), q.aggregate_id.clone());
-        // The ledger's rows of this source: the table's name is the source
-        // key of its coordination rows (lease mode). `OFFSET 0` keeps it a
-        // probe per row (never a join that reads the whole ledger).
-        let ledger = format!(
-            "EXISTS (SELECT 1 FROM outroute_ledger p WHERE p.source = {} AND p.seq = {seq} OFFSET 0)",
-            literal(&t.name)
-        );
         let published = match &t.marking {
             Marking::PublishedAt { column } => format!("{} IS NOT NULL", col(column)),
-            Marking::Ledger { column } => format!("({} IS NOT NULL OR {ledger})", col(column)),
             Marking::Status { column, sent, .. } => {
                 format!("{} = {}", col(column), literal(sent))
             }
@@ -257,13 +244,7 @@ impl TableSql {
             seq,
             aggregate_type,
             aggregate_id,
-            pending: match &t.marking {
-                // The lane index holds published rows too (nothing in the
-                // row changes): the ledger says which they are.
-                Marking::Ledger { .. } => format!("{} AND NOT {ledger}", q.pending),
-                _ => q.pending.clone(),
-            },
-            row_pending: q.pending.clone(),
+            pending: q.pending,
             lane: q.lane,
             order: q.order,
             order_desc: q.order_desc,
@@ -366,22 +347,13 @@ impl TableSql {
     /// one below the floor. `None` for tables without a sequence column.
     fn floor_round(&self) -> Option<String> {
         let seq = self.floor_col.as_ref()?;
-        // Under the ledger, published rows stay in the lane index: a sweep
-        // of everything below a floor would read the lane's whole history,
-        // so it looks at the last `floor::LEDGER_SWEEP_SPAN` numbers below
-        // it (the rows a late commit can leave behind).
-        let span = match &self.cfg.marking {
-            Marking::Ledger { .. } => format!(" AND {seq} >= l.floor - {}", floor::LEDGER_SWEEP_SPAN),
-            _ => String::new(),
-        };
         let walk = |cmp: &str| {
             format!(
-                "(SELECT {seq} FROM {table} o WHERE {lane} = l.lane AND {pending} AND {seq} {cmp} l.floor{below} \
+                "(SELECT {seq} FROM {table} o WHERE {lane} = l.lane AND {pending} AND {seq} {cmp} l.floor \
                    ORDER BY {seq} LIMIT 1)",
                 table = self.table,
                 lane = self.lane,
                 pending = self.pending,
-                below = if cmp == "<" { span.as_str() } else { "" },
             )
         };
         Some(format!(
@@ -611,10 +583,7 @@ impl PgStore {
             );
         }
         let mut cols = t.columns();
-        if let Marking::PublishedAt { column }
-        | Marking::Status { column, .. }
-        | Marking::Ledger { column } = &t.marking
-        {
+        if let Marking::PublishedAt { column } | Marking::Status { column, .. } = &t.marking {
             cols.push(("marking.column", column));
         }
         let mut id_type = String::new();
@@ -660,22 +629,6 @@ impl PgStore {
                 self.key
             );
         }
-        if let Marking::Ledger { .. } = &t.marking {
-            // Ledger rows name events by sequence number: it must be one
-            // per row (validation already refused a table without one).
-            let seq = t.sequence.as_deref().unwrap_or_default();
-            if !self.unique_column(seq).await? {
-                bail!(
-                    "{}.table.marking: style `ledger` records events by their sequence number, but \
-                     `{}`.`{seq}` has no unique index; add one (CREATE UNIQUE INDEX … ON {} ({})) \
-                     or use `published_at`",
-                    self.key,
-                    t.name,
-                    quote(&t.name),
-                    quote(seq)
-                );
-            }
-        }
         let mut sql = TableSql::new(t, self.lanes, &base);
         sql.payload_is_json = payload_is_json;
         if let Some(seq) = &t.sequence
@@ -687,15 +640,6 @@ impl PgStore {
                  (slower after many events were published, until VACUUM)",
                 self.key
             );
-            if let Marking::Ledger { .. } = &t.marking {
-                // Published rows stay in the lane index: without floors
-                // every claim would walk the table's whole history.
-                bail!(
-                    "{}.table.marking: style `ledger` needs claim floors, but the sequence column `{seq}` {why}; \
-                     use `published_at` marking for this table",
-                    self.key
-                );
-            }
             tracing::warn!(table = %t.name, "{off}");
             self.floors_off = Some(off);
             sql.floor_col = None;
@@ -1046,104 +990,12 @@ impl PgStore {
         // A lane taken over by another relay starts from the bottom if it
         // comes back (its floor is still valid, but costs nothing to redo).
         self.floors_mut().forget_except(&lanes);
-        if self.persists_floors() {
-            self.persist_floors(&lanes).await;
-        }
         Ok(Leases {
             lanes,
             epochs,
             acquired,
             relays,
         })
-    }
-
-    /// Floors are kept in `outroute_lanes` under `marking = ledger`, where
-    /// published rows stay in the lane index (see `postgres/floor.rs`).
-    fn persists_floors(&self) -> bool {
-        self.floor_sql.is_some() && matches!(self.cfg.marking, Marking::Ledger { .. })
-    }
-
-    /// Read the recorded floor of every owned lane not read yet (just taken
-    /// over: claims start there), and record the floors of the others. A
-    /// recorded floor someone lowered since (`failed retry`) is kept and
-    /// lowers ours. Failures only cost claims a longer walk: logged.
-    async fn persist_floors(&self, lanes: &[i32]) {
-        let (new, known): (Vec<i32>, Vec<i32>) = {
-            let f = self.floors_mut();
-            lanes.iter().partition(|l| !f.persisted.contains_key(l))
-        };
-        if !new.is_empty() {
-            let read: Result<Vec<(i32, Option<i64>)>, _> = sqlx::query_as(
-                "SELECT lane, floor FROM outroute_lanes WHERE source = $1 AND lane = ANY($2)",
-            )
-            .bind(&self.source)
-            .bind(&new)
-            .fetch_all(&self.pool)
-            .await;
-            match read {
-                Ok(rows) => {
-                    let now = std::time::Instant::now();
-                    let mut f = self.floors_mut();
-                    for (lane, floor) in rows {
-                        if let Some(floor) = floor {
-                            f.start_at(lane, floor, now);
-                        }
-                        f.persisted.insert(lane, floor);
-                    }
-                }
-                Err(e) => tracing::warn!("reading the lanes' recorded claim floors: {e:#}"),
-            }
-        }
-        let (lanes, floors, written): (Vec<i32>, Vec<i64>, Vec<Option<i64>>) = {
-            let f = self.floors_mut();
-            let floors = f.of(&known);
-            let mut out = (Vec::new(), Vec::new(), Vec::new());
-            for (lane, floor) in known.iter().zip(floors) {
-                let written = f.persisted.get(lane).copied().flatten();
-                // Sent even when unchanged: the answer tells whether
-                // someone lowered it.
-                if floor != floor::BOTTOM {
-                    out.0.push(*lane);
-                    out.1.push(floor);
-                    out.2.push(written);
-                }
-            }
-            out
-        };
-        if lanes.is_empty() {
-            return;
-        }
-        let wrote: Result<Vec<(i32, Option<i64>)>, _> = sqlx::query_as(
-            "UPDATE outroute_lanes l SET floor = CASE WHEN l.floor IS NOT DISTINCT FROM f.written \
-               THEN f.floor ELSE least(l.floor, f.floor) END \
-             FROM unnest($3::int[], $4::bigint[], $5::bigint[]) AS f(lane, floor, written) \
-             WHERE l.source = $1 AND l.owner = $2 AND l.lane = f.lane RETURNING l.lane, l.floor",
-        )
-        .bind(&self.source)
-        .bind(&self.relay_id)
-        .bind(&lanes)
-        .bind(&floors)
-        .bind(&written)
-        .fetch_all(&self.pool)
-        .await;
-        match wrote {
-            Ok(rows) => {
-                let mut f = self.floors_mut();
-                for (lane, floor) in rows {
-                    f.persisted.insert(lane, floor);
-                    if let Some(floor) = floor
-                        && f.lower(lane, floor)
-                    {
-                        tracing::info!(
-                            lane,
-                            seq = floor,
-                            "a lane's recorded claim floor was lowered (failed retry): claims walk it from there"
-                        );
-                    }
-                }
-            }
-            Err(e) => tracing::warn!("recording the lanes' claim floors: {e:#}"),
-        }
     }
 
     pub async fn release_all(&self) -> Result<()> {
@@ -1357,12 +1209,6 @@ impl PgStore {
                 )
             }
             Marking::Delete => format!("DELETE FROM {} o USING {rows}", s.table),
-            Marking::Ledger { .. } => format!(
-                "SELECT {seq} AS seq, {id}::text AS id FROM {table} o, {rows}",
-                seq = s.seq,
-                id = s.id,
-                table = s.table
-            ),
         };
         let clear = if clear_state {
             ", cleared AS (DELETE FROM outroute_event_state st WHERE st.source = $1 \
@@ -1377,30 +1223,19 @@ impl PgStore {
         // (its last column) or for the pending predicate and walk every
         // pending row. The lease check is a per-row probe of the row's own
         // lane row (`OFFSET 0` keeps it one).
-        let checked = format!(
-            "{change} WHERE o.ctid = m.tid \
+        Ok(format!(
+            "WITH marked AS ({change} WHERE o.ctid = m.tid \
                AND CASE WHEN {id}::text = m.id AND {pending} \
                  THEN EXISTS (SELECT 1 FROM outroute_lanes l WHERE l.source = $1 AND l.lane = {lane} \
                    AND l.owner = $2 AND l.lease_until > now() \
                    AND (m.epoch IS NULL OR l.epoch = m.epoch) OFFSET 0) \
-                 ELSE FALSE END",
+                 ELSE FALSE END \
+               RETURNING {id}::text AS id){clear} \
+             SELECT id FROM marked",
             id = s.id,
-            pending = s.row_pending,
+            pending = s.pending,
             lane = s.lane,
-        );
-        let marked = match &s.cfg.marking {
-            // The rows that pass the checks, then one ledger row each; a
-            // row already in the ledger (published by an earlier owner) is
-            // not marked again.
-            Marking::Ledger { .. } => format!(
-                "ok AS MATERIALIZED ({checked}), \
-                 ins AS (INSERT INTO outroute_ledger (source, seq) SELECT $1, ok.seq FROM ok \
-                   ON CONFLICT DO NOTHING RETURNING seq), \
-                 marked AS (SELECT ok.id FROM ok JOIN ins ON ins.seq = ok.seq)"
-            ),
-            _ => format!("marked AS ({checked} RETURNING {}::text AS id)", s.id),
-        };
-        Ok(format!("WITH {marked}{clear} SELECT id FROM marked"))
+        ))
     }
 
     /// Run the mark of these claims under `EXPLAIN ANALYZE` and roll it
@@ -1579,23 +1414,6 @@ impl PgStore {
                AND st.event_id = {}::text AND st.failed_at IS NOT NULL OFFSET 0)",
             s.id
         );
-        // Under the ledger, published rows stay in the lane index: each
-        // lane is counted from its floor (this relay's, or the one its
-        // owner recorded), not from the bottom of its history.
-        let ledger = matches!(s.cfg.marking, Marking::Ledger { .. }) && self.missing_index.is_none();
-        let from_floor = if ledger {
-            format!(
-                " AND {seq} >= greatest(($2::bigint[])[l.lane + 1], coalesce((SELECT ol.floor FROM outroute_lanes ol \
-                   WHERE ol.source = $1 AND ol.lane = l.lane), {bottom}))",
-                seq = s.seq,
-                bottom = floor::BOTTOM
-            )
-        } else {
-            String::new()
-        };
-        let floors = self
-            .floors_mut()
-            .of(&(0..self.lanes as i32).collect::<Vec<_>>());
         let q = if self.missing_index.is_some() {
             format!(
                 "SELECT count(*)::bigint, count(*) >= {cap}, min(x.created), min(x.seq) FROM \
@@ -1611,7 +1429,7 @@ impl PgStore {
                  FROM generate_series(0, {last}) l(lane) CROSS JOIN LATERAL \
                    (SELECT count(*) AS n, min(x.created) AS created, min(x.seq) AS seq FROM \
                      (SELECT {created} AS created, {seq} AS seq FROM {table} o \
-                      WHERE {lane} = l.lane AND {pending} AND {not_failed}{from_floor} ORDER BY {order} LIMIT {per_lane}) x) c",
+                      WHERE {lane} = l.lane AND {pending} AND {not_failed} ORDER BY {order} LIMIT {per_lane}) x) c",
                 last = self.lanes - 1,
                 seq = s.seq,
                 table = s.table,
@@ -1620,11 +1438,10 @@ impl PgStore {
                 order = s.order,
             )
         };
-        let mut row = sqlx::query(&q).bind(&self.source);
-        if ledger {
-            row = row.bind(&floors);
-        }
-        let row = row.fetch_one(&self.pool).await?;
+        let row = sqlx::query(&q)
+            .bind(&self.source)
+            .fetch_one(&self.pool)
+            .await?;
         let counted: Option<i64> = row.try_get(0)?;
         let saturated: Option<bool> = row.try_get(1)?;
         let oldest: Option<chrono::DateTime<chrono::Utc>> = row.try_get(2)?;
@@ -1638,7 +1455,7 @@ impl PgStore {
             // The newest pending row of each lane (index walked backwards).
             let q = format!(
                 "SELECT max(c.seq) FROM generate_series(0, {last}) l(lane) CROSS JOIN LATERAL \
-                   (SELECT {seq} AS seq FROM {table} o WHERE {lane} = l.lane AND {pending}{from_floor} \
+                   (SELECT {seq} AS seq FROM {table} o WHERE {lane} = l.lane AND {pending} \
                     ORDER BY {desc} LIMIT 1) c",
                 last = self.lanes - 1,
                 seq = s.seq,
@@ -1647,11 +1464,7 @@ impl PgStore {
                 pending = s.pending,
                 desc = s.order_desc,
             );
-            let mut last = sqlx::query_scalar(&q);
-            if ledger {
-                last = last.bind(&self.source).bind(&floors);
-            }
-            let last: Option<i64> = last.fetch_one(&self.pool).await?;
+            let last: Option<i64> = sqlx::query_scalar(&q).fetch_one(&self.pool).await?;
             if let Some(last) = last {
                 n = n.max(last - first + 1);
             }
@@ -1676,37 +1489,16 @@ impl PgStore {
         // An operator's question, answered exactly (this reads every pending
         // row, unlike the relay's bounded gauge); failed rows that stay
         // pending in a table with nowhere to mark them are not backlog.
-        let not_failed = format!(
-            "NOT EXISTS (SELECT 1 FROM outroute_event_state st WHERE st.source = $1 \
-               AND st.event_id = {}::text AND st.failed_at IS NOT NULL)",
-            s.id
+        let by_type_q = format!(
+            "SELECT {at}, count(*) FROM {table} o WHERE {pending} AND NOT EXISTS \
+               (SELECT 1 FROM outroute_event_state st WHERE st.source = $1 AND st.event_id = {id}::text \
+                AND st.failed_at IS NOT NULL) \
+             GROUP BY 1 ORDER BY 2 DESC",
+            at = s.aggregate_type,
+            table = s.table,
+            pending = s.pending,
+            id = s.id,
         );
-        let by_type_q = if matches!(s.cfg.marking, Marking::Ledger { .. }) && self.missing_index.is_none() {
-            // Published rows stay in the lane index: walk each lane from
-            // the floor its owner recorded, not through its history.
-            format!(
-                "SELECT x.at, count(*) FROM generate_series(0, {last}) l(lane) CROSS JOIN LATERAL \
-                   (SELECT {at} AS at FROM {table} o WHERE {lane} = l.lane AND {pending} AND {not_failed} \
-                    AND {seq} >= coalesce((SELECT ol.floor FROM outroute_lanes ol \
-                      WHERE ol.source = $1 AND ol.lane = l.lane), {bottom})) x \
-                 GROUP BY 1 ORDER BY 2 DESC",
-                last = self.lanes - 1,
-                at = s.aggregate_type,
-                table = s.table,
-                lane = s.lane,
-                pending = s.pending,
-                seq = s.seq,
-                bottom = floor::BOTTOM,
-            )
-        } else {
-            format!(
-                "SELECT {at}, count(*) FROM {table} o WHERE {pending} AND {not_failed} \
-                 GROUP BY 1 ORDER BY 2 DESC",
-                at = s.aggregate_type,
-                table = s.table,
-                pending = s.pending,
-            )
-        };
         let mut by_type = sqlx::query(&by_type_q)
             .bind(&self.source)
             .fetch_all(&self.pool)
@@ -1930,22 +1722,6 @@ impl PgStore {
             .iter()
             .map(|r| r.try_get(0))
             .collect::<Result<_, _>>()?;
-        // Under the ledger, recorded floors must not pass what is pending
-        // again (a discarded event does not hold its lane's floor down).
-        if matches!(s.cfg.marking, Marking::Ledger { .. }) && !ids.is_empty() {
-            let q = format!(
-                "UPDATE outroute_lanes l SET floor = least(l.floor, r.seq) \
-                 FROM (SELECT {lane} AS lane, min(st.seq) AS seq FROM outroute_event_state st \
-                       WHERE st.source = $1 AND st.event_id = ANY($2) GROUP BY 1) r \
-                 WHERE l.source = $1 AND l.lane = r.lane AND l.floor IS NOT NULL",
-                lane = s.state_lane
-            );
-            sqlx::query(&q)
-                .bind(&self.source)
-                .bind(&ids)
-                .execute(&mut *tx)
-                .await?;
-        }
         // Undo the table's own failed marker so the row is pending again.
         let mut sets = Vec::new();
         if let Some(c) = &s.cfg.failed_at {
@@ -2071,9 +1847,6 @@ impl PgStore {
             Marking::PublishedAt { column } => format!("o.{}", quote(column)),
             Marking::Status { .. } => format!("o.{}::timestamptz", quote(&s.cfg.created_at)),
             Marking::Delete => return Ok(0),
-            // Rows stamped before the switch go as with `published_at`;
-            // ledger rows below.
-            Marking::Ledger { column } => format!("o.{}", quote(column)),
         };
         // Small batches by ctid: short transactions, no long locks. One
         // relay at a time: the others skip the round while it holds the
@@ -2094,35 +1867,12 @@ impl PgStore {
             table = s.table,
             published = s.published,
         );
-        let mut n = sqlx::query(&q)
+        let n = sqlx::query(&q)
             .bind(older_than.as_secs_f64())
             .bind(batch)
             .execute(&mut *tx)
             .await?
             .rows_affected();
-        if let Marking::Ledger { .. } = &s.cfg.marking {
-            // The ledger's lowest `batch` sequence numbers, those published
-            // long enough ago, with their rows (one statement: a ledger
-            // row never goes without its outbox row). Bounded by the
-            // batch; an event published late (retried) keeps the ones
-            // above it until it is old enough too — later, never early.
-            let q = format!(
-                "WITH gone AS (DELETE FROM outroute_ledger p WHERE p.source = $3 \
-                   AND p.seq = ANY(ARRAY(SELECT l.seq FROM outroute_ledger l WHERE l.source = $3 \
-                                          ORDER BY l.seq LIMIT $2)) \
-                   AND p.published_at < now() - make_interval(secs => $1) RETURNING p.seq) \
-                 DELETE FROM {table} o USING gone WHERE {seq} = gone.seq",
-                table = s.table,
-                seq = s.seq,
-            );
-            n += sqlx::query(&q)
-                .bind(older_than.as_secs_f64())
-                .bind(batch)
-                .bind(&self.source)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-        }
         tx.commit().await?;
         Ok(n)
     }

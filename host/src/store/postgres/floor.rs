@@ -44,13 +44,6 @@ pub const ROUND_INTERVAL: Duration = Duration::from_millis(250);
 /// How often a round also looks below the floors (the backstop).
 pub const SWEEP_INTERVAL: Duration = Duration::from_secs(30);
 
-/// How far below its floor a sweep looks under `marking = ledger`
-/// (sequence numbers), where published rows stay in the lane index and a
-/// full sweep would read the lane's history. A late commit is a row whose
-/// number was taken microseconds before its transaction id; a 10,000-number
-/// window covers that at any rate this relay drains.
-pub const LEDGER_SWEEP_SPAN: i64 = 10_000;
-
 /// The lowest floor: walk the lane from its first entry.
 pub const BOTTOM: i64 = i64::MIN;
 
@@ -95,9 +88,6 @@ pub struct Round {
 #[derive(Debug, Default)]
 pub struct Floors {
     lanes: HashMap<i32, Lane>,
-    /// Per lane, the floor last read from or written to `outroute_lanes`
-    /// (`marking = ledger`): a different value there means someone lowered it.
-    pub persisted: HashMap<i32, Option<i64>>,
     /// The highest sequence number any claim returned so far.
     seen: Option<i64>,
 }
@@ -195,32 +185,6 @@ impl Floors {
         lowered
     }
 
-    /// Start a lane just taken over at the floor its previous owner
-    /// recorded (`marking = ledger`, where published rows stay in the lane
-    /// index and the bottom would mean walking the lane's history).
-    pub fn start_at(&mut self, lane: i32, floor: i64, now: Instant) {
-        let s = self.lanes.entry(lane).or_insert(Lane {
-            floor: BOTTOM,
-            candidate: None,
-            last_round: now.checked_sub(ROUND_INTERVAL).unwrap_or(now),
-            last_sweep: now,
-        });
-        s.floor = s.floor.max(floor);
-    }
-
-    /// Lower a lane's floor to `floor` (a row at it is pending again, e.g.
-    /// `failed retry` of a discarded event). Returns whether it moved.
-    pub fn lower(&mut self, lane: i32, floor: i64) -> bool {
-        match self.lanes.get_mut(&lane) {
-            Some(s) if s.floor > floor => {
-                s.floor = floor;
-                s.candidate = None;
-                true
-            }
-            _ => false,
-        }
-    }
-
     /// Make the next round of every lane a sweep (diagnosis, tests).
     pub fn sweep_soon(&mut self, now: Instant) {
         for s in self.lanes.values_mut() {
@@ -237,7 +201,6 @@ impl Floors {
     /// comes back.
     pub fn forget_except(&mut self, owned: &[i32]) {
         self.lanes.retain(|l, _| owned.contains(l));
-        self.persisted.retain(|l, _| owned.contains(l));
     }
 }
 
