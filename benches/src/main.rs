@@ -254,11 +254,7 @@ async fn main() -> Result<()> {
         // The same drain with the row updated (`published_at`, the default)
         // or deleted once published (the mapping of examples/outbox-delete.toml):
         // what marking costs PostgreSQL.
-        for shape in [
-            Shape::Canonical,
-            Shape::CanonicalQueue,
-            Shape::CanonicalDelete,
-        ] {
+        for shape in [Shape::Canonical, Shape::CanonicalDelete] {
             eprintln!("== outroute drain of {} → kafka", shape.name());
             let d = drain_table(args.events, "kafka", args.concurrency, shape).await?;
             let f = |k: &str| d[k].as_f64().unwrap_or(0.0);
@@ -272,7 +268,6 @@ async fn main() -> Result<()> {
             ));
             let key = match shape {
                 Shape::CanonicalDelete => "drain_kafka_marking_delete",
-                Shape::CanonicalQueue => "drain_kafka_marking_queue",
                 _ => "drain_kafka_marking_update",
             };
             results.insert(key.into(), d);
@@ -910,8 +905,6 @@ enum Shape {
     Canonical,
     /// The canonical table, rows deleted once published (`marking = delete`).
     CanonicalDelete,
-    /// PROTOTYPE: pending rows listed in `outroute_queue`.
-    CanonicalQueue,
     TOutbox,
     OutboxEvents,
 }
@@ -921,7 +914,6 @@ impl Shape {
         match self {
             Shape::Canonical => "outbox",
             Shape::CanonicalDelete => "outbox, marking delete",
-            Shape::CanonicalQueue => "outbox, pending queue",
             Shape::TOutbox => "t_outbox",
             Shape::OutboxEvents => "outbox_events",
         }
@@ -938,14 +930,6 @@ impl Shape {
                  attempts = \"attempts\"\nlast_error = \"last_error\"\nfailed_at = \"failed_at\"\n\
                  marking = { style = \"delete\" }\n"
             }
-            Shape::CanonicalQueue => {
-                "[store.table]\nname = \"outbox\"\nid = \"id\"\nsequence = \"seq\"\n\
-                 aggregate_type = \"aggregate_type\"\naggregate_id = \"aggregate_id\"\n\
-                 event_type = \"event_type\"\nevent_version = \"event_version\"\n\
-                 payload = \"payload\"\nheaders = \"headers\"\ncreated_at = \"created_at\"\n\
-                 attempts = \"attempts\"\nlast_error = \"last_error\"\nfailed_at = \"failed_at\"\n\
-                 marking = { style = \"queue\" }\n"
-            }
             Shape::TOutbox => seed::T_OUTBOX_MAPPING,
             Shape::OutboxEvents => seed::OUTBOX_EVENTS_MAPPING,
         }
@@ -955,7 +939,6 @@ impl Shape {
         match self {
             Shape::Canonical => "SELECT count(*) FROM outbox WHERE published_at IS NULL",
             Shape::CanonicalDelete => "SELECT count(*) FROM outbox",
-            Shape::CanonicalQueue => "SELECT count(*) FROM outroute_queue",
             Shape::TOutbox => "SELECT count(*) FROM t_outbox WHERE status = 'PENDING'",
             Shape::OutboxEvents => "SELECT count(*) FROM outbox_events WHERE published_at IS NULL",
         }
@@ -966,22 +949,6 @@ impl Shape {
     async fn create_and_fill(self, pool: &PgPool, n: usize) -> Result<()> {
         let (create, insert) = match self {
             Shape::Canonical | Shape::CanonicalDelete => return fill(pool, n).await,
-            Shape::CanonicalQueue => {
-                fill(pool, n).await?;
-                sqlx::query(
-                    "CREATE TABLE outroute_queue (source text NOT NULL, lane int NOT NULL, \
-                     seq bigint NOT NULL, PRIMARY KEY (source, lane, seq))",
-                )
-                .execute(pool)
-                .await?;
-                sqlx::query(
-                    "INSERT INTO outroute_queue SELECT 'outbox', ((hashtext(coalesce(aggregate_type::text, '') \
-                     || '/' || coalesce(aggregate_id::text, '')) & 2147483647) % 64), seq FROM outbox",
-                )
-                .execute(pool)
-                .await?;
-                return Ok(());
-            }
             Shape::TOutbox => (
                 seed::T_OUTBOX_DDL,
                 "INSERT INTO t_outbox (event_id, aggregate_type, aggregate_id, event_type, payload) \

@@ -413,9 +413,6 @@ pub enum Marking {
     },
     /// Delete the row once published.
     Delete,
-    /// PROTOTYPE (measurement only): pending rows are listed in the narrow
-    /// `outroute_queue` (source, lane, seq); a mark deletes the entry.
-    Queue,
 }
 
 fn default_published_at() -> String {

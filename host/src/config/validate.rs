@@ -45,7 +45,6 @@ impl Loaded {
                     err(format!("{key}.table.marking.column"), e);
                 }
             }
-            Marking::Queue => {}
             Marking::Delete => {
                 if self.config.relay.retention.is_some() {
                     err(

@@ -117,7 +117,7 @@ impl Shape {
             Marking::Status {
                 column, pending, ..
             } => vec![format!("{} = {}", col(column), literal(pending))],
-            Marking::Delete | Marking::Queue => Vec::new(),
+            Marking::Delete => Vec::new(),
         };
         if let Some(f) = &t.failed_at {
             pending.push(format!("{} IS NULL", col(f)));
@@ -197,10 +197,6 @@ impl TableSql {
                 format!("{} = {}", col(column), literal(sent))
             }
             Marking::Delete => "FALSE".into(),
-            Marking::Queue => format!(
-                "NOT EXISTS (SELECT 1 FROM outroute_queue qq WHERE qq.source = {} AND qq.seq = {seq})",
-                literal(&t.name)
-            ),
         };
         let bare = Shape::new(t, lanes, "");
         let opt = |c: &Option<String>, cast: &str| match c {
@@ -245,18 +241,10 @@ impl TableSql {
             table: quote(&t.name),
             id: col(&t.id),
             id_type: id_type.to_string(),
-            seq: seq.clone(),
+            seq,
             aggregate_type,
             aggregate_id,
-            pending: match &t.marking {
-                Marking::Queue => format!(
-                    "{} AND EXISTS (SELECT 1 FROM outroute_queue qq WHERE qq.source = {} AND qq.lane = {} AND qq.seq = {seq} OFFSET 0)",
-                    q.pending,
-                    literal(&t.name),
-                    q.lane
-                ),
-                _ => q.pending,
-            },
+            pending: q.pending,
             lane: q.lane,
             order: q.order,
             order_desc: q.order_desc,
@@ -349,26 +337,6 @@ impl TableSql {
             "SELECT c.* FROM unnest($2::int[], $4::bigint[]) WITH ORDINALITY AS l(lane, floor, n) \
              CROSS JOIN LATERAL ({}) c ORDER BY l.n LIMIT $3",
             self.next_pending(ordering, &rows)
-        )
-    }
-
-    /// PROTOTYPE: the claim through `outroute_queue`: each lane's queue
-    /// entries in order, the outbox row fetched by its sequence number.
-    fn claim_by_queue(&self, ordering: Ordering) -> String {
-        let row_pending = Shape::new(&self.cfg, 1, "o").pending;
-        format!(
-            "SELECT c.* FROM unnest($2::int[], $4::bigint[]) WITH ORDINALITY AS l(lane, floor, n) \
-             CROSS JOIN LATERAL (SELECT {cols}, {extras} \
-               FROM (SELECT qq.seq FROM outroute_queue qq WHERE qq.source = {src} AND qq.lane = l.lane \
-                     AND qq.seq >= l.floor ORDER BY qq.seq LIMIT $3) k \
-               CROSS JOIN LATERAL (SELECT o.*, o.ctid FROM {table} o WHERE {seqcol} = k.seq) o \
-               WHERE {row_pending} {state} ORDER BY k.seq LIMIT $3) c ORDER BY l.n LIMIT $3",
-            cols = self.select_cols,
-            extras = self.claim_extras(),
-            src = literal(&self.cfg.name),
-            table = self.table,
-            seqcol = self.seq,
-            state = self.state_filter(ordering),
         )
     }
 
@@ -685,13 +653,6 @@ impl PgStore {
             self.sql = Some(sql);
             return Ok(());
         }
-        if let Marking::Queue = &t.marking {
-            self.missing_index = None;
-            self.claim_sql = sql.claim_by_queue(self.ordering);
-            self.floor_sql = None;
-            self.sql = Some(sql);
-            return self.ensure_lane_rows().await;
-        }
         self.missing_index = if self.lane_index_usable(&sql).await? {
             None
         } else {
@@ -702,11 +663,7 @@ impl PgStore {
             Some(_) => (sql.claim_by_scan(self.ordering), None),
         };
         self.sql = Some(sql);
-        self.ensure_lane_rows().await
-    }
-
-    /// Lane rows for this table; a changed lane count would break ordering.
-    async fn ensure_lane_rows(&self) -> Result<()> {
+        // Lane rows for this table; a changed lane count would break ordering.
         let existing: i64 =
             sqlx::query_scalar("SELECT count(*) FROM outroute_lanes WHERE source = $1")
                 .bind(&self.source)
@@ -1216,19 +1173,13 @@ impl PgStore {
             .collect();
         let epochs: Vec<Option<i64>> = claims.iter().map(|c| c.epoch).collect();
         let q = self.mark_sql(!with_state.is_empty())?;
-        let mut mark = sqlx::query_scalar(&q)
+        let marked: Vec<String> = sqlx::query_scalar(&q)
             .bind(&self.source)
             .bind(&self.relay_id)
             .bind(&ids)
             .bind(&with_state)
             .bind(&tids)
-            .bind(&epochs);
-        if let Marking::Queue = &self.sql()?.cfg.marking {
-            let lanes: Vec<i32> = claims.iter().map(|c| c.lane).collect();
-            let seqs: Vec<i64> = claims.iter().map(|c| c.sequence()).collect();
-            mark = mark.bind(lanes).bind(seqs);
-        }
-        let marked: Vec<String> = mark
+            .bind(&epochs)
             .fetch_all(&self.pool)
             .await
             .context("marking events published")?;
@@ -1258,10 +1209,6 @@ impl PgStore {
                 )
             }
             Marking::Delete => format!("DELETE FROM {} o USING {rows}", s.table),
-            Marking::Queue => format!(
-                "DELETE FROM outroute_queue qq USING {rows}, {} o",
-                s.table
-            ),
         };
         let clear = if clear_state {
             ", cleared AS (DELETE FROM outroute_event_state st WHERE st.source = $1 \
@@ -1276,24 +1223,9 @@ impl PgStore {
         // (its last column) or for the pending predicate and walk every
         // pending row. The lease check is a per-row probe of the row's own
         // lane row (`OFFSET 0` keeps it one).
-        if let Marking::Queue = &s.cfg.marking {
-            // PROTOTYPE: each queue entry found by its key (a correlated
-            // probe, never a join the planner could turn into a scan), then
-            // deleted by its ctid.
-            return Ok(format!(
-                "WITH marked AS (DELETE FROM outroute_queue WHERE ctid = ANY(ARRAY( \
-                   SELECT (SELECT qq.ctid FROM outroute_queue qq WHERE qq.source = $1 AND qq.lane = m.lane AND qq.seq = m.seq) \
-                   FROM unnest($7::int[], $8::bigint[], $6::bigint[], $3::text[]) AS m(lane, seq, epoch, id) \
-                   WHERE EXISTS (SELECT 1 FROM outroute_lanes l WHERE l.source = $1 AND l.lane = m.lane \
-                     AND l.owner = $2 AND l.lease_until > now() AND (m.epoch IS NULL OR l.epoch = m.epoch) OFFSET 0))) \
-                   AND $5::text[] IS NOT NULL \
-                 RETURNING seq::text AS id){clear} SELECT id FROM marked"
-            ));
-        }
-        let change = format!("{change} WHERE o.ctid = m.tid AND");
         Ok(format!(
-            "WITH marked AS ({change} \
-               CASE WHEN {id}::text = m.id AND {pending} \
+            "WITH marked AS ({change} WHERE o.ctid = m.tid \
+               AND CASE WHEN {id}::text = m.id AND {pending} \
                  THEN EXISTS (SELECT 1 FROM outroute_lanes l WHERE l.source = $1 AND l.lane = {lane} \
                    AND l.owner = $2 AND l.lease_until > now() \
                    AND (m.epoch IS NULL OR l.epoch = m.epoch) OFFSET 0) \
@@ -1301,10 +1233,7 @@ impl PgStore {
                RETURNING {id}::text AS id){clear} \
              SELECT id FROM marked",
             id = s.id,
-            pending = match &s.cfg.marking {
-                Marking::Queue => Shape::new(&s.cfg, 1, "o").pending,
-                _ => s.pending.clone(),
-            },
+            pending = s.pending,
             lane = s.lane,
         ))
     }
@@ -1478,15 +1407,6 @@ impl PgStore {
             return self.parked_backlog().await;
         }
         let s = self.sql()?;
-        if let Marking::Queue = &s.cfg.marking {
-            let n: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM (SELECT 1 FROM outroute_queue WHERE source = $1 LIMIT 1000) x",
-            )
-            .bind(&self.source)
-            .fetch_one(&self.pool)
-            .await?;
-            return Ok((n, None));
-        }
         let per_lane = (BACKLOG_EXACT / self.lanes as i64).max(2);
         let created = format!("o.{}::timestamptz", quote(&s.cfg.created_at));
         let not_failed = format!(
@@ -1926,7 +1846,7 @@ impl PgStore {
         let age = match &s.cfg.marking {
             Marking::PublishedAt { column } => format!("o.{}", quote(column)),
             Marking::Status { .. } => format!("o.{}::timestamptz", quote(&s.cfg.created_at)),
-            Marking::Delete | Marking::Queue => return Ok(0),
+            Marking::Delete => return Ok(0),
         };
         // Small batches by ctid: short transactions, no long locks. One
         // relay at a time: the others skip the round while it holds the
