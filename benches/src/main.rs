@@ -251,10 +251,15 @@ async fn main() -> Result<()> {
         results.insert("drain_3_sources_kafka".into(), d);
     }
     if want("marking") {
-        // The same drain with the row updated (`published_at`, the default)
-        // or deleted once published (the mapping of examples/outbox-delete.toml):
-        // what marking costs PostgreSQL.
-        for shape in [Shape::Canonical, Shape::CanonicalDelete] {
+        // The same drain with the row updated (`published_at`, the default),
+        // listed in the pending queue (examples/outbox-queue.toml) or deleted
+        // once published (examples/outbox-delete.toml): what marking costs
+        // PostgreSQL.
+        for shape in [
+            Shape::Canonical,
+            Shape::CanonicalQueue,
+            Shape::CanonicalDelete,
+        ] {
             eprintln!("== outroute drain of {} → kafka", shape.name());
             let d = drain_table(args.events, "kafka", args.concurrency, shape).await?;
             let f = |k: &str| d[k].as_f64().unwrap_or(0.0);
@@ -268,6 +273,7 @@ async fn main() -> Result<()> {
             ));
             let key = match shape {
                 Shape::CanonicalDelete => "drain_kafka_marking_delete",
+                Shape::CanonicalQueue => "drain_kafka_marking_queue",
                 _ => "drain_kafka_marking_update",
             };
             results.insert(key.into(), d);
@@ -905,6 +911,8 @@ enum Shape {
     Canonical,
     /// The canonical table, rows deleted once published (`marking = delete`).
     CanonicalDelete,
+    /// The canonical table, pending rows listed in `outroute_queue`.
+    CanonicalQueue,
     TOutbox,
     OutboxEvents,
 }
@@ -914,6 +922,7 @@ impl Shape {
         match self {
             Shape::Canonical => "outbox",
             Shape::CanonicalDelete => "outbox, marking delete",
+            Shape::CanonicalQueue => "outbox, marking queue",
             Shape::TOutbox => "t_outbox",
             Shape::OutboxEvents => "outbox_events",
         }
@@ -930,6 +939,14 @@ impl Shape {
                  attempts = \"attempts\"\nlast_error = \"last_error\"\nfailed_at = \"failed_at\"\n\
                  marking = { style = \"delete\" }\n"
             }
+            Shape::CanonicalQueue => {
+                "[store.table]\nname = \"outbox\"\nid = \"id\"\nsequence = \"seq\"\n\
+                 aggregate_type = \"aggregate_type\"\naggregate_id = \"aggregate_id\"\n\
+                 event_type = \"event_type\"\nevent_version = \"event_version\"\n\
+                 payload = \"payload\"\nheaders = \"headers\"\ncreated_at = \"created_at\"\n\
+                 attempts = \"attempts\"\nlast_error = \"last_error\"\nfailed_at = \"failed_at\"\n\
+                 marking = { style = \"queue\", column = \"published_at\" }\n"
+            }
             Shape::TOutbox => seed::T_OUTBOX_MAPPING,
             Shape::OutboxEvents => seed::OUTBOX_EVENTS_MAPPING,
         }
@@ -939,6 +956,7 @@ impl Shape {
         match self {
             Shape::Canonical => "SELECT count(*) FROM outbox WHERE published_at IS NULL",
             Shape::CanonicalDelete => "SELECT count(*) FROM outbox",
+            Shape::CanonicalQueue => "SELECT count(*) FROM outroute_queue WHERE source = 'outbox'",
             Shape::TOutbox => "SELECT count(*) FROM t_outbox WHERE status = 'PENDING'",
             Shape::OutboxEvents => "SELECT count(*) FROM outbox_events WHERE published_at IS NULL",
         }
@@ -949,6 +967,8 @@ impl Shape {
     async fn create_and_fill(self, pool: &PgPool, n: usize) -> Result<()> {
         let (create, insert) = match self {
             Shape::Canonical | Shape::CanonicalDelete => return fill(pool, n).await,
+            // `migrate --table` (run next) lists these rows in the queue.
+            Shape::CanonicalQueue => return fill(pool, n).await,
             Shape::TOutbox => (
                 seed::T_OUTBOX_DDL,
                 "INSERT INTO t_outbox (event_id, aggregate_type, aggregate_id, event_type, payload) \

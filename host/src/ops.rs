@@ -340,6 +340,23 @@ async fn migrate_source(
         }
     }
     store.check_table().await?;
+    if store.queue_marking() {
+        if let Some(ddl) = store.missing_index() {
+            println!(
+                "setting up the pending queue of `{name}`:\n{ddl}\n\
+                 CREATE TRIGGER takes a SHARE ROW EXCLUSIVE lock on `{name}`: it waits for inserts in flight and \
+                 holds new ones for the moment it takes; the backfill then lists the rows already pending \
+                 (time grows with their number)."
+            );
+        }
+        match store.create_lane_index().await? {
+            Some(_) => {
+                println!("pending queue of `{name}` set up; claims now walk only pending events")
+            }
+            None => println!("pending queue of `{name}`: present"),
+        }
+        return Ok(());
+    }
     if let Some(ddl) = store.missing_index() {
         println!(
             "creating the lane index on `{name}`:\n  {ddl}\n\
@@ -1207,6 +1224,14 @@ pub async fn config_check(arg: &ConfigArg, store: bool) -> Result<ExitCode> {
                 println!("warning: {off}");
             }
             match s.missing_index() {
+                None if s.queue_marking() => {
+                    println!("{key}: table `{name}` ok, pending queue and its trigger present")
+                }
+                Some(_) if s.queue_marking() => println!(
+                    "{key}: table `{name}` ok\nwarning: {key}.table: `{name}` has no pending-queue trigger yet: \
+                     the relay refuses to start. Run `outroute migrate --table -c {}`",
+                    path.display()
+                ),
                 None => println!("{key}: table `{name}` ok, lane index usable"),
                 Some(ddl) => println!(
                     "{key}: table `{name}` ok\nwarning: {key}.table: `{name}` has no usable lane index: every claim \

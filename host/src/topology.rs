@@ -70,6 +70,12 @@ pub async fn open_store(loaded: &Loaded, name: &str, relay_id: &str) -> Result<S
     store.migrate(false).await?;
     store.check_table().await?;
     if let Some(ddl) = store.missing_index() {
+        if store.queue_marking() {
+            anyhow::bail!(
+                "source `{name}`: marking style `queue` needs its insert trigger on the table, or new events \
+                 would never be listed: run `outroute migrate --table -c <config>`, or:\n{ddl}"
+            );
+        }
         tracing::warn!(
             source = %name,
             "no usable lane index: every claim scans and sorts the whole backlog. \

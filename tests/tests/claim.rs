@@ -480,3 +480,146 @@ async fn claims_start_past_published_rows_but_never_past_a_row_still_to_commit()
     db.drop_db().await;
     Ok(())
 }
+
+/// The canonical table mapped with `marking = { style = "queue" }`.
+const QUEUE_MAPPING: &str = "[store.table]\nname = \"outbox\"\nid = \"id\"\nsequence = \"seq\"\n\
+    aggregate_type = \"aggregate_type\"\naggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\n\
+    event_version = \"event_version\"\npayload = \"payload\"\nheaders = \"headers\"\n\
+    created_at = \"created_at\"\nattempts = \"attempts\"\nlast_error = \"last_error\"\n\
+    failed_at = \"failed_at\"\nmarking = { style = \"queue\", column = \"published_at\" }\n";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_pending_queue_is_filled_by_its_trigger_and_claims_read_only_the_batch()
+-> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("claim-queue");
+    let config = write_config(&dir, &db.url, "lanes = 4", &file_body(&dir, QUEUE_MAPPING))?;
+    db.migrate(&config)?;
+    // Rows from before the switch: 10 already published, 40,000 pending.
+    fill(&db, 1, 40_010).await?;
+    sqlx::query("UPDATE outbox SET published_at = now() WHERE seq <= 10")
+        .execute(&db.pool)
+        .await?;
+    // Without its trigger the relay must not start (new rows would never be listed).
+    let c = config.to_string_lossy().to_string();
+    let (code, out, err) = cli(&["run", "-c", &c])?;
+    assert_ne!(code, 0, "{out}{err}");
+    assert!(err.contains("migrate --table"), "{err}");
+    let (code, out, err) = cli(&["migrate", "--table", "-c", &c])?;
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(
+        db.count("SELECT count(*) FROM outroute_queue WHERE source = 'outbox'")
+            .await,
+        40_000,
+        "the backfill lists the pending rows, not the published ones"
+    );
+    // New rows are listed by the trigger.
+    fill(&db, 40_011, 50_010).await?;
+    assert_eq!(
+        db.count("SELECT count(*) FROM outroute_queue WHERE source = 'outbox'")
+            .await,
+        50_000
+    );
+    assert_never_analysed(&db, "outroute_queue", false).await;
+    let store = open_store(&config, "q").await?;
+    assert_eq!(store.missing_index(), None);
+    let lanes = store.lease_round().await?.lanes;
+    // Cost per batch on a never-analysed queue: the claim reads the batch's rows.
+    let (rows, indexed) = claim_cost(&store, &lanes, 500).await?;
+    assert!(
+        indexed && rows <= 502.0,
+        "a 500-event claim read {rows} outbox rows"
+    );
+
+    // A claim marked twice is marked once.
+    let claims = store.claim(&lanes, 100).await?;
+    assert_eq!(claims.len(), 100);
+    let refs: Vec<&Claim> = claims.iter().collect();
+    assert_eq!(store.mark_published(&refs).await?, 100);
+    assert_eq!(store.mark_published(&refs).await?, 0);
+    let mut seen: std::collections::HashSet<String> =
+        claims.iter().map(|c| c.id().to_string()).collect();
+    // Drain the rest: every pending event once, none of the published ones.
+    loop {
+        let claims = store.claim(&lanes, 1000).await?;
+        if claims.is_empty() {
+            break;
+        }
+        let refs: Vec<&Claim> = claims.iter().collect();
+        assert_eq!(store.mark_published(&refs).await?, claims.len() as u64);
+        for c in &claims {
+            assert!(seen.insert(c.id().to_string()), "{} claimed twice", c.id());
+        }
+    }
+    assert_eq!(seen.len(), 50_000);
+    assert_eq!(
+        db.count("SELECT count(*) FROM outroute_queue").await,
+        0,
+        "published entries are gone"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox").await,
+        50_010,
+        "rows are kept"
+    );
+    let (n, _) = store.backlog().await?;
+    assert_eq!(n, 0);
+
+    // A failure for good takes the event off the queue; `failed retry`
+    // puts it back and it is claimed again.
+    fill(&db, 60_001, 60_001).await?;
+    let claims = store.claim(&lanes, 10).await?;
+    assert_eq!(claims.len(), 1);
+    let c = &claims[0];
+    let e = c.row.as_ref().map_err(|m| anyhow::anyhow!("{m:?}"))?;
+    let failure = outroute::store::Failure {
+        id: c.id().to_string(),
+        lane: c.lane,
+        epoch: c.epoch,
+        aggregate_type: e.aggregate_type.clone(),
+        aggregate_id: e.aggregate_id.clone(),
+        event_type: e.event_type.clone(),
+        sequence: c.sequence(),
+        attempts: 1,
+        reason: "plugin said invalid".into(),
+        route: Some("r".into()),
+        plugin: None,
+        plugin_version: None,
+        kind: outroute::store::FailureKind::Failed { hold: false },
+        done_legs: Vec::new(),
+        parked: None,
+    };
+    assert_eq!(store.record_failures(&[failure]).await?, 1);
+    assert_eq!(db.count("SELECT count(*) FROM outroute_queue").await, 0);
+    assert!(store.claim(&lanes, 10).await?.is_empty());
+    assert_eq!(
+        store
+            .failed_retry(&outroute::store::Filter::default())
+            .await?,
+        1
+    );
+    assert_eq!(db.count("SELECT count(*) FROM outroute_queue").await, 1);
+    let again = store.claim(&lanes, 10).await?;
+    assert_eq!(again.len(), 1);
+    let refs: Vec<&Claim> = again.iter().collect();
+    assert_eq!(store.mark_published(&refs).await?, 1);
+
+    // Retention (by age of the row) deletes published rows, oldest first,
+    // and keeps a pending one.
+    fill(&db, 70_001, 70_001).await?;
+    let mut purged = 0;
+    loop {
+        let n = store
+            .purge_published(std::time::Duration::ZERO, 1000)
+            .await?;
+        if n == 0 {
+            break;
+        }
+        purged += n;
+    }
+    assert_eq!(purged, 50_011);
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 1);
+    assert_eq!(db.count("SELECT count(*) FROM outroute_queue").await, 1);
+    db.drop_db().await;
+    Ok(())
+}

@@ -19,6 +19,17 @@ fn kafka_config(
     t: &str,
     relay: &str,
 ) -> anyhow::Result<std::path::PathBuf> {
+    kafka_config_with(dir, db, t, relay, "")
+}
+
+/// With a `[store.table]` mapping (`""`: the canonical table).
+fn kafka_config_with(
+    dir: &std::path::Path,
+    db: &TestDb,
+    t: &str,
+    relay: &str,
+    mapping: &str,
+) -> anyhow::Result<std::path::PathBuf> {
     let route = format!(
         "config = {{ sink = \"kafka\", topic = \"t{t}.{{event_type}}\" }}\nallow = {{ kafka = [\"t{t}.*\"] }}"
     );
@@ -26,12 +37,38 @@ fn kafka_config(
         dir,
         &db.url,
         relay,
-        &relay_body("", &[TestSink::Kafka], "order-router", "orders", &route),
+        &format!(
+            "{mapping}{}",
+            relay_body("", &[TestSink::Kafka], "order-router", "orders", &route)
+        ),
     )
 }
 
+/// The canonical table with its pending rows in the queue (`marking = queue`).
+const QUEUE: &str = "[store.table]\nname = \"outbox\"\nid = \"id\"\nsequence = \"seq\"\n\
+    aggregate_type = \"aggregate_type\"\naggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\n\
+    event_version = \"event_version\"\npayload = \"payload\"\nheaders = \"headers\"\n\
+    created_at = \"created_at\"\nattempts = \"attempts\"\nlast_error = \"last_error\"\n\
+    failed_at = \"failed_at\"\nmarking = { style = \"queue\", column = \"published_at\" }\n";
+
 #[tokio::test(flavor = "multi_thread")]
 async fn crash_at_every_point_loses_nothing_and_keeps_order() -> anyhow::Result<()> {
+    crash_at_every_point("", "SELECT count(*) FROM outbox WHERE published_at IS NULL").await
+}
+
+/// The same crash points with the pending queue: a crash between the ack
+/// and the queue entry's delete re-publishes, never loses.
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_at_every_point_under_the_queue_loses_nothing_and_keeps_order() -> anyhow::Result<()>
+{
+    crash_at_every_point(
+        QUEUE,
+        "SELECT count(*) FROM outroute_queue WHERE source = 'outbox'",
+    )
+    .await
+}
+
+async fn crash_at_every_point(mapping: &str, unmarked: &str) -> anyhow::Result<()> {
     let iterations: usize = std::env::var("OUTROUTE_CRASH_ITERATIONS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -41,13 +78,19 @@ async fn crash_at_every_point_loses_nothing_and_keeps_order() -> anyhow::Result<
     let topic = format!("t{t}.order-updated");
     create_topic(&topic, 3).await?;
     let dir = test_dir("crash");
-    let config = kafka_config(
+    let config = kafka_config_with(
         &dir,
         &db,
         &t,
         "lease_ttl = \"1s\"\nlanes = 8\nbatch_size = 40\nconcurrency = 2",
+        mapping,
     )?;
     db.migrate(&config)?;
+    if !mapping.is_empty() {
+        let c = config.to_string_lossy().to_string();
+        let (code, out, err) = cli(&["migrate", "--table", "-c", &c])?;
+        anyhow::ensure!(code == 0, "migrate --table: {out}{err}");
+    }
 
     let (all, crashes) = crash_at_points(&db.pool, &config, &POINTS, iterations).await?;
     let mut relay = Relay::start(&config, &[])?;
@@ -57,9 +100,7 @@ async fn crash_at_every_point_loses_nothing_and_keeps_order() -> anyhow::Result<
     report.assert_clean();
     assert!(
         eventually(Duration::from_secs(20), || async {
-            db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
-                .await
-                == 0
+            db.count(unmarked).await == 0
         })
         .await,
         "rows left unmarked"

@@ -618,3 +618,90 @@ async fn the_canonical_table_marked_by_delete_keeps_only_failed_rows() -> anyhow
     db.drop_db().await;
     Ok(())
 }
+
+/// The canonical table with its pending rows in the queue
+/// (examples/outbox-queue.toml's mapping): published events leave their
+/// outbox rows untouched and the queue, in per-aggregate order; a failing
+/// event is recorded as failed; published events can be replayed.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_canonical_table_marked_by_the_queue_keeps_rows_and_replays() -> anyhow::Result<()> {
+    let example = std::fs::read_to_string(workspace().join("examples/outbox-queue.toml"))?;
+    let mapping = example
+        .split_once("[store.table]")
+        .and_then(|(_, rest)| rest.split_once("[sinks."))
+        .map(|(table, _)| format!("[store.table]{table}"))
+        .ok_or_else(|| anyhow::anyhow!("examples/outbox-queue.toml has no [store.table]"))?;
+    assert!(mapping.contains("style = \"queue\""), "{mapping}");
+    let db = TestDb::new().await?;
+    let dir = test_dir("queue-marking");
+    let body = file_sink_body(&dir, &mapping).replace(
+        &plugin("order-router").display().to_string(),
+        &plugin("hostile").display().to_string(),
+    );
+    let config = write_config(&dir, &db.url, "", &body)?;
+    db.migrate(&config)?;
+    let c = config.to_string_lossy().to_string();
+    let (code, out, err) = cli(&["migrate", "--table", "-c", &c])?;
+    assert_eq!(code, 0, "{out}{err}");
+    for i in 0..20 {
+        sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1::uuid, 'order', $2, 'order-updated', $3)")
+            .bind(uuid::Uuid::new_v4().to_string())
+            .bind(format!("o-{}", i % 4))
+            .bind(serde_json::json!({"n": i}))
+            .execute(&db.pool)
+            .await?;
+    }
+    sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1::uuid, 'order', 'bad', 'order-updated', $2)")
+        .bind(uuid::Uuid::new_v4().to_string())
+        .bind(serde_json::json!({"hostile": "reject"}))
+        .execute(&db.pool)
+        .await?;
+
+    let relay = Relay::start(&config, &[])?;
+    let out = dir.join("out.jsonl");
+    let drained = eventually(Duration::from_secs(60), || async {
+        let queued = db
+            .count("SELECT count(*) FROM outroute_queue WHERE source = 'outbox'")
+            .await;
+        let failed = db
+            .count("SELECT count(*) FROM outbox WHERE failed_at IS NOT NULL")
+            .await;
+        file_sink_deliveries(&out).len() >= 20 && queued == 0 && failed == 1
+    })
+    .await;
+    assert!(drained, "queue empty, one failed row: {}", relay.log_text());
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox").await,
+        21,
+        "rows are kept"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+            .await,
+        0,
+        "no row was rewritten"
+    );
+    // Per aggregate, the file holds the events in outbox order.
+    let delivered = file_sink_deliveries(&out);
+    assert_eq!(delivered.len(), 20);
+    let mut last: std::collections::HashMap<String, i64> = Default::default();
+    for d in &delivered {
+        if let Some(prev) = last.insert(d.aggregate().to_string(), d.seq()) {
+            assert!(
+                prev < d.seq(),
+                "{}: {} after {prev}",
+                d.aggregate(),
+                d.seq()
+            );
+        }
+    }
+    assert_eq!(last.len(), 4);
+    let (code, out, err) = cli(&["status", "-c", &c])?;
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = cli(&["replay", "--aggregate-id", "o-1", "--dry-run", "-c", &c])?;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("5 published event(s) match"), "{out}");
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}

@@ -45,6 +45,28 @@ impl Loaded {
                     err(format!("{key}.table.marking.column"), e);
                 }
             }
+            Marking::Queue { column } => {
+                if let Some(c) = column
+                    && let Err(e) = check_identifier(c, false)
+                {
+                    err(format!("{key}.table.marking.column"), e);
+                }
+                if t.sequence.is_none() {
+                    err(
+                        format!("{key}.table.marking"),
+                        "style `queue` lists pending rows by sequence number: set `sequence` to a unique \
+                         column the database fills (`outroute migrate --table --add-sequence` adds one)"
+                            .into(),
+                    );
+                }
+                if sc.url.starts_with("sqlite:") || sc.capture == CaptureMode::Logical {
+                    err(
+                        format!("{key}.table.marking"),
+                        "style `queue` is for PostgreSQL sources in lease mode (`capture = \"lease\"`)"
+                            .into(),
+                    );
+                }
+            }
             Marking::Delete => {
                 if self.config.relay.retention.is_some() {
                     err(

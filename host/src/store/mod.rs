@@ -416,6 +416,15 @@ impl Store {
 
     /// Create the lane index if it is missing (CONCURRENTLY: producers keep
     /// writing). Returns the statement run, `None` if nothing was needed.
+    /// `marking = queue`: the table's pending rows are listed in
+    /// `outroute_queue` (its "lane index" is the queue and its trigger).
+    pub fn queue_marking(&self) -> bool {
+        match self {
+            Store::Postgres(s) => s.queue_marking(),
+            _ => false,
+        }
+    }
+
     pub async fn create_lane_index(&mut self) -> anyhow::Result<Option<String>> {
         match self {
             Store::Postgres(s) => s.create_lane_index().await,

@@ -117,7 +117,7 @@ impl Shape {
             Marking::Status {
                 column, pending, ..
             } => vec![format!("{} = {}", col(column), literal(pending))],
-            Marking::Delete => Vec::new(),
+            Marking::Delete | Marking::Queue { .. } => Vec::new(),
         };
         if let Some(f) = &t.failed_at {
             pending.push(format!("{} IS NULL", col(f)));
@@ -179,6 +179,41 @@ pub struct TableSql {
     cfg: TableConfig,
 }
 
+/// The pending queue's set-up for table `t` (`marking = queue`): the
+/// trigger that lists every inserted row, then the rows already pending.
+/// The trigger comes first: `CREATE TRIGGER` waits for the inserts in
+/// flight, so the backfill's snapshot sees every row the trigger missed.
+fn queue_setup(
+    t: &TableConfig,
+    base: &str,
+    seq: &str,
+    o: &Shape,
+    published: Option<&str>,
+    lanes: u32,
+) -> String {
+    let new = Shape::new(t, lanes, "NEW");
+    let function = format!("{base}_outroute_enqueue");
+    let new_seq = seq.replacen("o.", "NEW.", 1);
+    let mut pending = vec![o.pending.clone()];
+    if let Some(c) = published {
+        pending.push(format!("o.{} IS NULL", quote(c)));
+    }
+    format!(
+        "CREATE OR REPLACE FUNCTION {f}() RETURNS trigger LANGUAGE plpgsql AS $outroute$ \
+         BEGIN INSERT INTO outroute_queue (source, lane, seq) VALUES ({src}, {lane}, {new_seq}); RETURN NULL; END \
+         $outroute$;\n\
+         CREATE OR REPLACE TRIGGER outroute_enqueue AFTER INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION {f}();\n\
+         INSERT INTO outroute_queue (source, lane, seq) SELECT {src}, {lane_o}, {seq} FROM {table} o \
+         WHERE {pending} ON CONFLICT DO NOTHING;",
+        f = quote(&function),
+        src = literal(&t.name),
+        lane = new.lane,
+        table = quote(&t.name),
+        lane_o = o.lane,
+        pending = pending.join(" AND "),
+    )
+}
+
 impl TableSql {
     fn new(t: &TableConfig, lanes: u32, id_type: &str) -> Self {
         let col = |c: &str| format!("o.{}", quote(c));
@@ -197,6 +232,15 @@ impl TableSql {
                 format!("{} = {}", col(column), literal(sent))
             }
             Marking::Delete => "FALSE".into(),
+            // Not queued and not failed (`OFFSET 0`: a probe per row, never
+            // a join that reads the source's whole queue).
+            Marking::Queue { .. } => format!(
+                "{} AND NOT EXISTS (SELECT 1 FROM outroute_queue qq WHERE qq.source = {} \
+                   AND qq.lane = {} AND qq.seq = {seq} OFFSET 0)",
+                q.pending,
+                literal(&t.name),
+                q.lane
+            ),
         };
         let bare = Shape::new(t, lanes, "");
         let opt = |c: &Option<String>, cast: &str| match c {
@@ -225,26 +269,37 @@ impl TableSql {
             .take(40)
             .collect();
         let index_name = format!("{base}_outroute_lanes{lanes}");
-        let index_ddl = format!(
-            "CREATE INDEX CONCURRENTLY IF NOT EXISTS {} ON {} (({}), {}){}",
-            quote(&index_name),
-            quote(&t.name),
-            bare.lane,
-            bare.order,
-            if bare.pending == "TRUE" {
-                String::new()
-            } else {
-                format!(" WHERE {}", bare.pending)
-            }
-        );
+        let index_ddl = match &t.marking {
+            Marking::Queue { column } => queue_setup(t, &base, &seq, &q, column.as_deref(), lanes),
+            _ => format!(
+                "CREATE INDEX CONCURRENTLY IF NOT EXISTS {} ON {} (({}), {}){}",
+                quote(&index_name),
+                quote(&t.name),
+                bare.lane,
+                bare.order,
+                if bare.pending == "TRUE" {
+                    String::new()
+                } else {
+                    format!(" WHERE {}", bare.pending)
+                }
+            ),
+        };
         TableSql {
             table: quote(&t.name),
             id: col(&t.id),
             id_type: id_type.to_string(),
-            seq,
+            seq: seq.clone(),
             aggregate_type,
             aggregate_id,
-            pending: q.pending,
+            pending: match &t.marking {
+                Marking::Queue { .. } => format!(
+                    "{} AND EXISTS (SELECT 1 FROM outroute_queue qq WHERE qq.source = {} AND qq.lane = {} AND qq.seq = {seq} OFFSET 0)",
+                    q.pending,
+                    literal(&t.name),
+                    q.lane
+                ),
+                _ => q.pending,
+            },
             lane: q.lane,
             order: q.order,
             order_desc: q.order_desc,
@@ -337,6 +392,28 @@ impl TableSql {
             "SELECT c.* FROM unnest($2::int[], $4::bigint[]) WITH ORDINALITY AS l(lane, floor, n) \
              CROSS JOIN LATERAL ({}) c ORDER BY l.n LIMIT $3",
             self.next_pending(ordering, &rows)
+        )
+    }
+
+    /// The claim under `marking = queue`: each owned lane's queue entries
+    /// in order, each row fetched by its sequence number (a primary-key
+    /// probe in a LATERAL, so no plan can scan the table). Cost: the
+    /// entries walked plus the rows returned; published entries are gone.
+    fn claim_by_queue(&self, ordering: Ordering) -> String {
+        let row_pending = Shape::new(&self.cfg, 1, "o").pending;
+        format!(
+            "SELECT c.* FROM unnest($2::int[], $4::bigint[]) WITH ORDINALITY AS l(lane, floor, n) \
+             CROSS JOIN LATERAL (SELECT {cols}, {extras} \
+               FROM (SELECT qq.seq FROM outroute_queue qq WHERE qq.source = {src} AND qq.lane = l.lane \
+                     AND qq.seq >= l.floor ORDER BY qq.seq LIMIT $3) k \
+               CROSS JOIN LATERAL (SELECT o.*, o.ctid FROM {table} o WHERE {seqcol} = k.seq) o \
+               WHERE {row_pending} {state} ORDER BY k.seq LIMIT $3) c ORDER BY l.n LIMIT $3",
+            cols = self.select_cols,
+            extras = self.claim_extras(),
+            src = literal(&self.cfg.name),
+            table = self.table,
+            seqcol = self.seq,
+            state = self.state_filter(ordering),
         )
     }
 
@@ -653,6 +730,31 @@ impl PgStore {
             self.sql = Some(sql);
             return Ok(());
         }
+        if let Marking::Queue { .. } = &t.marking {
+            // The queue replaces the lane index; without its trigger new
+            // rows would never be listed (`topology::open_store` refuses).
+            let seq = t.sequence.as_deref().unwrap_or_default();
+            if !self.unique_column(seq).await? {
+                bail!(
+                    "{}.table.marking: style `queue` lists events by their sequence number, but \
+                     `{}`.`{seq}` has no unique index; add one or use `published_at`",
+                    self.key,
+                    t.name
+                );
+            }
+            let trigger: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = to_regclass($1) \
+                   AND tgname = 'outroute_enqueue' AND NOT tgisinternal)",
+            )
+            .bind(quote(&t.name))
+            .fetch_one(&self.pool)
+            .await?;
+            self.missing_index = (!trigger).then(|| sql.index_ddl.clone());
+            self.claim_sql = sql.claim_by_queue(self.ordering);
+            self.floor_sql = None;
+            self.sql = Some(sql);
+            return self.ensure_lane_rows().await;
+        }
         self.missing_index = if self.lane_index_usable(&sql).await? {
             None
         } else {
@@ -663,7 +765,11 @@ impl PgStore {
             Some(_) => (sql.claim_by_scan(self.ordering), None),
         };
         self.sql = Some(sql);
-        // Lane rows for this table; a changed lane count would break ordering.
+        self.ensure_lane_rows().await
+    }
+
+    /// Lane rows for this table; a changed lane count would break ordering.
+    async fn ensure_lane_rows(&self) -> Result<()> {
         let existing: i64 =
             sqlx::query_scalar("SELECT count(*) FROM outroute_lanes WHERE source = $1")
                 .bind(&self.source)
@@ -831,10 +937,22 @@ impl PgStore {
     /// `CREATE INDEX CONCURRENTLY`, so producers keep writing; an invalid
     /// leftover of an interrupted build is dropped first. Returns the
     /// statement run, or `None` when a usable index already exists.
+    pub fn queue_marking(&self) -> bool {
+        matches!(self.cfg.marking, Marking::Queue { .. })
+    }
+
     pub async fn create_lane_index(&mut self) -> Result<Option<String>> {
         let Some(ddl) = self.missing_index.clone() else {
             return Ok(None);
         };
+        if self.queue_marking() {
+            sqlx::raw_sql(&ddl)
+                .execute(&self.pool)
+                .await
+                .with_context(|| format!("setting up the pending queue: {ddl}"))?;
+            self.check_table().await?;
+            return Ok(Some(ddl));
+        }
         let s = self.sql()?;
         let name = s.index_name.clone();
         let invalid: Option<bool> = sqlx::query_scalar(
@@ -1173,13 +1291,19 @@ impl PgStore {
             .collect();
         let epochs: Vec<Option<i64>> = claims.iter().map(|c| c.epoch).collect();
         let q = self.mark_sql(!with_state.is_empty())?;
-        let marked: Vec<String> = sqlx::query_scalar(&q)
+        let mut mark = sqlx::query_scalar(&q)
             .bind(&self.source)
             .bind(&self.relay_id)
             .bind(&ids)
             .bind(&with_state)
             .bind(&tids)
-            .bind(&epochs)
+            .bind(&epochs);
+        if let Marking::Queue { .. } = &self.sql()?.cfg.marking {
+            let lanes: Vec<i32> = claims.iter().map(|c| c.lane).collect();
+            let seqs: Vec<i64> = claims.iter().map(|c| c.sequence()).collect();
+            mark = mark.bind(lanes).bind(seqs);
+        }
+        let marked: Vec<String> = mark
             .fetch_all(&self.pool)
             .await
             .context("marking events published")?;
@@ -1209,6 +1333,8 @@ impl PgStore {
                 )
             }
             Marking::Delete => format!("DELETE FROM {} o USING {rows}", s.table),
+            // Marked by its own statement below.
+            Marking::Queue { .. } => String::new(),
         };
         let clear = if clear_state {
             ", cleared AS (DELETE FROM outroute_event_state st WHERE st.source = $1 \
@@ -1216,6 +1342,24 @@ impl PgStore {
         } else {
             ""
         };
+        if let Marking::Queue { .. } = &s.cfg.marking {
+            // Each queue entry found by its key (lane and sequence from the
+            // claim; a correlated probe, never a join a planner without
+            // statistics could turn into a scan of the source's queue),
+            // under the same lease check, then deleted by its ctid. Returns
+            // the ids of the events marked.
+            return Ok(format!(
+                "WITH gone AS (DELETE FROM outroute_queue WHERE ctid = ANY(ARRAY( \
+                   SELECT (SELECT qq.ctid FROM outroute_queue qq WHERE qq.source = $1 AND qq.lane = m.lane AND qq.seq = m.seq) \
+                   FROM unnest($7::int[], $8::bigint[], $6::bigint[]) AS m(lane, seq, epoch) \
+                   WHERE EXISTS (SELECT 1 FROM outroute_lanes l WHERE l.source = $1 AND l.lane = m.lane \
+                     AND l.owner = $2 AND l.lease_until > now() AND (m.epoch IS NULL OR l.epoch = m.epoch) OFFSET 0))) \
+                 RETURNING lane, seq), \
+                 marked AS (SELECT m.id FROM unnest($7::int[], $8::bigint[], $3::text[]) AS m(lane, seq, id) \
+                   WHERE (m.lane, m.seq) IN (SELECT lane, seq FROM gone)){clear} \
+                 SELECT id FROM marked"
+            ));
+        }
         // Each (ctid, id) pair is one TID fetch. The ctid must be the only
         // condition an index could serve: the rest sits inside a CASE, which
         // the planner cannot match to an index. Otherwise, with no
@@ -1223,9 +1367,10 @@ impl PgStore {
         // (its last column) or for the pending predicate and walk every
         // pending row. The lease check is a per-row probe of the row's own
         // lane row (`OFFSET 0` keeps it one).
+        let change = format!("{change} WHERE o.ctid = m.tid AND");
         Ok(format!(
-            "WITH marked AS ({change} WHERE o.ctid = m.tid \
-               AND CASE WHEN {id}::text = m.id AND {pending} \
+            "WITH marked AS ({change} \
+               CASE WHEN {id}::text = m.id AND {pending} \
                  THEN EXISTS (SELECT 1 FROM outroute_lanes l WHERE l.source = $1 AND l.lane = {lane} \
                    AND l.owner = $2 AND l.lease_until > now() \
                    AND (m.epoch IS NULL OR l.epoch = m.epoch) OFFSET 0) \
@@ -1233,7 +1378,10 @@ impl PgStore {
                RETURNING {id}::text AS id){clear} \
              SELECT id FROM marked",
             id = s.id,
-            pending = s.pending,
+            pending = match &s.cfg.marking {
+                Marking::Queue { .. } => Shape::new(&s.cfg, 1, "o").pending,
+                _ => s.pending.clone(),
+            },
             lane = s.lane,
         ))
     }
@@ -1345,6 +1493,21 @@ impl PgStore {
             if self.logical.is_some() {
                 continue; // the table row is not the record of a captured event
             }
+            if failed && matches!(s.cfg.marking, Marking::Queue { .. }) {
+                // Failed for good: off the pending queue (`failed retry`
+                // puts it back). Left there, it is only skipped by claims.
+                if let Err(e) = sqlx::query(
+                    "DELETE FROM outroute_queue WHERE source = $1 AND lane = $2 AND seq = $3",
+                )
+                .bind(&self.source)
+                .bind(f.lane)
+                .bind(f.sequence)
+                .execute(&self.pool)
+                .await
+                {
+                    tracing::warn!(event_id = %f.id, "could not take a failed event off the pending queue: {e:#}");
+                }
+            }
             // The state row is what counts; a legacy column too narrow for
             // the reason must not stop the rest of the batch's failures.
             if let Err(e) = self.mirror_failure(s, f, failed).await {
@@ -1407,6 +1570,9 @@ impl PgStore {
             return self.parked_backlog().await;
         }
         let s = self.sql()?;
+        if let Marking::Queue { .. } = &s.cfg.marking {
+            return self.queue_backlog(s).await;
+        }
         let per_lane = (BACKLOG_EXACT / self.lanes as i64).max(2);
         let created = format!("o.{}::timestamptz", quote(&s.cfg.created_at));
         let not_failed = format!(
@@ -1473,6 +1639,44 @@ impl PgStore {
         Ok((n, age))
     }
 
+    /// The backlog gauge under `marking = queue`: queue entries counted up
+    /// to [`BACKLOG_EXACT`], past that estimated from the span of queued
+    /// sequence numbers; the oldest entry's age from its row. One probe per
+    /// lane at each end of its queue.
+    async fn queue_backlog(&self, s: &TableSql) -> Result<(i64, Option<f64>)> {
+        let counted: i64 = sqlx::query_scalar(&format!(
+            "SELECT count(*) FROM (SELECT 1 FROM outroute_queue WHERE source = $1 LIMIT {BACKLOG_EXACT}) x"
+        ))
+        .bind(&self.source)
+        .fetch_one(&self.pool)
+        .await?;
+        let q = format!(
+            "SELECT min(f.seq), max(z.seq), min(f.created) FROM generate_series(0, {last}) l(lane) \
+             CROSS JOIN LATERAL (SELECT k.seq, (SELECT o.{created}::timestamptz FROM {table} o WHERE {seq} = k.seq) AS created \
+               FROM (SELECT qq.seq FROM outroute_queue qq WHERE qq.source = $1 AND qq.lane = l.lane \
+                     ORDER BY qq.seq LIMIT 1) k) f \
+             CROSS JOIN LATERAL (SELECT qq.seq FROM outroute_queue qq WHERE qq.source = $1 AND qq.lane = l.lane \
+               ORDER BY qq.seq DESC LIMIT 1) z",
+            last = self.lanes - 1,
+            created = quote(&s.cfg.created_at),
+            table = s.table,
+            seq = s.seq,
+        );
+        let (first, last, oldest): (Option<i64>, Option<i64>, Option<DateTime<Utc>>) =
+            sqlx::query_as(&q)
+                .bind(&self.source)
+                .fetch_one(&self.pool)
+                .await?;
+        let mut n = counted;
+        if counted >= BACKLOG_EXACT
+            && let (Some(first), Some(last)) = (first, last)
+        {
+            n = n.max(last - first + 1);
+        }
+        let age = oldest.map(|t| (Utc::now() - t).num_milliseconds().max(0) as f64 / 1e3);
+        Ok((n, age))
+    }
+
     pub async fn status(&self) -> Result<Status> {
         if self.logical.is_some() {
             return self.logical_status().await;
@@ -1489,16 +1693,30 @@ impl PgStore {
         // An operator's question, answered exactly (this reads every pending
         // row, unlike the relay's bounded gauge); failed rows that stay
         // pending in a table with nowhere to mark them are not backlog.
-        let by_type_q = format!(
-            "SELECT {at}, count(*) FROM {table} o WHERE {pending} AND NOT EXISTS \
-               (SELECT 1 FROM outroute_event_state st WHERE st.source = $1 AND st.event_id = {id}::text \
-                AND st.failed_at IS NOT NULL) \
-             GROUP BY 1 ORDER BY 2 DESC",
-            at = s.aggregate_type,
-            table = s.table,
-            pending = s.pending,
-            id = s.id,
+        let not_failed = format!(
+            "NOT EXISTS (SELECT 1 FROM outroute_event_state st WHERE st.source = $1 \
+               AND st.event_id = {}::text AND st.failed_at IS NOT NULL)",
+            s.id
         );
+        let by_type_q = match &s.cfg.marking {
+            // The queue lists exactly the pending rows: read those.
+            Marking::Queue { .. } => format!(
+                "SELECT x.at, count(*) FROM outroute_queue qq CROSS JOIN LATERAL \
+                   (SELECT {at} AS at FROM {table} o WHERE {seq} = qq.seq AND {row} AND {not_failed}) x \
+                 WHERE qq.source = $1 GROUP BY 1 ORDER BY 2 DESC",
+                at = s.aggregate_type,
+                table = s.table,
+                seq = s.seq,
+                row = Shape::new(&s.cfg, 1, "o").pending,
+            ),
+            _ => format!(
+                "SELECT {at}, count(*) FROM {table} o WHERE {pending} AND {not_failed} \
+                 GROUP BY 1 ORDER BY 2 DESC",
+                at = s.aggregate_type,
+                table = s.table,
+                pending = s.pending,
+            ),
+        };
         let mut by_type = sqlx::query(&by_type_q)
             .bind(&self.source)
             .fetch_all(&self.pool)
@@ -1722,6 +1940,23 @@ impl PgStore {
             .iter()
             .map(|r| r.try_get(0))
             .collect::<Result<_, _>>()?;
+        // Under `marking = queue` a retried event is queued again.
+        if matches!(s.cfg.marking, Marking::Queue { .. }) && !ids.is_empty() {
+            let q = format!(
+                "INSERT INTO outroute_queue (source, lane, seq) SELECT $1, {lane}, {seq} FROM {table} o \
+                 WHERE {id} = ANY({ids}) ON CONFLICT DO NOTHING",
+                lane = s.lane,
+                seq = s.seq,
+                table = s.table,
+                id = s.id,
+                ids = s.ids_param(2),
+            );
+            sqlx::query(&q)
+                .bind(&self.source)
+                .bind(&ids)
+                .execute(&mut *tx)
+                .await?;
+        }
         // Undo the table's own failed marker so the row is pending again.
         let mut sets = Vec::new();
         if let Some(c) = &s.cfg.failed_at {
@@ -1847,6 +2082,7 @@ impl PgStore {
             Marking::PublishedAt { column } => format!("o.{}", quote(column)),
             Marking::Status { .. } => format!("o.{}::timestamptz", quote(&s.cfg.created_at)),
             Marking::Delete => return Ok(0),
+            Marking::Queue { .. } => format!("o.{}::timestamptz", quote(&s.cfg.created_at)),
         };
         // Small batches by ctid: short transactions, no long locks. One
         // relay at a time: the others skip the round while it holds the
@@ -1861,12 +2097,26 @@ impl PgStore {
         if !ours {
             return Ok(0);
         }
-        let q = format!(
-            "DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT o.ctid FROM {table} o WHERE {published} \
-               AND {age} < now() - make_interval(secs => $1) LIMIT $2))",
-            table = s.table,
-            published = s.published,
-        );
+        let q = match &s.cfg.marking {
+            // Nothing is stamped: the oldest rows by sequence number (a
+            // bounded walk of its unique index) that are neither queued nor
+            // failed. Rows still pending at the bottom are stepped over;
+            // only 3 × batch of them would hold the purge back.
+            Marking::Queue { .. } => format!(
+                "DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT o.ctid FROM \
+                   (SELECT ctid, * FROM {table} x ORDER BY {seq} LIMIT $2 * 4) o \
+                   WHERE {published} AND {age} < now() - make_interval(secs => $1) LIMIT $2))",
+                table = s.table,
+                seq = s.seq.replacen("o.", "x.", 1),
+                published = s.published,
+            ),
+            _ => format!(
+                "DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT o.ctid FROM {table} o WHERE {published} \
+                   AND {age} < now() - make_interval(secs => $1) LIMIT $2))",
+                table = s.table,
+                published = s.published,
+            ),
+        };
         let n = sqlx::query(&q)
             .bind(older_than.as_secs_f64())
             .bind(batch)
