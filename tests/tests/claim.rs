@@ -623,3 +623,30 @@ async fn the_pending_queue_is_filled_by_its_trigger_and_claims_read_only_the_bat
     db.drop_db().await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_queue_refuses_a_sequence_that_may_be_null() -> anyhow::Result<()> {
+    // The trigger would fail a producer's insert of a row without a number.
+    let db = TestDb::new().await?;
+    let dir = test_dir("claim-queue-null");
+    sqlx::query(
+        "CREATE TABLE events (n bigint UNIQUE, id uuid NOT NULL, aggregate_id text NOT NULL, \
+         event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
+    )
+    .execute(&db.pool)
+    .await?;
+    let mapping = "[store.table]\nname = \"events\"\nid = \"id\"\nsequence = \"n\"\naggregate_type_value = \"order\"\n\
+                   aggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\npayload = \"payload\"\n\
+                   created_at = \"created_at\"\nmarking = { style = \"queue\" }\n";
+    let config = write_config(&dir, &db.url, "lanes = 4", &file_body(&dir, mapping))?;
+    let err = match open_store(&config, "q").await {
+        Ok(_) => anyhow::bail!("a nullable sequence was accepted for the queue"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(
+        err.contains("may be NULL") && err.contains("NOT NULL"),
+        "{err}"
+    );
+    db.drop_db().await;
+    Ok(())
+}

@@ -711,7 +711,18 @@ impl PgStore {
         if let Some(seq) = &t.sequence
             && self.logical.is_none()
             && let Some(why) = self.floors_unsafe(seq).await?
+            && (why == "may be NULL" || !matches!(t.marking, Marking::Queue { .. }))
         {
+            if let Marking::Queue { .. } = &t.marking {
+                // The trigger would fail the producer's insert of a row
+                // without a number. (A cached sequence is fine: the queue
+                // holds only pending entries, walked from the lowest.)
+                bail!(
+                    "{}.table.marking: style `queue` lists rows by `{seq}`, which {why}; \
+                     make it NOT NULL or use `published_at`",
+                    self.key
+                );
+            }
             let off = format!(
                 "{}.table.sequence `{seq}` {why}: claims walk each lane from its first entry \
                  (slower after many events were published, until VACUUM)",
