@@ -928,27 +928,24 @@ impl Shape {
         }
     }
 
-    fn mapping(self) -> &'static str {
+    fn mapping(self) -> String {
+        // The canonical table's columns, mapped explicitly to pick a marking.
+        let canonical = |marking: &str| {
+            format!(
+                "[store.table]\nname = \"outbox\"\nid = \"id\"\nsequence = \"seq\"\n\
+                 aggregate_type = \"aggregate_type\"\naggregate_id = \"aggregate_id\"\n\
+                 event_type = \"event_type\"\nevent_version = \"event_version\"\n\
+                 payload = \"payload\"\nheaders = \"headers\"\ncreated_at = \"created_at\"\n\
+                 attempts = \"attempts\"\nlast_error = \"last_error\"\nfailed_at = \"failed_at\"\n\
+                 marking = {marking}\n"
+            )
+        };
         match self {
-            Shape::Canonical => "",
-            Shape::CanonicalDelete => {
-                "[store.table]\nname = \"outbox\"\nid = \"id\"\nsequence = \"seq\"\n\
-                 aggregate_type = \"aggregate_type\"\naggregate_id = \"aggregate_id\"\n\
-                 event_type = \"event_type\"\nevent_version = \"event_version\"\n\
-                 payload = \"payload\"\nheaders = \"headers\"\ncreated_at = \"created_at\"\n\
-                 attempts = \"attempts\"\nlast_error = \"last_error\"\nfailed_at = \"failed_at\"\n\
-                 marking = { style = \"delete\" }\n"
-            }
-            Shape::CanonicalQueue => {
-                "[store.table]\nname = \"outbox\"\nid = \"id\"\nsequence = \"seq\"\n\
-                 aggregate_type = \"aggregate_type\"\naggregate_id = \"aggregate_id\"\n\
-                 event_type = \"event_type\"\nevent_version = \"event_version\"\n\
-                 payload = \"payload\"\nheaders = \"headers\"\ncreated_at = \"created_at\"\n\
-                 attempts = \"attempts\"\nlast_error = \"last_error\"\nfailed_at = \"failed_at\"\n\
-                 marking = { style = \"queue\", column = \"published_at\" }\n"
-            }
-            Shape::TOutbox => seed::T_OUTBOX_MAPPING,
-            Shape::OutboxEvents => seed::OUTBOX_EVENTS_MAPPING,
+            Shape::Canonical => String::new(),
+            Shape::CanonicalDelete => canonical("{ style = \"delete\" }"),
+            Shape::CanonicalQueue => canonical("{ style = \"queue\", column = \"published_at\" }"),
+            Shape::TOutbox => seed::T_OUTBOX_MAPPING.into(),
+            Shape::OutboxEvents => seed::OUTBOX_EVENTS_MAPPING.into(),
         }
     }
 

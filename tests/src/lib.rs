@@ -906,6 +906,17 @@ pub fn relay_body(
 /// The store a relay with this config would open (coordination tables
 /// migrated, table and lane index checked), for tests that drive claims and
 /// marks directly.
+/// The `[store.table]` section of a shipped example config
+/// (`examples/<name>`), to map a test's table exactly as documented.
+pub fn example_table(name: &str) -> Result<String> {
+    let example = std::fs::read_to_string(workspace().join("examples").join(name))?;
+    example
+        .split_once("[store.table]")
+        .and_then(|(_, rest)| rest.split_once("[sinks."))
+        .map(|(table, _)| format!("[store.table]{table}"))
+        .ok_or_else(|| anyhow::anyhow!("examples/{name} has no [store.table]"))
+}
+
 pub async fn open_store(config: &Path, relay_id: &str) -> Result<outroute::store::Store> {
     let loaded = outroute::config::load(config).map_err(|e| anyhow::anyhow!("{e}"))?;
     let source = loaded

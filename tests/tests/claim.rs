@@ -481,19 +481,17 @@ async fn claims_start_past_published_rows_but_never_past_a_row_still_to_commit()
     Ok(())
 }
 
-/// The canonical table mapped with `marking = { style = "queue" }`.
-const QUEUE_MAPPING: &str = "[store.table]\nname = \"outbox\"\nid = \"id\"\nsequence = \"seq\"\n\
-    aggregate_type = \"aggregate_type\"\naggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\n\
-    event_version = \"event_version\"\npayload = \"payload\"\nheaders = \"headers\"\n\
-    created_at = \"created_at\"\nattempts = \"attempts\"\nlast_error = \"last_error\"\n\
-    failed_at = \"failed_at\"\nmarking = { style = \"queue\", column = \"published_at\" }\n";
-
 #[tokio::test(flavor = "multi_thread")]
 async fn the_pending_queue_is_filled_by_its_trigger_and_claims_read_only_the_batch()
 -> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let dir = test_dir("claim-queue");
-    let config = write_config(&dir, &db.url, "lanes = 4", &file_body(&dir, QUEUE_MAPPING))?;
+    let config = write_config(
+        &dir,
+        &db.url,
+        "lanes = 4",
+        &file_body(&dir, &example_table("outbox-queue.toml")?),
+    )?;
     db.migrate(&config)?;
     // Rows from before the switch: 10 already published, 40,000 pending.
     fill(&db, 1, 40_010).await?;

@@ -44,13 +44,6 @@ fn kafka_config_with(
     )
 }
 
-/// The canonical table with its pending rows in the queue (`marking = queue`).
-const QUEUE: &str = "[store.table]\nname = \"outbox\"\nid = \"id\"\nsequence = \"seq\"\n\
-    aggregate_type = \"aggregate_type\"\naggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\n\
-    event_version = \"event_version\"\npayload = \"payload\"\nheaders = \"headers\"\n\
-    created_at = \"created_at\"\nattempts = \"attempts\"\nlast_error = \"last_error\"\n\
-    failed_at = \"failed_at\"\nmarking = { style = \"queue\", column = \"published_at\" }\n";
-
 #[tokio::test(flavor = "multi_thread")]
 async fn crash_at_every_point_loses_nothing_and_keeps_order() -> anyhow::Result<()> {
     crash_at_every_point("", "SELECT count(*) FROM outbox WHERE published_at IS NULL").await
@@ -62,7 +55,7 @@ async fn crash_at_every_point_loses_nothing_and_keeps_order() -> anyhow::Result<
 async fn crash_at_every_point_under_the_queue_loses_nothing_and_keeps_order() -> anyhow::Result<()>
 {
     crash_at_every_point(
-        QUEUE,
+        &example_table("outbox-queue.toml")?,
         "SELECT count(*) FROM outroute_queue WHERE source = 'outbox'",
     )
     .await

@@ -541,20 +541,21 @@ async fn fixed_width_char_ids_are_marked() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The canonical table marked by `delete` (examples/outbox-delete.toml's
-/// mapping): published rows are gone, a failed one stays, marked by
-/// `failed_at` and listed by `outroute failed list`.
-#[tokio::test(flavor = "multi_thread")]
-async fn the_canonical_table_marked_by_delete_keeps_only_failed_rows() -> anyhow::Result<()> {
-    let example = std::fs::read_to_string(workspace().join("examples/outbox-delete.toml"))?;
-    let mapping = example
-        .split_once("[store.table]")
-        .and_then(|(_, rest)| rest.split_once("[sinks."))
-        .map(|(table, _)| format!("[store.table]{table}"))
-        .ok_or_else(|| anyhow::anyhow!("examples/outbox-delete.toml has no [store.table]"))?;
-    assert!(mapping.contains("style = \"delete\""), "{mapping}");
+/// A database with the canonical table mapped as `examples/<example>`
+/// (marking `style`), set up by `migrate` and `migrate --table`, routed by
+/// the hostile plugin to a file sink. Returns the database, the test's
+/// directory and its config.
+async fn example_marking(
+    example: &str,
+    style: &str,
+) -> anyhow::Result<(TestDb, std::path::PathBuf, std::path::PathBuf)> {
+    let mapping = example_table(example)?;
+    assert!(
+        mapping.contains(&format!("style = \"{style}\"")),
+        "{mapping}"
+    );
     let db = TestDb::new().await?;
-    let dir = test_dir("delete-marking");
+    let dir = test_dir(&format!("{style}-marking"));
     let body = file_sink_body(&dir, &mapping).replace(
         &plugin("order-router").display().to_string(),
         &plugin("hostile").display().to_string(),
@@ -564,6 +565,16 @@ async fn the_canonical_table_marked_by_delete_keeps_only_failed_rows() -> anyhow
     let c = config.to_string_lossy().to_string();
     let (code, out, err) = cli(&["migrate", "--table", "-c", &c])?;
     assert_eq!(code, 0, "{out}{err}");
+    Ok((db, dir, config))
+}
+
+/// The canonical table marked by `delete` (examples/outbox-delete.toml's
+/// mapping): published rows are gone, a failed one stays, marked by
+/// `failed_at` and listed by `outroute failed list`.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_canonical_table_marked_by_delete_keeps_only_failed_rows() -> anyhow::Result<()> {
+    let (db, dir, config) = example_marking("outbox-delete.toml", "delete").await?;
+    let c = config.to_string_lossy().to_string();
     let insert = |agg: String, payload: serde_json::Value| {
         let pool = db.pool.clone();
         async move {
@@ -625,24 +636,8 @@ async fn the_canonical_table_marked_by_delete_keeps_only_failed_rows() -> anyhow
 /// event is recorded as failed; published events can be replayed.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_canonical_table_marked_by_the_queue_keeps_rows_and_replays() -> anyhow::Result<()> {
-    let example = std::fs::read_to_string(workspace().join("examples/outbox-queue.toml"))?;
-    let mapping = example
-        .split_once("[store.table]")
-        .and_then(|(_, rest)| rest.split_once("[sinks."))
-        .map(|(table, _)| format!("[store.table]{table}"))
-        .ok_or_else(|| anyhow::anyhow!("examples/outbox-queue.toml has no [store.table]"))?;
-    assert!(mapping.contains("style = \"queue\""), "{mapping}");
-    let db = TestDb::new().await?;
-    let dir = test_dir("queue-marking");
-    let body = file_sink_body(&dir, &mapping).replace(
-        &plugin("order-router").display().to_string(),
-        &plugin("hostile").display().to_string(),
-    );
-    let config = write_config(&dir, &db.url, "", &body)?;
-    db.migrate(&config)?;
+    let (db, dir, config) = example_marking("outbox-queue.toml", "queue").await?;
     let c = config.to_string_lossy().to_string();
-    let (code, out, err) = cli(&["migrate", "--table", "-c", &c])?;
-    assert_eq!(code, 0, "{out}{err}");
     for i in 0..20 {
         sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1::uuid, 'order', $2, 'order-updated', $3)")
             .bind(uuid::Uuid::new_v4().to_string())
