@@ -166,6 +166,9 @@ pub struct TableSql {
     aggregate_id: String,
     /// Pending rows, lane and order over alias `o`.
     pending: String,
+    /// What the row itself says about being pending (`pending` without the
+    /// queue probe of `marking = queue`; the same for other markings).
+    row_pending: String,
     lane: String,
     order: String,
     order_desc: String,
@@ -298,6 +301,7 @@ impl TableSql {
             seq: seq.clone(),
             aggregate_type,
             aggregate_id,
+            row_pending: q.pending.clone(),
             pending: match &t.marking {
                 Marking::Queue { .. } => format!(
                     "{} AND EXISTS (SELECT 1 FROM outroute_queue qq WHERE qq.source = {} AND qq.lane = {} AND qq.seq = {seq} OFFSET 0)",
@@ -407,7 +411,6 @@ impl TableSql {
     /// probe in a LATERAL, so no plan can scan the table). Cost: the
     /// entries walked plus the rows returned; published entries are gone.
     fn claim_by_queue(&self, ordering: Ordering) -> String {
-        let row_pending = Shape::new(&self.cfg, 1, "o").pending;
         format!(
             "SELECT c.* FROM unnest($2::int[], $4::bigint[]) WITH ORDINALITY AS l(lane, floor, n) \
              CROSS JOIN LATERAL (SELECT {cols}, {extras} \
@@ -421,6 +424,7 @@ impl TableSql {
             table = self.table,
             seqcol = self.seq,
             state = self.state_filter(ordering),
+            row_pending = self.row_pending,
         )
     }
 
@@ -1399,10 +1403,7 @@ impl PgStore {
                RETURNING {id}::text AS id){clear} \
              SELECT id FROM marked",
             id = s.id,
-            pending = match &s.cfg.marking {
-                Marking::Queue { .. } => Shape::new(&s.cfg, 1, "o").pending,
-                _ => s.pending.clone(),
-            },
+            pending = s.row_pending,
             lane = s.lane,
         ))
     }
@@ -1728,7 +1729,7 @@ impl PgStore {
                 at = s.aggregate_type,
                 table = s.table,
                 seq = s.seq,
-                row = Shape::new(&s.cfg, 1, "o").pending,
+                row = s.row_pending,
             ),
             _ => format!(
                 "SELECT {at}, count(*) FROM {table} o WHERE {pending} AND {not_failed} \
