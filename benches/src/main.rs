@@ -4,7 +4,8 @@
 //!
 //! 1. plugin cost per event (order-router, schema-gate; single and batch);
 //! 2. the database ceiling: the relay's own claim + mark SQL in a tight
-//!    loop, no routing or publishing (marking by UPDATE and by DELETE);
+//!    loop, no routing or publishing (marking through the pending queue,
+//!    by UPDATE and by DELETE);
 //! 3. the broker ceiling: raw produce of the same messages with acks;
 //! 4. outroute draining 100,000 × 1 KB events to Kafka and to JetStream
 //!    (events/s, CPU cores used, peak RSS);
@@ -86,6 +87,12 @@ struct Args {
     /// Payload bytes of each history row.
     #[arg(long, default_value_t = 200)]
     history_payload: usize,
+    /// How the canonical table marks published rows in the drain, backlog,
+    /// latency, history and wakeup runs: `queue` (the default: pending rows
+    /// listed in `outroute_queue` by an insert trigger) or `published_at`
+    /// (the stamp; examples/outbox-published-at.toml).
+    #[arg(long, default_value = "queue")]
+    marking: String,
 }
 
 /// How pre-filled tables are made (see `--aggregates`, `--analyse`).
@@ -105,6 +112,19 @@ static SSLMODE: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new()
 /// with lease capture, 2 that cluster with `capture = "logical"` (the
 /// `logical` section runs 1 and 2 back to back).
 static MODE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// `--marking published_at`.
+static STAMP: AtomicBool = AtomicBool::new(false);
+
+/// The canonical table as `--marking` maps it (log-based capture reads the
+/// table as it is).
+fn canonical() -> Shape {
+    if STAMP.load(Ordering::Relaxed) && MODE.load(Ordering::Relaxed) != 2 {
+        Shape::CanonicalStamp
+    } else {
+        Shape::Canonical
+    }
+}
 
 async fn bench_db() -> Result<TestDb> {
     match MODE.load(Ordering::Relaxed) {
@@ -164,6 +184,11 @@ async fn main() -> Result<()> {
         ordering,
     });
     let _ = SSLMODE.set(args.pg_sslmode.clone());
+    match args.marking.as_str() {
+        "queue" => {}
+        "published_at" => STAMP.store(true, Ordering::Relaxed),
+        other => anyhow::bail!("--marking: `{other}` is not queue or published_at"),
+    }
     let want = |s: &str| args.only.is_empty() || args.only.iter().any(|o| o == s);
     let mut results = serde_json::Map::new();
     results.insert(
@@ -176,6 +201,7 @@ async fn main() -> Result<()> {
     );
     results.insert("events".into(), json!(args.events));
     results.insert("payload_bytes".into(), json!(PAYLOAD_BYTES));
+    results.insert("marking".into(), json!(args.marking));
     let mut table: Vec<(String, String)> = Vec::new();
 
     if want("plugin") {
@@ -192,7 +218,11 @@ async fn main() -> Result<()> {
     }
     if want("ceiling") {
         eprintln!("== database ceiling");
-        for (style, label) in [("published_at", "update"), ("delete", "delete")] {
+        for (style, label) in [
+            ("queue", "queue"),
+            ("published_at", "update"),
+            ("delete", "delete"),
+        ] {
             for batch in [100u32, 500, 1000] {
                 let r = db_ceiling(args.events, style, batch, args.concurrency).await?;
                 table.push((
@@ -251,13 +281,13 @@ async fn main() -> Result<()> {
         results.insert("drain_3_sources_kafka".into(), d);
     }
     if want("marking") {
-        // The same drain with the row updated (`published_at`, the default),
-        // listed in the pending queue (examples/outbox-queue.toml) or deleted
-        // once published (examples/outbox-delete.toml): what marking costs
-        // PostgreSQL.
+        // The same drain with the row stamped
+        // (examples/outbox-published-at.toml), listed in the pending queue
+        // (the default) or deleted once published
+        // (examples/outbox-delete.toml): what marking costs PostgreSQL.
         for shape in [
+            Shape::CanonicalStamp,
             Shape::Canonical,
-            Shape::CanonicalQueue,
             Shape::CanonicalDelete,
         ] {
             eprintln!("== outroute drain of {} → kafka", shape.name());
@@ -273,8 +303,8 @@ async fn main() -> Result<()> {
             ));
             let key = match shape {
                 Shape::CanonicalDelete => "drain_kafka_marking_delete",
-                Shape::CanonicalQueue => "drain_kafka_marking_queue",
-                _ => "drain_kafka_marking_update",
+                Shape::CanonicalStamp => "drain_kafka_marking_update",
+                _ => "drain_kafka_marking_queue",
             };
             results.insert(key.into(), d);
         }
@@ -443,7 +473,11 @@ async fn main() -> Result<()> {
     // Ratios.
     let snapshot = results.clone();
     let get = |k: &str| snapshot.get(k).and_then(Value::as_f64);
-    let ceiling = get("db_ceiling_update_batch1000_rows_per_s"); // the relay's batch size below
+    // The relay's batch size below, the drains' marking.
+    let ceiling = get(match canonical() {
+        Shape::CanonicalStamp => "db_ceiling_update_batch1000_rows_per_s",
+        _ => "db_ceiling_queue_batch1000_rows_per_s",
+    });
     for sink in ["kafka", "nats"] {
         let d = snapshot
             .get(&format!("drain_{sink}"))
@@ -639,11 +673,12 @@ fn file_sink_body(dir: &Path) -> String {
 async fn db_ceiling(n: usize, marking: &str, batch: u32, workers: u32) -> Result<f64> {
     let db = TestDb::new().await?;
     let dir = test_dir("ceiling");
-    let table = if marking == "delete" {
-        "[store.table]\nname = \"outbox\"\nid = \"id\"\nsequence = \"seq\"\naggregate_type = \"aggregate_type\"\naggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\nevent_version = \"event_version\"\npayload = \"payload\"\nheaders = \"headers\"\ncreated_at = \"created_at\"\nmarking = { style = \"delete\" }\n"
-    } else {
-        ""
-    };
+    let table = match marking {
+        "delete" => Shape::CanonicalDelete,
+        "published_at" => Shape::CanonicalStamp,
+        _ => Shape::Canonical,
+    }
+    .mapping();
     let config = write_config(
         &dir,
         &db.url,
@@ -652,7 +687,7 @@ async fn db_ceiling(n: usize, marking: &str, batch: u32, workers: u32) -> Result
     )?;
     db.migrate(&config)?;
     fill(&db.pool, n).await?;
-    // The delete mapping is not the canonical one: give it its lane index.
+    // A mapped table: its lane index (`migrate` set up the default's queue).
     let c = config.to_string_lossy().to_string();
     let (code, out, err) = outroute_e2e::cli(&["migrate", "--table", "-c", &c])?;
     anyhow::ensure!(code == 0, "migrate --table: {out}{err}");
@@ -908,11 +943,12 @@ async fn pg_cpu(pool: &PgPool) -> f64 {
 /// articles' existing shapes (given its lane index by `migrate --table`).
 #[derive(Clone, Copy, PartialEq)]
 enum Shape {
+    /// The canonical table, pending rows listed in `outroute_queue` (the default).
     Canonical,
     /// The canonical table, rows deleted once published (`marking = delete`).
     CanonicalDelete,
-    /// The canonical table, pending rows listed in `outroute_queue`.
-    CanonicalQueue,
+    /// The canonical table, rows stamped by `published_at`.
+    CanonicalStamp,
     TOutbox,
     OutboxEvents,
 }
@@ -920,9 +956,9 @@ enum Shape {
 impl Shape {
     fn name(self) -> &'static str {
         match self {
-            Shape::Canonical => "outbox",
+            Shape::Canonical => "outbox, marking queue",
             Shape::CanonicalDelete => "outbox, marking delete",
-            Shape::CanonicalQueue => "outbox, marking queue",
+            Shape::CanonicalStamp => "outbox, marking published_at",
             Shape::TOutbox => "t_outbox",
             Shape::OutboxEvents => "outbox_events",
         }
@@ -943,7 +979,7 @@ impl Shape {
         match self {
             Shape::Canonical => String::new(),
             Shape::CanonicalDelete => canonical("{ style = \"delete\" }"),
-            Shape::CanonicalQueue => canonical("{ style = \"queue\", column = \"published_at\" }"),
+            Shape::CanonicalStamp => canonical("{ style = \"published_at\" }"),
             Shape::TOutbox => seed::T_OUTBOX_MAPPING.into(),
             Shape::OutboxEvents => seed::OUTBOX_EVENTS_MAPPING.into(),
         }
@@ -951,9 +987,9 @@ impl Shape {
 
     fn pending(self) -> &'static str {
         match self {
-            Shape::Canonical => "SELECT count(*) FROM outbox WHERE published_at IS NULL",
+            Shape::Canonical => "SELECT count(*) FROM outroute_queue WHERE source = 'outbox'",
             Shape::CanonicalDelete => "SELECT count(*) FROM outbox",
-            Shape::CanonicalQueue => "SELECT count(*) FROM outroute_queue WHERE source = 'outbox'",
+            Shape::CanonicalStamp => "SELECT count(*) FROM outbox WHERE published_at IS NULL",
             Shape::TOutbox => "SELECT count(*) FROM t_outbox WHERE status = 'PENDING'",
             Shape::OutboxEvents => "SELECT count(*) FROM outbox_events WHERE published_at IS NULL",
         }
@@ -963,9 +999,9 @@ impl Shape {
     /// aggregate each, in the seed articles' DDL.
     async fn create_and_fill(self, pool: &PgPool, n: usize) -> Result<()> {
         let (create, insert) = match self {
-            Shape::Canonical | Shape::CanonicalDelete => return fill(pool, n).await,
-            // `migrate --table` (run next) lists these rows in the queue.
-            Shape::CanonicalQueue => return fill(pool, n).await,
+            Shape::Canonical | Shape::CanonicalDelete | Shape::CanonicalStamp => {
+                return fill(pool, n).await;
+            }
             Shape::TOutbox => (
                 seed::T_OUTBOX_DDL,
                 "INSERT INTO t_outbox (event_id, aggregate_type, aggregate_id, event_type, payload) \
@@ -997,7 +1033,18 @@ impl Shape {
 }
 
 async fn drain(n: usize, sink: &str, concurrency: u32) -> Result<Value> {
-    drain_table(n, sink, concurrency, Shape::Canonical).await
+    drain_table(n, sink, concurrency, canonical()).await
+}
+
+/// After `outroute migrate`: `migrate --table` for a mapped table (its lane
+/// index, or the pending queue's trigger and backfill).
+fn migrate_table(shape: Shape, config: &Path) -> Result<()> {
+    if shape != Shape::Canonical {
+        let c = config.to_string_lossy().to_string();
+        let (code, out, err) = outroute_e2e::cli(&["migrate", "--table", "-c", &c])?;
+        anyhow::ensure!(code == 0, "migrate --table: {out}{err}");
+    }
+    Ok(())
 }
 
 async fn drain_table(n: usize, sink: &str, concurrency: u32, shape: Shape) -> Result<Value> {
@@ -1022,11 +1069,7 @@ async fn drain_table(n: usize, sink: &str, concurrency: u32, shape: Shape) -> Re
     )?;
     db.migrate(&config)?;
     shape.create_and_fill(&db.pool, n).await?;
-    if shape != Shape::Canonical {
-        let c = config.to_string_lossy().to_string();
-        let (code, out, err) = outroute_e2e::cli(&["migrate", "--table", "-c", &c])?;
-        anyhow::ensure!(code == 0, "migrate --table: {out}{err}");
-    }
+    migrate_table(shape, &config)?;
     let mut relay = Relay::start(&config, &[("RUST_LOG", "warn")])?;
     let pid = relay.child.id();
     // Time from the first publish to the last mark.
@@ -1257,9 +1300,14 @@ async fn drain_backlog(n: usize, concurrency: u32) -> Result<Value> {
         &dir,
         &db.url,
         &format!("batch_size = 1000\nconcurrency = {concurrency}\nlanes = 64"),
-        &relay_body("kafka", &t, &http),
+        &format!(
+            "{}{}",
+            canonical().mapping(),
+            relay_body("kafka", &t, &http)
+        ),
     )?;
     db.migrate(&config)?;
+    migrate_table(canonical(), &config)?;
     let mut done = 0;
     while done < n {
         let step = (n - done).min(100_000);
@@ -1383,9 +1431,21 @@ async fn latency(
         store_keys(),
         &db.url,
         &format!("concurrency = {concurrency}"),
-        &relay_body("kafka", &t, &http),
+        &format!(
+            "{}{}",
+            canonical().mapping(),
+            relay_body("kafka", &t, &http)
+        ),
     )?;
     db.migrate(&config)?;
+    migrate_table(canonical(), &config)?;
+    // History rows are published already: not listed in the pending queue.
+    let queue = canonical() == Shape::Canonical && MODE.load(Ordering::Relaxed) != 2;
+    if queue && history > 0 {
+        sqlx::query("ALTER TABLE outbox DISABLE TRIGGER outroute_enqueue")
+            .execute(&db.pool)
+            .await?;
+    }
     let mut chunk = 0;
     while chunk < history {
         let end = (chunk + 500_000).min(history);
@@ -1402,6 +1462,11 @@ async fn latency(
         .await?;
         chunk = end;
         eprintln!("   history: {chunk} published rows");
+    }
+    if queue && history > 0 {
+        sqlx::query("ALTER TABLE outbox ENABLE TRIGGER outroute_enqueue")
+            .execute(&db.pool)
+            .await?;
     }
     let mut relay = Relay::start(&config, &[("RUST_LOG", "warn")])?;
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -1574,9 +1639,10 @@ async fn wakeup_cost() -> Result<Value> {
             store_keys(),
             &db.url,
             relay_cfg,
-            &file_sink_body(&dir),
+            &format!("{}{}", canonical().mapping(), file_sink_body(&dir)),
         )?;
         db.migrate(&config)?;
+        migrate_table(canonical(), &config)?;
         let relay = match relay_mode {
             Some(_) => Some(Relay::start(&config, &[("RUST_LOG", "warn")])?),
             None => None,

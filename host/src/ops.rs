@@ -304,13 +304,19 @@ async fn migrate_source(
     store.migrate(outbox).await?;
     println!("migrations applied to {}", config::redact_url(&sc.url));
     if let Some(pg) = store.logical() {
+        if outbox {
+            // Before the slot: rows published through a pending queue
+            // would look unpublished to the slot's backfill.
+            pg.refuse_leftover_queue().await?;
+        }
         for line in pg.setup_capture().await? {
             println!("{line}");
         }
         // Streamed, never claimed: no lane index to build.
         return Ok(());
     }
-    let canonical = outbox && sc.table() == config::TableConfig::canonical();
+    let canonical =
+        outbox && (sc.table.is_none() || sc.table() == config::TableConfig::canonical());
     if !(canonical || table) {
         return Ok(());
     }
@@ -344,9 +350,9 @@ async fn migrate_source(
         if let Some(ddl) = store.missing_index() {
             println!(
                 "setting up the pending queue of `{name}`:\n{ddl}\n\
-                 CREATE TRIGGER takes a SHARE ROW EXCLUSIVE lock on `{name}`: it waits for inserts in flight and \
-                 holds new ones for the moment it takes; the backfill then lists the rows already pending \
-                 (time grows with their number)."
+                 One transaction: CREATE TRIGGER takes a SHARE ROW EXCLUSIVE lock on `{name}`, waits for the \
+                 inserts in flight and holds new ones until the rows already pending are listed (time grows \
+                 with their number; reads go on)."
             );
         }
         match store.create_lane_index().await? {
@@ -354,6 +360,18 @@ async fn migrate_source(
                 println!("pending queue of `{name}` set up; claims now walk only pending events")
             }
             None => println!("pending queue of `{name}`: present"),
+        }
+        if let Some(pg) = store.postgres() {
+            let schema = match name.rsplit_once('.') {
+                Some((schema, _)) => format!("{schema}."),
+                None => String::new(),
+            };
+            for index in pg.lane_indexes().await? {
+                println!(
+                    "note: the lane index `{index}` is not read under the pending queue, but producers still \
+                     pay an index insert per event: DROP INDEX CONCURRENTLY {schema}{index};"
+                );
+            }
         }
         return Ok(());
     }

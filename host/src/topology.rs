@@ -72,8 +72,11 @@ pub async fn open_store(loaded: &Loaded, name: &str, relay_id: &str) -> Result<S
     if let Some(ddl) = store.missing_index() {
         if store.queue_marking() {
             anyhow::bail!(
-                "source `{name}`: marking style `queue` needs its insert trigger on the table, or new events \
-                 would never be listed: run `outroute migrate --table -c <config>`, or:\n{ddl}"
+                "source `{name}`: marking style `queue` (the canonical table's default on PostgreSQL) needs \
+                 its insert trigger on the table, or new events would never be listed: run `outroute migrate \
+                 --table -c <config>` (stop relays of an older version first: events they publish meanwhile \
+                 would go out again), or run:\n{ddl}\nTo keep stamping `published_at` instead, map the table \
+                 as examples/outbox-published-at.toml does"
             );
         }
         tracing::warn!(

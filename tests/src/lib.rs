@@ -185,7 +185,32 @@ impl TestDb {
             .await
             .unwrap_or(-1)
     }
+
+    /// Events of the canonical table not published yet: still listed in
+    /// the pending queue (its default marking on PostgreSQL) or failed.
+    /// `and`: more conditions on the row `o`, e.g. `o.aggregate_type = 'x'`.
+    pub async fn unpublished(&self, and: &str) -> i64 {
+        self.count(&format!(
+            "SELECT count(*) FROM outbox o WHERE ({UNPUBLISHED}){}",
+            if and.is_empty() { String::new() } else { format!(" AND {and}") }
+        ))
+        .await
+    }
+
+    /// Events of the canonical table published (see [`Self::unpublished`]).
+    pub async fn published(&self, and: &str) -> i64 {
+        self.count(&format!(
+            "SELECT count(*) FROM outbox o WHERE NOT ({UNPUBLISHED}){}",
+            if and.is_empty() { String::new() } else { format!(" AND {and}") }
+        ))
+        .await
+    }
 }
+
+/// The canonical table's row `o` is not published: listed in the pending
+/// queue, or failed.
+pub const UNPUBLISHED: &str = "o.failed_at IS NOT NULL OR EXISTS (SELECT 1 FROM outroute_queue q \
+     WHERE q.source = 'outbox' AND q.seq = o.seq)";
 
 /// One event a producer committed.
 #[derive(Debug, Clone)]

@@ -57,6 +57,12 @@ async fn claim_cost(store: &Store, lanes: &[i32], batch: u32) -> anyhow::Result<
     Ok((rows, indexed))
 }
 
+/// The canonical table marked by `published_at` (claims walk its lane
+/// index; the default queue has its own tests below).
+fn stamped() -> anyhow::Result<String> {
+    example_table("outbox-published-at.toml")
+}
+
 async fn fill(db: &TestDb, from: i64, to: i64) -> anyhow::Result<()> {
     // One aggregate per event, ~1 KB payload, one statement.
     sqlx::query(
@@ -80,7 +86,7 @@ async fn claim_cost_is_bounded_by_the_batch_on_a_never_analysed_table() -> anyho
         &dir,
         &db.url,
         "lanes = 64\nbatch_size = 500\nlease_ttl = \"300s\"",
-        &file_body(&dir, ""),
+        &file_body(&dir, &stamped()?),
     )?;
     db.migrate(&config)?;
     fill(&db, 1, 30_000).await?;
@@ -179,7 +185,7 @@ async fn a_row_moved_since_its_claim_is_published_again_and_the_backlog_gauge_is
 -> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let dir = test_dir("claim-moved");
-    let config = write_config(&dir, &db.url, "lanes = 8", &file_body(&dir, ""))?;
+    let config = write_config(&dir, &db.url, "lanes = 8", &file_body(&dir, &stamped()?))?;
     db.migrate(&config)?;
     fill(&db, 1, 20).await?;
     let store = open_store(&config, "moved").await?;
@@ -308,7 +314,7 @@ async fn floors_are_off_for_a_sequence_that_may_hand_out_lower_numbers_later() -
 {
     let db = TestDb::new().await?;
     let dir = test_dir("claim-floor-off");
-    let config = write_config(&dir, &db.url, "lanes = 4", &file_body(&dir, ""))?;
+    let config = write_config(&dir, &db.url, "lanes = 4", &file_body(&dir, &stamped()?))?;
     db.migrate(&config)?;
     let c = config.to_string_lossy().to_string();
     let (code, out, err) = cli(&["config", "check", "--store", "-c", &c])?;
@@ -399,7 +405,7 @@ async fn claims_start_past_published_rows_but_never_past_a_row_still_to_commit()
     // published leaves a dead entry in the lane index until VACUUM.
     let db = TestDb::new().await?;
     let dir = test_dir("claim-floor");
-    let config = write_config(&dir, &db.url, "lanes = 4", &file_body(&dir, ""))?;
+    let config = write_config(&dir, &db.url, "lanes = 4", &file_body(&dir, &stamped()?))?;
     db.migrate(&config)?;
     fill(&db, 1, 20_000).await?;
     let store = open_store(&config, "floor").await?;
@@ -490,7 +496,14 @@ async fn the_pending_queue_is_filled_by_its_trigger_and_claims_read_only_the_bat
         &dir,
         &db.url,
         "lanes = 4",
-        &file_body(&dir, &example_table("outbox-queue.toml")?),
+        // An existing table switched over from `published_at`.
+        &file_body(
+            &dir,
+            &example_table("outbox-published-at.toml")?.replace(
+                "marking = { style = \"published_at\" }",
+                "marking = { style = \"queue\", column = \"published_at\" }",
+            ),
+        ),
     )?;
     db.migrate(&config)?;
     // Rows from before the switch: 10 already published, 40,000 pending.
@@ -618,6 +631,62 @@ async fn the_pending_queue_is_filled_by_its_trigger_and_claims_read_only_the_bat
     assert_eq!(purged, 50_011);
     assert_eq!(db.count("SELECT count(*) FROM outbox").await, 1);
     assert_eq!(db.count("SELECT count(*) FROM outroute_queue").await, 1);
+    db.drop_db().await;
+    Ok(())
+}
+
+/// A held aggregate with more queued events than a claim takes, at the
+/// head of its lane, holds back only itself: the claim walks past them.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_held_aggregate_at_the_head_of_a_queue_lane_holds_back_only_itself() -> anyhow::Result<()>
+{
+    let db = TestDb::new().await?;
+    let dir = test_dir("claim-queue-held");
+    let config = write_config(&dir, &db.url, "lanes = 1", &file_body(&dir, ""))?;
+    db.migrate(&config)?;
+    // 30 events of one aggregate, then one each of five others: one lane.
+    sqlx::query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'order', 'busy', 'order-created', jsonb_build_object('n', g) \
+         FROM generate_series(1, 30) g",
+    )
+    .execute(&db.pool)
+    .await?;
+    fill(&db, 1, 5).await?;
+    let store = open_store(&config, "held").await?;
+    let lanes = store.lease_round().await?.lanes;
+    let first = store.claim(&lanes, 10).await?;
+    assert_eq!(first.len(), 10);
+    // The first fails for good and holds its aggregate.
+    let c = &first[0];
+    let e = c.row.as_ref().map_err(|m| anyhow::anyhow!("{m:?}"))?;
+    assert_eq!(e.aggregate_id, "busy");
+    let failure = outroute::store::Failure {
+        id: c.id().to_string(),
+        lane: c.lane,
+        epoch: c.epoch,
+        aggregate_type: e.aggregate_type.clone(),
+        aggregate_id: e.aggregate_id.clone(),
+        event_type: e.event_type.clone(),
+        sequence: c.sequence(),
+        attempts: 1,
+        reason: "plugin said invalid".into(),
+        route: Some("r".into()),
+        plugin: None,
+        plugin_version: None,
+        kind: outroute::store::FailureKind::Failed { hold: true },
+        done_legs: Vec::new(),
+        parked: None,
+    };
+    assert_eq!(store.record_failures(&[failure]).await?, 1);
+    // 29 held entries lead the lane; a claim of 10 still finds the others.
+    let next = store.claim(&lanes, 10).await?;
+    let mut aggregates: Vec<String> = next
+        .iter()
+        .filter_map(|c| c.row.as_ref().ok().map(|e| e.aggregate_id.clone()))
+        .collect();
+    aggregates.sort();
+    assert_eq!(aggregates, vec!["o-1", "o-2", "o-3", "o-4", "o-5"]);
     db.drop_db().await;
     Ok(())
 }

@@ -85,14 +85,14 @@ async fn kafka_end_to_end_with_headers_keys_metrics_and_shutdown() -> anyhow::Re
     // Rows marked only after acks: all published, none pending.
     assert!(
         eventually(Duration::from_secs(10), || async {
-            db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            db.unpublished("")
                 .await
                 == 0
         })
         .await
     );
     assert_eq!(
-        db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+        db.published("")
             .await,
         work.committed.len() as i64
     );

@@ -361,12 +361,17 @@ async fn an_unreadable_parked_record_fails_that_event_alone() -> anyhow::Result<
 
 #[tokio::test(flavor = "multi_thread")]
 async fn rows_written_before_the_slot_go_out_first_in_order() -> anyhow::Result<()> {
-    // The table is in use (lease mode) before anyone creates the slot.
+    // The table is in use (lease mode, rows stamped by `published_at`)
+    // before anyone creates the slot.
     let db = TestDb::new_logical().await?;
     let dir = test_dir("logical-backfill");
     let out = dir.join("out.jsonl");
     let route = FILE_ROUTE;
-    let body = relay_body("", &[TestSink::File(&out)], "hostile", "orders", route);
+    let stamped = example_table("outbox-published-at.toml")?;
+    let body = format!(
+        "{stamped}{}",
+        relay_body("", &[TestSink::File(&out)], "hostile", "orders", route)
+    );
     let lease = write_config_with(&dir.join("lease"), &db.url, "", "lease_ttl = \"2s\"", &body)?;
     db.migrate(&lease)?;
     let done = insert(&db, "P", serde_json::json!({"n": 1})).await?;
@@ -453,7 +458,12 @@ async fn a_migrate_stopped_right_after_creating_the_slot_loses_nothing() -> anyh
     let dir = test_dir("logical-migrate-crash");
     let out = dir.join("out.jsonl");
     let route = FILE_ROUTE;
-    let body = relay_body("", &[TestSink::File(&out)], "order-router", "orders", route);
+    // Lease mode stamping `published_at` first, then the switch.
+    let body = format!(
+        "{}{}",
+        example_table("outbox-published-at.toml")?,
+        relay_body("", &[TestSink::File(&out)], "order-router", "orders", route)
+    );
     let lease = write_config_with(&dir.join("lease"), &db.url, "", "lease_ttl = \"2s\"", &body)?;
     db.migrate(&lease)?;
     let mut before = Vec::new();

@@ -77,7 +77,7 @@ async fn fanout_reaches_kafka_and_jetstream_and_replay_republishes_the_selection
     }
     assert!(
         eventually(Duration::from_secs(10), || async {
-            db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            db.unpublished("")
                 .await
                 == 0
         })

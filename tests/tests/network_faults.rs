@@ -110,7 +110,7 @@ async fn faults_while_producing(
     stop.store(true, Ordering::SeqCst);
     let w = producing.await??;
     let drained = eventually(Duration::from_secs(120), || async {
-        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+        db.unpublished("")
             .await
             == 0
     })

@@ -125,7 +125,7 @@ async fn a_relay_frozen_past_its_lease_publishes_nothing_for_lost_lanes_after_it
         let mut other = Relay::start(&config, &[])?;
         assert!(
             eventually(Duration::from_secs(60), || async {
-                db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+                db.unpublished("")
                     .await
                     == 0
             })

@@ -90,7 +90,7 @@ async fn nats_down_for_10s_loses_nothing_and_fanout_waits_for_both_acks() -> any
     let first = produce(&db.pool, "a", 20, 5, 0).await?;
     assert!(
         eventually(Duration::from_secs(30), || async {
-            db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            db.unpublished("")
                 .await
                 == 0
         })
@@ -120,14 +120,14 @@ async fn nats_down_for_10s_loses_nothing_and_fanout_waits_for_both_acks() -> any
     .await;
     assert!(not_ready, "{:?}", http_get(&http, "/readyz").await);
     assert_eq!(
-        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+        db.unpublished("")
             .await,
         100
     );
     let rss_down = rss_mib(relay.child.id());
     tokio::time::sleep(Duration::from_secs(10).saturating_sub(down.elapsed())).await;
     assert_eq!(
-        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+        db.unpublished("")
             .await,
         100,
         "marked while NATS was down"
@@ -200,7 +200,7 @@ async fn kafka_broker_frozen_for_10s_then_everything_arrives_in_order() -> anyho
     let first = produce(&db.pool, "a", 50, 4, 0).await?;
     assert!(
         eventually(Duration::from_secs(30), || async {
-            db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            db.unpublished("")
                 .await
                 == 0
         })
@@ -213,7 +213,7 @@ async fn kafka_broker_frozen_for_10s_then_everything_arrives_in_order() -> anyho
     let second = produce(&db.pool, "b", 50, 4, 0).await?;
     tokio::time::sleep(Duration::from_secs(10)).await;
     let pending_while_frozen = db
-        .count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+        .unpublished("")
         .await;
     let rss = rss_mib(relay.child.id());
     signal_all("tansu broker", libc::SIGCONT);
@@ -229,7 +229,7 @@ async fn kafka_broker_frozen_for_10s_then_everything_arrives_in_order() -> anyho
     println!("kafka frozen 10s: {r}; relay RSS while frozen {rss:.0} MiB");
     if r.lost > 0 {
         let pending = db
-            .count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            .unpublished("")
             .await;
         let log = relay.log_text();
         let tail: Vec<&str> = log.lines().rev().take(30).collect();
@@ -242,7 +242,7 @@ async fn kafka_broker_frozen_for_10s_then_everything_arrives_in_order() -> anyho
     assert!(rss < 200.0);
     assert!(
         eventually(Duration::from_secs(30), || async {
-            db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            db.unpublished("")
                 .await
                 == 0
         })
@@ -270,7 +270,7 @@ async fn postgres_restart_and_sigterm_mid_batch_lose_nothing() -> anyhow::Result
     // the lanes back.
     assert!(
         eventually(Duration::from_secs(30), || async {
-            db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+            db.published("")
                 .await
                 > 0
         })
@@ -384,10 +384,7 @@ async fn a_dead_sink_never_dead_letters_events_while_other_sinks_flow() -> anyho
     }
     // Kafka-only events flow while NATS is down …
     let flowed = eventually(Duration::from_secs(30), || async {
-        db.count(
-            "SELECT count(*) FROM outbox WHERE aggregate_type = 'audit' AND published_at IS NULL",
-        )
-        .await
+        db.unpublished("o.aggregate_type = 'audit'").await
             == 0
     })
     .await;
@@ -405,10 +402,7 @@ async fn a_dead_sink_never_dead_letters_events_while_other_sinks_flow() -> anyho
         "dead-lettered"
     );
     assert_eq!(
-        db.count(
-            "SELECT count(*) FROM outbox WHERE aggregate_type = 'order' AND published_at IS NULL"
-        )
-        .await,
+        db.unpublished("o.aggregate_type = 'order'").await,
         30,
         "fan-out events must wait for NATS"
     );

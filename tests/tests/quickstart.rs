@@ -153,7 +153,7 @@ fn shipped_example_configs_pass_config_check() -> anyhow::Result<()> {
         "outbox_events.toml",
         "t_outbox.toml",
         "outbox-delete.toml",
-        "outbox-queue.toml",
+        "outbox-published-at.toml",
     ] {
         let path = workspace().join("examples").join(name);
         let (code, out, err) = cli(&["config", "check", "-c", path.to_str().unwrap_or_default()])?;

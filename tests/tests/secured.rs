@@ -505,7 +505,10 @@ async fn postgres_over_tls_with_a_password_role() -> Result<()> {
     assert!(all, "events relayed over TLS: {}", relay.log_text());
     // The sink wrote them; the mark follows the ack.
     let marked = eventually(Duration::from_secs(10), || async {
-        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+        sqlx::query_scalar::<_, i64>(&format!(
+            "SELECT count(*) FROM outbox o WHERE NOT ({})",
+            outroute_e2e::UNPUBLISHED
+        ))
             .fetch_one(&pool)
             .await
             .is_ok_and(|n| n as usize == w.committed.len())

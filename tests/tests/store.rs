@@ -71,11 +71,7 @@ async fn expired_lease_is_taken_over_and_the_old_owner_cannot_mark() -> anyhow::
         0,
         "a fenced-out relay marked rows"
     );
-    assert_eq!(
-        db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
-            .await,
-        0
-    );
+    assert_eq!(db.published("").await, 0);
     // A's renewal finds nothing left to renew.
     assert!(
         a.lease_round().await?.lanes.is_empty()
@@ -96,11 +92,7 @@ async fn expired_lease_is_taken_over_and_the_old_owner_cannot_mark() -> anyhow::
         "a second mark changed rows"
     );
     assert_eq!(a.mark_published(&mine).await?, 0);
-    assert_eq!(
-        db.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
-            .await,
-        ids.len() as i64
-    );
+    assert_eq!(db.published("").await, ids.len() as i64);
     db.drop_db().await;
     Ok(())
 }
@@ -200,11 +192,17 @@ async fn a_batch_from_before_a_lane_changed_hands_and_came_back_is_not_marked() 
     Ok(())
 }
 
+/// Under `published_at` marking retention ages rows by their stamp.
 #[tokio::test(flavor = "multi_thread")]
 async fn retention_deletes_only_published_rows_past_the_window() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let dir = test_dir("retention");
-    let config = write_config(&dir, &db.url, "", &file_sink_body(&dir, ""))?;
+    let config = write_config(
+        &dir,
+        &db.url,
+        "",
+        &file_sink_body(&dir, &example_table("outbox-published-at.toml")?),
+    )?;
     db.migrate(&config)?;
     produce(&db.pool, "agg", 10, 3, 0).await?; // 30 rows
     sqlx::query("UPDATE outbox SET published_at = now() - interval '3 days' WHERE seq <= 10")
@@ -240,6 +238,48 @@ async fn retention_deletes_only_published_rows_past_the_window() -> anyhow::Resu
             .await,
         10
     );
+    db.drop_db().await;
+    Ok(())
+}
+
+/// Under the pending queue (the default) retention ages rows by
+/// `created_at` and never deletes a row still queued or failed.
+#[tokio::test(flavor = "multi_thread")]
+async fn retention_under_the_queue_deletes_only_published_rows_past_the_window()
+-> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("retention-queue");
+    let config = write_config(&dir, &db.url, "", &file_sink_body(&dir, ""))?;
+    db.migrate(&config)?;
+    produce(&db.pool, "agg", 10, 3, 0).await?; // 30 rows
+    // Old: 1-15, of which 11-13 are still queued and 14 failed; the rest
+    // is published.
+    sqlx::query("UPDATE outbox SET created_at = now() - interval '3 days' WHERE seq <= 15")
+        .execute(&db.pool)
+        .await?;
+    sqlx::query("UPDATE outbox SET failed_at = now() WHERE seq = 14")
+        .execute(&db.pool)
+        .await?;
+    sqlx::query("DELETE FROM outroute_queue WHERE source = 'outbox' AND seq NOT BETWEEN 11 AND 13")
+        .execute(&db.pool)
+        .await?;
+    let s = open_store(&config, "purger").await?;
+    let mut deleted = 0;
+    loop {
+        let n = s.purge_published(Duration::from_secs(86_400), 3).await?;
+        deleted += n;
+        if n < 3 {
+            break;
+        }
+    }
+    assert_eq!(deleted, 11, "1-10 and 15, stepping over 11-14");
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE seq <= 10 OR seq = 15")
+            .await,
+        0
+    );
+    assert_eq!(db.published("").await, 15, "16-30 are recent");
+    assert_eq!(db.unpublished("").await, 4, "11-13 queued, 14 failed");
     db.drop_db().await;
     Ok(())
 }
@@ -630,14 +670,49 @@ async fn the_canonical_table_marked_by_delete_keeps_only_failed_rows() -> anyhow
     Ok(())
 }
 
-/// The canonical table with its pending rows in the queue
-/// (examples/outbox-queue.toml's mapping): published events leave their
+/// The canonical table as `outroute migrate` alone sets it up: its pending
+/// rows listed in the queue by the insert trigger, which a producer role
+/// with rights on the outbox only can fire. Published events leave their
 /// outbox rows untouched and the queue, in per-aggregate order; a failing
 /// event is recorded as failed; published events can be replayed.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_canonical_table_marked_by_the_queue_keeps_rows_and_replays() -> anyhow::Result<()> {
-    let (db, dir, config) = example_marking("outbox-queue.toml", "queue").await?;
+    let db = TestDb::new().await?;
+    let dir = test_dir("queue-marking");
+    let body = file_sink_body(&dir, "").replace(
+        &plugin("order-router").display().to_string(),
+        &plugin("hostile").display().to_string(),
+    );
+    let config = write_config(&dir, &db.url, "", &body)?;
     let c = config.to_string_lossy().to_string();
+    let (code, out, err) = cli(&["migrate", "-c", &c])?;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("pending queue of `outbox` set up"),
+        "{out}"
+    );
+    // A producer's role may insert into its outbox and nothing of outroute's.
+    let role = format!("producer_{}", tag().to_lowercase());
+    for ddl in [
+        format!("CREATE ROLE {role}"),
+        format!("GRANT INSERT ON outbox TO {role}"),
+    ] {
+        sqlx::query(&ddl).execute(&db.pool).await?;
+    }
+    let mut tx = db.pool.begin().await?;
+    sqlx::query(&format!("SET LOCAL ROLE {role}"))
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES (gen_random_uuid(), 'order', 'o-0', 'order-updated', '{\"n\": -1}')")
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    sqlx::query(&format!("DROP OWNED BY {role}"))
+        .execute(&db.pool)
+        .await?;
+    sqlx::query(&format!("DROP ROLE {role}"))
+        .execute(&db.pool)
+        .await?;
     for i in 0..20 {
         sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1::uuid, 'order', $2, 'order-updated', $3)")
             .bind(uuid::Uuid::new_v4().to_string())
@@ -661,13 +736,13 @@ async fn the_canonical_table_marked_by_the_queue_keeps_rows_and_replays() -> any
         let failed = db
             .count("SELECT count(*) FROM outbox WHERE failed_at IS NOT NULL")
             .await;
-        file_sink_deliveries(&out).len() >= 20 && queued == 0 && failed == 1
+        file_sink_deliveries(&out).len() >= 21 && queued == 0 && failed == 1
     })
     .await;
     assert!(drained, "queue empty, one failed row: {}", relay.log_text());
     assert_eq!(
         db.count("SELECT count(*) FROM outbox").await,
-        21,
+        22,
         "rows are kept"
     );
     assert_eq!(
@@ -678,7 +753,7 @@ async fn the_canonical_table_marked_by_the_queue_keeps_rows_and_replays() -> any
     );
     // Per aggregate, the file holds the events in outbox order.
     let delivered = file_sink_deliveries(&out);
-    assert_eq!(delivered.len(), 20);
+    assert_eq!(delivered.len(), 21);
     let mut last: std::collections::HashMap<String, i64> = Default::default();
     for d in &delivered {
         if let Some(prev) = last.insert(d.aggregate().to_string(), d.seq()) {
@@ -696,7 +771,65 @@ async fn the_canonical_table_marked_by_the_queue_keeps_rows_and_replays() -> any
     let (code, out, err) = cli(&["replay", "--aggregate-id", "o-1", "--dry-run", "-c", &c])?;
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.starts_with("5 published event(s) match"), "{out}");
+    let (code, out, err) = cli(&["replay", "--aggregate-id", "o-0", "--dry-run", "-c", &c])?;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("6 published event(s) match"), "{out}");
     drop(relay);
+    db.drop_db().await;
+    Ok(())
+}
+
+/// Switching an outbox from `published_at` to the default queue: `migrate`
+/// lists only the rows still pending and names the lane index nobody reads
+/// any more; switching back is refused while the queue's trigger is there
+/// (rows published through the queue were never stamped).
+#[tokio::test(flavor = "multi_thread")]
+async fn switching_between_published_at_and_the_queue_republishes_nothing() -> anyhow::Result<()>
+{
+    let db = TestDb::new().await?;
+    let dir = test_dir("switch-marking");
+    let stamp = write_config(
+        &dir.join("stamp"),
+        &db.url,
+        "",
+        &file_sink_body(&dir, &example_table("outbox-published-at.toml")?),
+    )?;
+    let stamp = stamp.to_string_lossy().to_string();
+    let (code, out, err) = cli(&["migrate", "-c", &stamp])?;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("lane index on `outbox` created"), "{out}");
+    for i in 0..5 {
+        sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES (gen_random_uuid(), 'order', $1, 'order-updated', '{}')")
+            .bind(format!("o-{i}"))
+            .execute(&db.pool)
+            .await?;
+    }
+    sqlx::query("UPDATE outbox SET published_at = now() WHERE seq <= 2")
+        .execute(&db.pool)
+        .await?;
+
+    let queue = write_config(&dir.join("queue"), &db.url, "", &file_sink_body(&dir, ""))?;
+    let queue = queue.to_string_lossy().to_string();
+    let (code, out, err) = cli(&["migrate", "-c", &queue])?;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("pending queue of `outbox` set up"), "{out}");
+    assert!(
+        out.contains("DROP INDEX CONCURRENTLY outbox_outroute_lanes"),
+        "the unread lane index is named: {out}"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM outroute_queue WHERE source = 'outbox' AND seq > 2")
+            .await,
+        3
+    );
+    assert_eq!(db.count("SELECT count(*) FROM outroute_queue").await, 3);
+
+    let (code, out, err) = cli(&["config", "check", "--store", "-c", &stamp])?;
+    assert_ne!(code, 0, "{out}{err}");
+    assert!(
+        err.contains("trigger `outroute_enqueue`") && err.contains("DROP TRIGGER"),
+        "{err}"
+    );
     db.drop_db().await;
     Ok(())
 }

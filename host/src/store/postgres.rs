@@ -183,41 +183,79 @@ pub struct TableSql {
     /// The payload column is `json`/`jsonb` (set by `check_table`): rows
     /// are not parsed again to check it.
     payload_is_json: bool,
-    /// The lane index: its name and `CREATE INDEX` statement.
+    /// The lane index: its name and `CREATE INDEX` statement (the pending
+    /// queue's set-up under `marking = queue`).
     index_name: String,
     index_ddl: String,
+    /// The pending queue's trigger function.
+    queue_function: String,
     cfg: TableConfig,
 }
 
+/// The start of the names outroute gives objects of table `t` (index and
+/// function names are per schema and at most 63 bytes).
+fn name_base(t: &TableConfig) -> String {
+    t.name
+        .rsplit('.')
+        .next()
+        .unwrap_or(&t.name)
+        .chars()
+        .take(40)
+        .collect()
+}
+
+/// The pending queue's trigger function of table `t`.
+fn queue_function(t: &TableConfig) -> String {
+    format!("{}_outroute_enqueue", name_base(t))
+}
+
 /// The pending queue's set-up for table `t` (`marking = queue`): the
-/// trigger that lists every inserted row, then the rows already pending.
-/// The trigger comes first: `CREATE TRIGGER` waits for the inserts in
-/// flight, so the backfill's snapshot sees every row the trigger missed.
+/// trigger that lists every inserted row, then the rows already pending,
+/// in one transaction (producers' inserts wait for it: `CREATE TRIGGER`
+/// waits for the inserts in flight, so the backfill sees every row the
+/// trigger missed). The function runs as its owner (`SECURITY DEFINER`):
+/// producers' roles need rights on their outbox only. So that nobody can
+/// use it to list rows of their own, it refuses any other table, nobody
+/// else may call it, and it names outroute's queue by schema (resolved
+/// here) with a `search_path` of `pg_catalog` then `pg_temp`.
 fn queue_setup(
     t: &TableConfig,
-    base: &str,
+    function: &str,
     seq: &str,
     o: &Shape,
     published: Option<&str>,
     lanes: u32,
 ) -> String {
     let new = Shape::new(t, lanes, "NEW");
-    let function = format!("{base}_outroute_enqueue");
     let new_seq = seq.replacen("o.", "NEW.", 1);
     let mut pending = vec![o.pending.clone()];
     if let Some(c) = published {
         pending.push(format!("o.{} IS NULL", quote(c)));
     }
+    // The body goes through format(): `%s` is the table's oid, `%I` the
+    // queue's schema, any other `%` doubled.
+    let body = format!(
+        "CREATE OR REPLACE FUNCTION {f}() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER \
+         SET search_path = pg_catalog, pg_temp AS $outroute$ BEGIN \
+         IF TG_RELID <> %s THEN RAISE EXCEPTION 'outroute_enqueue lists rows of one outbox table only'; END IF; \
+         INSERT INTO %I.outroute_queue (source, lane, seq) VALUES ({src}, {lane}, {new_seq}); RETURN NULL; END $outroute$",
+        f = quote(function).replace('%', "%%"),
+        src = literal(&t.name).replace('%', "%%"),
+        lane = new.lane.replace('%', "%%"),
+        new_seq = new_seq.replace('%', "%%"),
+    );
     format!(
-        "CREATE OR REPLACE FUNCTION {f}() RETURNS trigger LANGUAGE plpgsql AS $outroute$ \
-         BEGIN INSERT INTO outroute_queue (source, lane, seq) VALUES ({src}, {lane}, {new_seq}); RETURN NULL; END \
-         $outroute$;\n\
-         CREATE OR REPLACE TRIGGER outroute_enqueue AFTER INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION {f}();\n\
+        "DO $setup$ BEGIN EXECUTE format($body${body}$body$, {table_lit}::regclass::oid, \
+           (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+            WHERE c.oid = 'outroute_queue'::regclass)); END $setup$;\n\
+         REVOKE ALL ON FUNCTION {f}() FROM PUBLIC;\n\
+         DROP TRIGGER IF EXISTS outroute_enqueue ON {table};\n\
+         CREATE TRIGGER outroute_enqueue AFTER INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION {f}();\n\
          INSERT INTO outroute_queue (source, lane, seq) SELECT {src}, {lane_o}, {seq} FROM {table} o \
          WHERE {pending} ON CONFLICT DO NOTHING;",
-        f = quote(&function),
+        f = quote(function),
+        table_lit = literal(&quote(&t.name)),
         src = literal(&t.name),
-        lane = new.lane,
         table = quote(&t.name),
         lane_o = o.lane,
         pending = pending.join(" AND "),
@@ -269,18 +307,13 @@ impl TableSql {
             created = col(&t.created_at),
             lane = q.lane,
         );
-        // Index names are per schema and at most 63 bytes.
-        let base: String = t
-            .name
-            .rsplit('.')
-            .next()
-            .unwrap_or(&t.name)
-            .chars()
-            .take(40)
-            .collect();
+        let base = name_base(t);
         let index_name = format!("{base}_outroute_lanes{lanes}");
+        let queue_function = queue_function(t);
         let index_ddl = match &t.marking {
-            Marking::Queue { column } => queue_setup(t, &base, &seq, &q, column.as_deref(), lanes),
+            Marking::Queue { column } => {
+                queue_setup(t, &queue_function, &seq, &q, column.as_deref(), lanes)
+            }
             _ => format!(
                 "CREATE INDEX CONCURRENTLY IF NOT EXISTS {} ON {} (({}), {}){}",
                 quote(&index_name),
@@ -322,6 +355,7 @@ impl TableSql {
             select_cols,
             payload_is_json: false,
             index_name,
+            queue_function,
             index_ddl,
             cfg: t.clone(),
         }
@@ -408,17 +442,26 @@ impl TableSql {
 
     /// The claim under `marking = queue`: each owned lane's queue entries
     /// in order, each row fetched by its sequence number (a primary-key
-    /// probe in a LATERAL, so no plan can scan the table). Cost: the
-    /// entries walked plus the rows returned; published entries are gone.
+    /// probe in a LATERAL, so no plan can scan the table), the walk going
+    /// on past entries that cannot go now (a held aggregate, a retry not
+    /// yet due, a row deleted while pending) until the batch is full.
+    /// Cost: the entries walked plus the rows returned; published entries
+    /// are gone. The lane returned is the entry's, which the mark deletes
+    /// (the row's own lane only differs when a producer changed its
+    /// aggregate after the insert).
     fn claim_by_queue(&self, ordering: Ordering) -> String {
         format!(
             "SELECT c.* FROM unnest($2::int[], $4::bigint[]) WITH ORDINALITY AS l(lane, floor, n) \
              CROSS JOIN LATERAL (SELECT {cols}, {extras} \
-               FROM (SELECT qq.seq FROM outroute_queue qq WHERE qq.source = {src} AND qq.lane = l.lane \
-                     AND qq.seq >= l.floor ORDER BY qq.seq LIMIT $3) k \
-               CROSS JOIN LATERAL (SELECT o.*, o.ctid FROM {table} o WHERE {seqcol} = k.seq) o \
-               WHERE {row_pending} {state} ORDER BY k.seq LIMIT $3) c ORDER BY l.n LIMIT $3",
-            cols = self.select_cols,
+               FROM outroute_queue qq \
+               CROSS JOIN LATERAL (SELECT o.*, o.ctid FROM {table} o WHERE {seqcol} = qq.seq OFFSET 0) o \
+               WHERE qq.source = {src} AND qq.lane = l.lane AND qq.seq >= l.floor \
+                 AND {row_pending} {state} ORDER BY qq.seq LIMIT $3) c ORDER BY l.n LIMIT $3",
+            cols = self.select_cols.replacen(
+                &format!("{} AS lane", self.lane),
+                "qq.lane AS lane",
+                1
+            ),
             extras = self.claim_extras(),
             src = literal(&self.cfg.name),
             table = self.table,
@@ -743,6 +786,7 @@ impl PgStore {
             self.floors_off = Some(off);
             sql.floor_col = None;
         }
+        self.refuse_leftover_queue().await?;
         if self.logical.is_some() {
             // Streamed, never claimed: no lane index, no lane rows.
             self.seq_unique = match &t.sequence {
@@ -764,14 +808,19 @@ impl PgStore {
                     t.name
                 );
             }
-            let trigger: bool = sqlx::query_scalar(
-                "SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = to_regclass($1) \
-                   AND tgname = 'outroute_enqueue' AND NOT tgisinternal)",
-            )
-            .bind(quote(&t.name))
-            .fetch_one(&self.pool)
-            .await?;
-            self.missing_index = (!trigger).then(|| sql.index_ddl.clone());
+            let trigger = self.enqueue_trigger().await?;
+            if trigger == Some(false) {
+                bail!(
+                    "{}.table.marking: the pending queue's trigger `outroute_enqueue` on `{}` is disabled: \
+                     rows inserted meanwhile are not listed, so they are never published and count as \
+                     published. ALTER TABLE {} ENABLE TRIGGER outroute_enqueue, then list the rows inserted \
+                     while it was off (INSERT INTO outroute_queue, as `outroute migrate` does)",
+                    self.key,
+                    t.name,
+                    quote(&t.name)
+                );
+            }
+            self.missing_index = trigger.is_none().then(|| sql.index_ddl.clone());
             self.claim_sql = sql.claim_by_queue(self.ordering);
             self.floor_sql = None;
             self.sql = Some(sql);
@@ -788,6 +837,66 @@ impl PgStore {
         };
         self.sql = Some(sql);
         self.ensure_lane_rows().await
+    }
+
+    /// Lane indexes (`<table>_outroute_lanes<N>`) on the table: under the
+    /// pending queue nothing reads them, but producers still pay an index
+    /// insert per event (left from the `published_at` marking).
+    pub async fn lane_indexes(&self) -> Result<Vec<String>> {
+        let s = self.sql()?;
+        let prefix = s.index_name.trim_end_matches(|c: char| c.is_ascii_digit());
+        Ok(sqlx::query_scalar(
+            "SELECT c.relname::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
+             WHERE i.indrelid = to_regclass($1) AND left(c.relname, length($2)) = $2 ORDER BY 1",
+        )
+        .bind(&s.table)
+        .bind(prefix)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    /// Refuse a table that still has the pending queue's trigger under
+    /// another marking or log-based capture: it would keep listing rows
+    /// nobody drains, and rows published through the queue still have
+    /// `published_at` NULL (they would go out again).
+    pub async fn refuse_leftover_queue(&self) -> Result<()> {
+        let t = &self.cfg;
+        if matches!(t.marking, Marking::Queue { .. }) || self.enqueue_trigger().await?.is_none() {
+            return Ok(());
+        }
+        let now = match &self.logical {
+            Some(_) => "this source now reads the write-ahead log (`capture = \"logical\"`)".to_string(),
+            None => format!("this source marks by `{}`", t.marking.style()),
+        };
+        bail!(
+            "{key}.table.marking: `{name}` still has the pending queue's trigger `outroute_enqueue`, \
+             but {now}. Rows published through the queue were never stamped and would be published \
+             again. Stop the relays, mark the rows not listed in `outroute_queue` and not failed as \
+             published in this style's terms ({how}), then DROP TRIGGER outroute_enqueue ON {name}; \
+             DROP FUNCTION {f}(); DELETE FROM outroute_queue WHERE source = '{name}' \
+             (examples/outbox-published-at.toml shows it for `published_at`)",
+            key = self.key,
+            name = t.name,
+            f = quote(&queue_function(t)),
+            how = match &t.marking {
+                Marking::PublishedAt { column } => format!("set `{column}`"),
+                Marking::Status { column, sent, .. } => format!("set `{column}` to '{sent}'"),
+                Marking::Delete => "delete them".into(),
+                Marking::Queue { .. } => String::new(),
+            },
+        );
+    }
+
+    /// The pending queue's insert trigger on the table: `None` when absent,
+    /// else whether it is enabled.
+    async fn enqueue_trigger(&self) -> Result<Option<bool>> {
+        Ok(sqlx::query_scalar(
+            "SELECT tgenabled <> 'D' FROM pg_trigger WHERE tgrelid = to_regclass($1) \
+               AND tgname = 'outroute_enqueue' AND NOT tgisinternal",
+        )
+        .bind(quote(&self.cfg.name))
+        .fetch_optional(&self.pool)
+        .await?)
     }
 
     /// Lane rows for this table; a changed lane count would break ordering.
@@ -971,6 +1080,29 @@ impl PgStore {
             return Ok(None);
         };
         if self.queue_marking() {
+            let f = self.sql()?.queue_function.clone();
+            let earlier: bool = sqlx::query_scalar("SELECT to_regproc($1) IS NOT NULL")
+                .bind(quote(&f))
+                .fetch_one(&self.pool)
+                .await?;
+            if earlier {
+                // Set up before, trigger dropped since: listing every row
+                // without `published_at` again would re-publish what went
+                // through the queue, and rows inserted meanwhile were missed.
+                bail!(
+                    "{}.table: the pending queue of `{}` was set up before (function `{f}` exists) but its \
+                     trigger `outroute_enqueue` is gone. Setting it up again would list every row without \
+                     `published_at`, including those already published through the queue. Re-create the \
+                     trigger (CREATE TRIGGER outroute_enqueue AFTER INSERT ON {} FOR EACH ROW EXECUTE \
+                     FUNCTION {}()) and list the rows inserted while it was gone yourself, or finish \
+                     switching to another marking (DROP FUNCTION {}())",
+                    self.key,
+                    self.cfg.name,
+                    quote(&self.cfg.name),
+                    quote(&f),
+                    quote(&f),
+                );
+            }
             sqlx::raw_sql(&ddl)
                 .execute(&self.pool)
                 .await
@@ -2283,9 +2415,21 @@ mod tests {
     #[test]
     fn claim_columns_come_in_the_order_to_claim_reads_them() {
         let s = TableSql::new(&TableConfig::canonical(), 16, "uuid");
+        let queued = TableSql::new(
+            &TableConfig {
+                marking: Marking::Queue { column: None },
+                ..TableConfig::canonical()
+            },
+            16,
+            "uuid",
+        );
+        let by_queue = queued.claim_by_queue(Ordering::Aggregate);
+        // The mark deletes the entry the claim walked: its lane, not the row's.
+        assert!(by_queue.contains("qq.lane AS lane"), "{by_queue}");
         for sql in [
             format!("{}, {}", s.select_cols, s.claim_extras()),
             s.claim_by_lane(Ordering::Aggregate),
+            by_queue,
         ] {
             let mut at = 0;
             for name in col::NAMES {
