@@ -192,7 +192,11 @@ impl TestDb {
     pub async fn unpublished(&self, and: &str) -> i64 {
         self.count(&format!(
             "SELECT count(*) FROM outbox o WHERE ({UNPUBLISHED}){}",
-            if and.is_empty() { String::new() } else { format!(" AND {and}") }
+            if and.is_empty() {
+                String::new()
+            } else {
+                format!(" AND {and}")
+            }
         ))
         .await
     }
@@ -201,7 +205,11 @@ impl TestDb {
     pub async fn published(&self, and: &str) -> i64 {
         self.count(&format!(
             "SELECT count(*) FROM outbox o WHERE NOT ({UNPUBLISHED}){}",
-            if and.is_empty() { String::new() } else { format!(" AND {and}") }
+            if and.is_empty() {
+                String::new()
+            } else {
+                format!(" AND {and}")
+            }
         ))
         .await
     }

@@ -210,10 +210,7 @@ async fn run(with_hostile: bool) -> anyhow::Result<Run> {
                 "{mode} event {id}: reason `{r}`"
             );
         }
-        assert_eq!(
-            db.published("o.aggregate_type = 'bad'").await,
-            0
-        );
+        assert_eq!(db.published("o.aggregate_type = 'bad'").await, 0);
 
         // The operator resumes it.
         let (code, out, err) = cli(&["route", "resume", "hostile", "-c", &cfg])?;

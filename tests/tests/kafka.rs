@@ -85,17 +85,11 @@ async fn kafka_end_to_end_with_headers_keys_metrics_and_shutdown() -> anyhow::Re
     // Rows marked only after acks: all published, none pending.
     assert!(
         eventually(Duration::from_secs(10), || async {
-            db.unpublished("")
-                .await
-                == 0
+            db.unpublished("").await == 0
         })
         .await
     );
-    assert_eq!(
-        db.published("")
-            .await,
-        work.committed.len() as i64
-    );
+    assert_eq!(db.published("").await, work.committed.len() as i64);
 
     // Metrics after a known workload.
     let (status, text) = http_get(&http, "/metrics").await?;

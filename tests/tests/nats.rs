@@ -77,9 +77,7 @@ async fn fanout_reaches_kafka_and_jetstream_and_replay_republishes_the_selection
     }
     assert!(
         eventually(Duration::from_secs(10), || async {
-            db.unpublished("")
-                .await
-                == 0
+            db.unpublished("").await == 0
         })
         .await
     );

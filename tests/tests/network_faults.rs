@@ -110,9 +110,7 @@ async fn faults_while_producing(
     stop.store(true, Ordering::SeqCst);
     let w = producing.await??;
     let drained = eventually(Duration::from_secs(120), || async {
-        db.unpublished("")
-            .await
-            == 0
+        db.unpublished("").await == 0
     })
     .await;
     Ok((w, kinds, drained))

@@ -234,9 +234,7 @@ async fn events_published_without_messages_are_counted_per_route_in_status() -> 
     }
     let mut relay = Relay::start(&config, &[])?;
     let done = eventually(Duration::from_secs(30), || async {
-        db.unpublished("")
-            .await
-            == 0
+        db.unpublished("").await == 0
     })
     .await;
     relay.terminate(Duration::from_secs(15));

@@ -125,9 +125,7 @@ async fn a_relay_frozen_past_its_lease_publishes_nothing_for_lost_lanes_after_it
         let mut other = Relay::start(&config, &[])?;
         assert!(
             eventually(Duration::from_secs(60), || async {
-                db.unpublished("")
-                    .await
-                    == 0
+                db.unpublished("").await == 0
             })
             .await,
             "{point}: the second relay did not publish the backlog:\n{}",

@@ -90,9 +90,7 @@ async fn nats_down_for_10s_loses_nothing_and_fanout_waits_for_both_acks() -> any
     let first = produce(&db.pool, "a", 20, 5, 0).await?;
     assert!(
         eventually(Duration::from_secs(30), || async {
-            db.unpublished("")
-                .await
-                == 0
+            db.unpublished("").await == 0
         })
         .await
     );
@@ -119,19 +117,10 @@ async fn nats_down_for_10s_loses_nothing_and_fanout_waits_for_both_acks() -> any
     })
     .await;
     assert!(not_ready, "{:?}", http_get(&http, "/readyz").await);
-    assert_eq!(
-        db.unpublished("")
-            .await,
-        100
-    );
+    assert_eq!(db.unpublished("").await, 100);
     let rss_down = rss_mib(relay.child.id());
     tokio::time::sleep(Duration::from_secs(10).saturating_sub(down.elapsed())).await;
-    assert_eq!(
-        db.unpublished("")
-            .await,
-        100,
-        "marked while NATS was down"
-    );
+    assert_eq!(db.unpublished("").await, 100, "marked while NATS was down");
     services(); // NATS back
     let mut all = first;
     all.committed.extend(second.committed);
@@ -200,9 +189,7 @@ async fn kafka_broker_frozen_for_10s_then_everything_arrives_in_order() -> anyho
     let first = produce(&db.pool, "a", 50, 4, 0).await?;
     assert!(
         eventually(Duration::from_secs(30), || async {
-            db.unpublished("")
-                .await
-                == 0
+            db.unpublished("").await == 0
         })
         .await
     );
@@ -212,9 +199,7 @@ async fn kafka_broker_frozen_for_10s_then_everything_arrives_in_order() -> anyho
     );
     let second = produce(&db.pool, "b", 50, 4, 0).await?;
     tokio::time::sleep(Duration::from_secs(10)).await;
-    let pending_while_frozen = db
-        .unpublished("")
-        .await;
+    let pending_while_frozen = db.unpublished("").await;
     let rss = rss_mib(relay.child.id());
     signal_all("tansu broker", libc::SIGCONT);
     assert_eq!(
@@ -228,9 +213,7 @@ async fn kafka_broker_frozen_for_10s_then_everything_arrives_in_order() -> anyho
     let r = check(&all, &kafka);
     println!("kafka frozen 10s: {r}; relay RSS while frozen {rss:.0} MiB");
     if r.lost > 0 {
-        let pending = db
-            .unpublished("")
-            .await;
+        let pending = db.unpublished("").await;
         let log = relay.log_text();
         let tail: Vec<&str> = log.lines().rev().take(30).collect();
         panic!(
@@ -242,9 +225,7 @@ async fn kafka_broker_frozen_for_10s_then_everything_arrives_in_order() -> anyho
     assert!(rss < 200.0);
     assert!(
         eventually(Duration::from_secs(30), || async {
-            db.unpublished("")
-                .await
-                == 0
+            db.unpublished("").await == 0
         })
         .await
     );
@@ -270,9 +251,7 @@ async fn postgres_restart_and_sigterm_mid_batch_lose_nothing() -> anyhow::Result
     // the lanes back.
     assert!(
         eventually(Duration::from_secs(30), || async {
-            db.published("")
-                .await
-                > 0
+            db.published("").await > 0
         })
         .await
     );
@@ -384,8 +363,7 @@ async fn a_dead_sink_never_dead_letters_events_while_other_sinks_flow() -> anyho
     }
     // Kafka-only events flow while NATS is down …
     let flowed = eventually(Duration::from_secs(30), || async {
-        db.unpublished("o.aggregate_type = 'audit'").await
-            == 0
+        db.unpublished("o.aggregate_type = 'audit'").await == 0
     })
     .await;
     assert!(

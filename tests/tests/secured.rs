@@ -509,9 +509,9 @@ async fn postgres_over_tls_with_a_password_role() -> Result<()> {
             "SELECT count(*) FROM outbox o WHERE NOT ({})",
             outroute_e2e::UNPUBLISHED
         ))
-            .fetch_one(&pool)
-            .await
-            .is_ok_and(|n| n as usize == w.committed.len())
+        .fetch_one(&pool)
+        .await
+        .is_ok_and(|n| n as usize == w.committed.len())
     })
     .await;
     assert!(marked, "all marked published: {}", relay.log_text());

@@ -687,10 +687,7 @@ async fn the_canonical_table_marked_by_the_queue_keeps_rows_and_replays() -> any
     let c = config.to_string_lossy().to_string();
     let (code, out, err) = cli(&["migrate", "-c", &c])?;
     assert_eq!(code, 0, "{out}{err}");
-    assert!(
-        out.contains("pending queue of `outbox` set up"),
-        "{out}"
-    );
+    assert!(out.contains("pending queue of `outbox` set up"), "{out}");
     // A producer's role may insert into its outbox and nothing of outroute's.
     let role = format!("producer_{}", tag().to_lowercase());
     for ddl in [
@@ -784,8 +781,7 @@ async fn the_canonical_table_marked_by_the_queue_keeps_rows_and_replays() -> any
 /// any more; switching back is refused while the queue's trigger is there
 /// (rows published through the queue were never stamped).
 #[tokio::test(flavor = "multi_thread")]
-async fn switching_between_published_at_and_the_queue_republishes_nothing() -> anyhow::Result<()>
-{
+async fn switching_between_published_at_and_the_queue_republishes_nothing() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let dir = test_dir("switch-marking");
     let stamp = write_config(

@@ -452,16 +452,14 @@ impl TableSql {
     fn claim_by_queue(&self, ordering: Ordering) -> String {
         format!(
             "SELECT c.* FROM unnest($2::int[], $4::bigint[]) WITH ORDINALITY AS l(lane, floor, n) \
-             CROSS JOIN LATERAL (SELECT {cols}, {extras} \
-               FROM outroute_queue qq \
-               CROSS JOIN LATERAL (SELECT o.*, o.ctid FROM {table} o WHERE {seqcol} = qq.seq OFFSET 0) o \
+             CROSS JOIN LATERAL (SELECT r.* FROM outroute_queue qq \
+               CROSS JOIN LATERAL (SELECT {cols}, {extras} FROM {table} o \
+                 WHERE {seqcol} = qq.seq AND {row_pending} {state} OFFSET 0) r \
                WHERE qq.source = {src} AND qq.lane = l.lane AND qq.seq >= l.floor \
-                 AND {row_pending} {state} ORDER BY qq.seq LIMIT $3) c ORDER BY l.n LIMIT $3",
-            cols = self.select_cols.replacen(
-                &format!("{} AS lane", self.lane),
-                "qq.lane AS lane",
-                1
-            ),
+               ORDER BY qq.seq LIMIT $3) c ORDER BY l.n LIMIT $3",
+            cols =
+                self.select_cols
+                    .replacen(&format!("{} AS lane", self.lane), "qq.lane AS lane", 1),
             extras = self.claim_extras(),
             src = literal(&self.cfg.name),
             table = self.table,
@@ -865,7 +863,9 @@ impl PgStore {
             return Ok(());
         }
         let now = match &self.logical {
-            Some(_) => "this source now reads the write-ahead log (`capture = \"logical\"`)".to_string(),
+            Some(_) => {
+                "this source now reads the write-ahead log (`capture = \"logical\"`)".to_string()
+            }
             None => format!("this source marks by `{}`", t.marking.style()),
         };
         bail!(
