@@ -190,26 +190,23 @@ impl TestDb {
     /// the pending queue (its default marking on PostgreSQL) or failed.
     /// `and`: more conditions on the row `o`, e.g. `o.aggregate_type = 'x'`.
     pub async fn unpublished(&self, and: &str) -> i64 {
-        self.count(&format!(
-            "SELECT count(*) FROM outbox o WHERE ({UNPUBLISHED}){}",
-            if and.is_empty() {
-                String::new()
-            } else {
-                format!(" AND {and}")
-            }
-        ))
-        .await
+        self.count_outbox(&format!("({UNPUBLISHED})"), and).await
     }
 
     /// Events of the canonical table published (see [`Self::unpublished`]).
     pub async fn published(&self, and: &str) -> i64 {
+        self.count_outbox(&format!("NOT ({UNPUBLISHED})"), and)
+            .await
+    }
+
+    async fn count_outbox(&self, condition: &str, and: &str) -> i64 {
+        let and = if and.is_empty() {
+            String::new()
+        } else {
+            format!(" AND {and}")
+        };
         self.count(&format!(
-            "SELECT count(*) FROM outbox o WHERE NOT ({UNPUBLISHED}){}",
-            if and.is_empty() {
-                String::new()
-            } else {
-                format!(" AND {and}")
-            }
+            "SELECT count(*) FROM outbox o WHERE {condition}{and}"
         ))
         .await
     }

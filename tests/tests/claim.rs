@@ -63,6 +63,29 @@ fn stamped() -> anyhow::Result<String> {
     example_table("outbox-published-at.toml")
 }
 
+/// Claim `c` failed for good (a plugin said invalid); `hold`: it holds its
+/// aggregate until an operator acts.
+fn failed_for_good(c: &Claim, hold: bool) -> anyhow::Result<outroute::store::Failure> {
+    let e = c.row.as_ref().map_err(|m| anyhow::anyhow!("{m:?}"))?;
+    Ok(outroute::store::Failure {
+        id: c.id().to_string(),
+        lane: c.lane,
+        epoch: c.epoch,
+        aggregate_type: e.aggregate_type.clone(),
+        aggregate_id: e.aggregate_id.clone(),
+        event_type: e.event_type.clone(),
+        sequence: c.sequence(),
+        attempts: 1,
+        reason: "plugin said invalid".into(),
+        route: Some("r".into()),
+        plugin: None,
+        plugin_version: None,
+        kind: outroute::store::FailureKind::Failed { hold },
+        done_legs: Vec::new(),
+        parked: None,
+    })
+}
+
 async fn fill(db: &TestDb, from: i64, to: i64) -> anyhow::Result<()> {
     // One aggregate per event, ~1 KB payload, one statement.
     sqlx::query(
@@ -582,24 +605,7 @@ async fn the_pending_queue_is_filled_by_its_trigger_and_claims_read_only_the_bat
     let claims = store.claim(&lanes, 10).await?;
     assert_eq!(claims.len(), 1);
     let c = &claims[0];
-    let e = c.row.as_ref().map_err(|m| anyhow::anyhow!("{m:?}"))?;
-    let failure = outroute::store::Failure {
-        id: c.id().to_string(),
-        lane: c.lane,
-        epoch: c.epoch,
-        aggregate_type: e.aggregate_type.clone(),
-        aggregate_id: e.aggregate_id.clone(),
-        event_type: e.event_type.clone(),
-        sequence: c.sequence(),
-        attempts: 1,
-        reason: "plugin said invalid".into(),
-        route: Some("r".into()),
-        plugin: None,
-        plugin_version: None,
-        kind: outroute::store::FailureKind::Failed { hold: false },
-        done_legs: Vec::new(),
-        parked: None,
-    };
+    let failure = failed_for_good(c, false)?;
     assert_eq!(store.record_failures(&[failure]).await?, 1);
     assert_eq!(db.count("SELECT count(*) FROM outroute_queue").await, 0);
     assert!(store.claim(&lanes, 10).await?.is_empty());
@@ -659,25 +665,8 @@ async fn a_held_aggregate_at_the_head_of_a_queue_lane_holds_back_only_itself() -
     assert_eq!(first.len(), 10);
     // The first fails for good and holds its aggregate.
     let c = &first[0];
-    let e = c.row.as_ref().map_err(|m| anyhow::anyhow!("{m:?}"))?;
-    assert_eq!(e.aggregate_id, "busy");
-    let failure = outroute::store::Failure {
-        id: c.id().to_string(),
-        lane: c.lane,
-        epoch: c.epoch,
-        aggregate_type: e.aggregate_type.clone(),
-        aggregate_id: e.aggregate_id.clone(),
-        event_type: e.event_type.clone(),
-        sequence: c.sequence(),
-        attempts: 1,
-        reason: "plugin said invalid".into(),
-        route: Some("r".into()),
-        plugin: None,
-        plugin_version: None,
-        kind: outroute::store::FailureKind::Failed { hold: true },
-        done_legs: Vec::new(),
-        parked: None,
-    };
+    let failure = failed_for_good(c, true)?;
+    assert_eq!(failure.aggregate_id, "busy");
     assert_eq!(store.record_failures(&[failure]).await?, 1);
     // 29 held entries lead the lane; a claim of 10 still finds the others.
     let next = store.claim(&lanes, 10).await?;

@@ -192,6 +192,20 @@ async fn a_batch_from_before_a_lane_changed_hands_and_came_back_is_not_marked() 
     Ok(())
 }
 
+/// Retention rounds of 3 rows with a one-day window until one deletes
+/// fewer: the rows deleted.
+async fn purge_a_day_old(config: &Path) -> anyhow::Result<u64> {
+    let s = open_store(config, "purger").await?;
+    let mut deleted = 0;
+    loop {
+        let n = s.purge_published(Duration::from_secs(86_400), 3).await?;
+        deleted += n;
+        if n < 3 {
+            return Ok(deleted);
+        }
+    }
+}
+
 /// Under `published_at` marking retention ages rows by their stamp.
 #[tokio::test(flavor = "multi_thread")]
 async fn retention_deletes_only_published_rows_past_the_window() -> anyhow::Result<()> {
@@ -213,15 +227,7 @@ async fn retention_deletes_only_published_rows_past_the_window() -> anyhow::Resu
     )
     .execute(&db.pool)
     .await?;
-    let s = open_store(&config, "purger").await?;
-    let mut deleted = 0;
-    loop {
-        let n = s.purge_published(Duration::from_secs(86_400), 3).await?;
-        deleted += n;
-        if n < 3 {
-            break;
-        }
-    }
+    let deleted = purge_a_day_old(&config).await?;
     assert_eq!(deleted, 10);
     assert_eq!(
         db.count("SELECT count(*) FROM outbox WHERE seq <= 10")
@@ -263,15 +269,7 @@ async fn retention_under_the_queue_deletes_only_published_rows_past_the_window()
     sqlx::query("DELETE FROM outroute_queue WHERE source = 'outbox' AND seq NOT BETWEEN 11 AND 13")
         .execute(&db.pool)
         .await?;
-    let s = open_store(&config, "purger").await?;
-    let mut deleted = 0;
-    loop {
-        let n = s.purge_published(Duration::from_secs(86_400), 3).await?;
-        deleted += n;
-        if n < 3 {
-            break;
-        }
-    }
+    let deleted = purge_a_day_old(&config).await?;
     assert_eq!(deleted, 11, "1-10 and 15, stepping over 11-14");
     assert_eq!(
         db.count("SELECT count(*) FROM outbox WHERE seq <= 10 OR seq = 15")
