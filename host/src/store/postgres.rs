@@ -476,7 +476,7 @@ impl TableSql {
     /// one below the floor. `None` for tables without a sequence column.
     fn floor_round(&self) -> Option<String> {
         let seq = self.floor_col.as_ref()?;
-        let walk = |cmp: &str| {
+        Some(self.floor_round_with(|cmp| {
             format!(
                 "(SELECT {seq} FROM {table} o WHERE {lane} = l.lane AND {pending} AND {seq} {cmp} l.floor \
                    ORDER BY {seq} LIMIT 1)",
@@ -484,8 +484,29 @@ impl TableSql {
                 lane = self.lane,
                 pending = self.pending,
             )
-        };
-        Some(format!(
+        }))
+    }
+
+    /// [`Self::floor_round`] under `marking = queue`: the lowest queued
+    /// sequence at or above (on sweeps: below) each lane's floor. The
+    /// entry is written in the producer's transaction, so it becomes
+    /// visible exactly when the row does, and the floors' rules hold as
+    /// they are.
+    fn floor_round_queue(&self) -> Option<String> {
+        self.floor_col.as_ref()?;
+        let src = literal(&self.cfg.name);
+        Some(self.floor_round_with(|cmp| {
+            format!(
+                "(SELECT qq.seq FROM outroute_queue qq WHERE qq.source = {src} AND qq.lane = l.lane \
+                   AND qq.seq {cmp} l.floor ORDER BY qq.seq LIMIT 1)"
+            )
+        }))
+    }
+
+    /// A floor round whose per-lane walk is `walk(">=")` (the first
+    /// pending at or above the floor) and `walk("<")` (below it).
+    fn floor_round_with(&self, walk: impl Fn(&str) -> String) -> String {
+        format!(
             "WITH st AS MATERIALIZED (SELECT {state_lane} AS lane, min(st.seq) AS seq FROM outroute_event_state st \
                  WHERE st.source = $1 AND st.discarded_at IS NULL GROUP BY 1) \
              SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS xmin, \
@@ -497,7 +518,7 @@ impl TableSql {
             state_lane = self.state_lane,
             first = walk(">="),
             below = walk("<"),
-        ))
+        )
     }
 
     /// The claim without the lane index: one scan of every pending row
@@ -763,12 +784,12 @@ impl PgStore {
         if let Some(seq) = &t.sequence
             && self.logical.is_none()
             && let Some(why) = self.floors_unsafe(seq).await?
-            && (why == "may be NULL" || !matches!(t.marking, Marking::Queue { .. }))
         {
-            if let Marking::Queue { .. } = &t.marking {
+            if why == "may be NULL"
+                && let Marking::Queue { .. } = &t.marking
+            {
                 // The trigger would fail the producer's insert of a row
-                // without a number. (A cached sequence is fine: the queue
-                // holds only pending entries, walked from the lowest.)
+                // without a number.
                 bail!(
                     "{}.table.marking: style `queue` lists rows by `{seq}`, which {why}; \
                      make it NOT NULL or use `published_at`",
@@ -820,7 +841,9 @@ impl PgStore {
             }
             self.missing_index = trigger.is_none().then(|| sql.index_ddl.clone());
             self.claim_sql = sql.claim_by_queue(self.ordering);
-            self.floor_sql = None;
+            // Deleted entries stay in the queue's index until VACUUM, as
+            // marked rows do in a lane index: claims start at the floors.
+            self.floor_sql = sql.floor_round_queue();
             self.sql = Some(sql);
             return self.ensure_lane_rows().await;
         }
@@ -1036,14 +1059,19 @@ impl PgStore {
     }
 
     /// Run the claim under `EXPLAIN (ANALYZE, BUFFERS)` and return the
-    /// buffers (pages) its reads of the outbox table touched, state probes
-    /// included: what walking the lanes cost, dead index entries and all.
+    /// buffers (pages) its walk of the lanes touched, dead index entries
+    /// and all: the lane index and the outbox rows it leads to, state
+    /// probes included; under the pending queue, the queue's index (the
+    /// rows are then fetched one probe each, whatever the walk cost).
     pub async fn claim_pages(&self, lanes: &[i32], limit: u32) -> Result<f64> {
         let plan = self
             .explain_claim(lanes, limit, "ANALYZE, BUFFERS, ")
             .await?;
         let mut nodes = Vec::new();
-        nodes_of(&plan, "o", &mut nodes);
+        nodes_of(&plan, "qq", &mut nodes);
+        if nodes.is_empty() {
+            nodes_of(&plan, "o", &mut nodes);
+        }
         let num = |m: &serde_json::Map<String, serde_json::Value>, k: &str| {
             m.get(k).and_then(|v| v.as_f64()).unwrap_or(0.0)
         };

@@ -2,7 +2,9 @@
 //! the rows already published.
 //!
 //! Marking a row (UPDATE or DELETE) leaves its entry in the lane index until
-//! VACUUM removes it. Every claim walks a lane from its oldest pending entry,
+//! VACUUM removes it (under the pending queue, the default, publishing
+//! deletes the event's queue entry, which stays in the queue's index the
+//! same way; the rounds then walk the queue, see `floor_round_queue`). Every claim walks a lane from its oldest pending entry,
 //! so without help it steps over every row the lane published since the last
 //! VACUUM: on a server with autovacuum off (or behind), draining a 1M backlog
 //! got slower the further it went. A *floor* per lane lets the claim start at
