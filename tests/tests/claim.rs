@@ -585,6 +585,14 @@ async fn the_pending_queue_is_filled_by_its_trigger_and_claims_read_only_the_bat
     assert_never_analysed(&db, "outroute_queue", false).await;
     let store = open_store(&config, "q").await?;
     assert_eq!(store.missing_index(), None);
+    // The gauge counts a bounded number of entries and estimates the rest
+    // from the sequence span.
+    let (estimate, oldest) = store.backlog().await?;
+    assert!(
+        (50_000..=50_010).contains(&estimate),
+        "backlog estimate {estimate} for 50,000 queued events"
+    );
+    assert!(oldest.is_some());
     let lanes = store.lease_round().await?.lanes;
     // Cost per batch on a never-analysed queue: the claim reads the batch's rows.
     let (rows, indexed) = claim_cost(&store, &lanes, 500).await?;

@@ -1826,31 +1826,38 @@ impl PgStore {
     /// sequence numbers; the oldest entry's age from its row. One probe per
     /// lane at each end of its queue.
     async fn queue_backlog(&self, s: &TableSql) -> Result<(i64, Option<f64>)> {
-        let counted: i64 = sqlx::query_scalar(&format!(
-            "SELECT count(*) FROM (SELECT 1 FROM outroute_queue WHERE source = $1 LIMIT {BACKLOG_EXACT}) x"
-        ))
-        .bind(&self.source)
-        .fetch_one(&self.pool)
-        .await?;
+        // Per lane, as for a lane index: at most `per_lane` entries counted
+        // (a walk of the queue's key, never a scan of its heap, whose front
+        // holds the entries published since the last VACUUM), the first
+        // entry's row for its age, the last entry for the span estimate.
+        let per_lane = (BACKLOG_EXACT / self.lanes as i64).max(2);
         let q = format!(
-            "SELECT min(f.seq), max(z.seq), min(f.created) FROM generate_series(0, {last}) l(lane) \
-             CROSS JOIN LATERAL (SELECT k.seq, (SELECT o.{created}::timestamptz FROM {table} o WHERE {seq} = k.seq) AS created \
-               FROM (SELECT qq.seq FROM outroute_queue qq WHERE qq.source = $1 AND qq.lane = l.lane \
-                     ORDER BY qq.seq LIMIT 1) k) f \
-             CROSS JOIN LATERAL (SELECT qq.seq FROM outroute_queue qq WHERE qq.source = $1 AND qq.lane = l.lane \
-               ORDER BY qq.seq DESC LIMIT 1) z",
+            "SELECT sum(c.n)::bigint, bool_or(c.n >= {per_lane}), min(c.seq), max(z.seq), \
+               min((SELECT o.{created}::timestamptz FROM {table} o WHERE {seq} = c.seq)) \
+             FROM generate_series(0, {last}) l(lane) \
+             CROSS JOIN LATERAL (SELECT count(*) AS n, min(k.seq) AS seq FROM \
+               (SELECT qq.seq FROM outroute_queue qq WHERE qq.source = $1 AND qq.lane = l.lane \
+                ORDER BY qq.seq LIMIT {per_lane}) k) c \
+             CROSS JOIN LATERAL (SELECT max(y.seq) AS seq FROM (SELECT qq.seq FROM outroute_queue qq \
+               WHERE qq.source = $1 AND qq.lane = l.lane ORDER BY qq.seq DESC LIMIT 1) y) z",
             last = self.lanes - 1,
             created = quote(&s.cfg.created_at),
             table = s.table,
             seq = s.seq,
         );
-        let (first, last, oldest): (Option<i64>, Option<i64>, Option<DateTime<Utc>>) =
-            sqlx::query_as(&q)
-                .bind(&self.source)
-                .fetch_one(&self.pool)
-                .await?;
-        let mut n = counted;
-        if counted >= BACKLOG_EXACT
+        type Row = (
+            Option<i64>,
+            Option<bool>,
+            Option<i64>,
+            Option<i64>,
+            Option<DateTime<Utc>>,
+        );
+        let (counted, saturated, first, last, oldest): Row = sqlx::query_as(&q)
+            .bind(&self.source)
+            .fetch_one(&self.pool)
+            .await?;
+        let mut n = counted.unwrap_or(0);
+        if saturated == Some(true)
             && let (Some(first), Some(last)) = (first, last)
         {
             n = n.max(last - first + 1);
