@@ -435,8 +435,9 @@ pub enum Marking {
     /// lane, seq), filled by an insert trigger on the table (`outroute
     /// migrate` adds it to the canonical table, whose default this is on
     /// PostgreSQL; `migrate --table` to a mapped one); publishing deletes
-    /// the queue entry and leaves the row as it is. Claims walk only pending entries, and no
-    /// ~1 KB row is rewritten: about 40 % less PostgreSQL work per event
+    /// the queue entry and leaves the row as it is. Claims walk only
+    /// pending entries, and no ~1 KB row is rewritten: about 40 % less
+    /// PostgreSQL work per event
     /// than `published_at`, with every row kept for replay and retention.
     /// Needs a unique `sequence` column the database fills. `column`: a
     /// timestamp column whose rows count as published already when the

@@ -362,14 +362,10 @@ async fn migrate_source(
             None => println!("pending queue of `{name}`: present"),
         }
         if let Some(pg) = store.postgres() {
-            let schema = match name.rsplit_once('.') {
-                Some((schema, _)) => format!("{schema}."),
-                None => String::new(),
-            };
             for index in pg.lane_indexes().await? {
                 println!(
-                    "note: the lane index `{index}` is not read under the pending queue, but producers still \
-                     pay an index insert per event: DROP INDEX CONCURRENTLY {schema}{index};"
+                    "note: the lane index {index} is not read under the pending queue, but producers still \
+                     pay an index insert per event: DROP INDEX CONCURRENTLY {index};"
                 );
             }
         }

@@ -808,7 +808,7 @@ async fn switching_between_published_at_and_the_queue_republishes_nothing() -> a
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains("pending queue of `outbox` set up"), "{out}");
     assert!(
-        out.contains("DROP INDEX CONCURRENTLY outbox_outroute_lanes"),
+        out.contains("DROP INDEX CONCURRENTLY \"outbox_outroute_lanes"),
         "the unread lane index is named: {out}"
     );
     assert_eq!(

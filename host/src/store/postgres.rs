@@ -187,8 +187,6 @@ pub struct TableSql {
     /// queue's set-up under `marking = queue`).
     index_name: String,
     index_ddl: String,
-    /// The pending queue's trigger function.
-    queue_function: String,
     cfg: TableConfig,
 }
 
@@ -309,10 +307,9 @@ impl TableSql {
         );
         let base = name_base(t);
         let index_name = format!("{base}_outroute_lanes{lanes}");
-        let queue_function = queue_function(t);
         let index_ddl = match &t.marking {
             Marking::Queue { column } => {
-                queue_setup(t, &queue_function, &seq, &q, column.as_deref(), lanes)
+                queue_setup(t, &queue_function(t), &seq, &q, column.as_deref(), lanes)
             }
             _ => format!(
                 "CREATE INDEX CONCURRENTLY IF NOT EXISTS {} ON {} (({}), {}){}",
@@ -355,7 +352,6 @@ impl TableSql {
             select_cols,
             payload_is_json: false,
             index_name,
-            queue_function,
             index_ddl,
             cfg: t.clone(),
         }
@@ -860,20 +856,30 @@ impl PgStore {
         self.ensure_lane_rows().await
     }
 
-    /// Lane indexes (`<table>_outroute_lanes<N>`) on the table: under the
-    /// pending queue nothing reads them, but producers still pay an index
-    /// insert per event (left from the `published_at` marking).
+    /// Lane indexes (`<table>_outroute_lanes<N>`) on the table, named as
+    /// `DROP INDEX` takes them: under the pending queue nothing reads them,
+    /// but producers still pay an index insert per event (left from the
+    /// `published_at` marking).
     pub async fn lane_indexes(&self) -> Result<Vec<String>> {
         let s = self.sql()?;
         let prefix = s.index_name.trim_end_matches(|c: char| c.is_ascii_digit());
-        Ok(sqlx::query_scalar(
+        let names: Vec<String> = sqlx::query_scalar(
             "SELECT c.relname::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
              WHERE i.indrelid = to_regclass($1) AND left(c.relname, length($2)) = $2 ORDER BY 1",
         )
         .bind(&s.table)
         .bind(prefix)
         .fetch_all(&self.pool)
-        .await?)
+        .await?;
+        Ok(names.iter().map(|n| self.qualified(n)).collect())
+    }
+
+    /// An object `name` in the table's schema, quoted (indexes live there).
+    fn qualified(&self, name: &str) -> String {
+        match self.cfg.name.rsplit_once('.') {
+            Some((schema, _)) => format!("{}.{}", quote(schema), quote(name)),
+            None => quote(name),
+        }
     }
 
     /// Refuse a table that still has the pending queue's trigger under
@@ -1108,7 +1114,7 @@ impl PgStore {
             return Ok(None);
         };
         if self.queue_marking() {
-            let f = self.sql()?.queue_function.clone();
+            let f = queue_function(&self.cfg);
             let earlier: bool = sqlx::query_scalar("SELECT to_regproc($1) IS NOT NULL")
                 .bind(quote(&f))
                 .fetch_one(&self.pool)
@@ -1149,13 +1155,9 @@ impl PgStore {
         .fetch_optional(&self.pool)
         .await?;
         if invalid == Some(true) {
-            let schema = match self.cfg.name.rsplit_once('.') {
-                Some((schema, _)) => format!("{}.", quote(schema)),
-                None => String::new(),
-            };
             sqlx::query(&format!(
-                "DROP INDEX CONCURRENTLY IF EXISTS {schema}{}",
-                quote(&name)
+                "DROP INDEX CONCURRENTLY IF EXISTS {}",
+                self.qualified(&name)
             ))
             .execute(&self.pool)
             .await
