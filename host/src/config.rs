@@ -103,7 +103,9 @@ pub enum Ordering {
 pub struct RelayConfig {
     /// Identity of this relay instance (lease owner). Default: host-pid-random.
     pub id: Option<String>,
-    /// Events claimed per batch.
+    /// Most events claimed per batch. Each worker starts at an eighth of it
+    /// and doubles after every full batch (the first events after a start
+    /// go out sooner).
     pub batch_size: u32,
     /// Most payload bytes one batch publishes; the events after the one
     /// that reaches it wait for the next batch (a batch is split, never

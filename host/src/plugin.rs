@@ -556,6 +556,27 @@ impl Plugin {
         }
     }
 
+    /// Make warm instances until `n` are idle (within the pool's bounds),
+    /// so the first batches of `n` workers at once do not wait for
+    /// instantiation and `init`. Blocking.
+    pub fn warm(&self, n: usize) {
+        while self.idle().0 < n.min(self.max_idle) {
+            let before = self.idle().0;
+            match self.instantiate() {
+                Ok(inst) => self.checkin(inst),
+                Err(e) => {
+                    tracing::debug!(
+                        "warming a plugin instance failed (calls make their own): {e:#}"
+                    );
+                    return;
+                }
+            }
+            if self.idle().0 <= before {
+                return; // the pool's memory bound: no more instances kept
+            }
+        }
+    }
+
     /// Idle instances kept and their memory (for tests and diagnostics).
     pub fn idle(&self) -> (usize, usize) {
         self.pool

@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{self, Diff, Loaded};
 use crate::metrics::{Health, Readiness, ReadyView};
-use crate::relay::Relay;
+use crate::relay::{Relay, RoutePlugins};
 use crate::sink::{Sink, Sinks};
 use crate::store::Store;
 
@@ -67,6 +67,17 @@ fn routed(loaded: &Loaded, name: &str) -> bool {
 /// table and warn when the claim has no lane index.
 pub async fn open_store(loaded: &Loaded, name: &str, relay_id: &str) -> Result<Store> {
     let mut store = Store::connect(&loaded.config, name, relay_id).await?;
+    if let Some(pg) = store.postgres() {
+        // Open the connections the workers and the lease keeper will use
+        // now, beside the checks below, not when the first batch needs them.
+        let pool = pg.pool().clone();
+        let n = (loaded.config.relay.concurrency as usize + 1)
+            .min(pool.options().get_max_connections() as usize);
+        tokio::spawn(async move {
+            let held = futures::future::join_all((0..n).map(|_| pool.acquire())).await;
+            drop(held);
+        });
+    }
     store.migrate(false).await?;
     store.check_table().await?;
     if let Some(ddl) = store.missing_index() {
@@ -98,16 +109,25 @@ impl Topology {
             .filter(|s| routed(&loaded, s))
             .cloned()
             .collect();
-        // The sinks (a first broker round trip) and the stores (migrations,
-        // table check) are independent: set them up at the same time, so the
-        // first batch goes out sooner after a (re)start.
-        let (sinks, stores) = tokio::try_join!(
+        // The sinks (a first broker round trip), the stores (migrations,
+        // table check) and the plugins (compile or cache, `init`) are
+        // independent: set them up at the same time, so the first batch goes
+        // out sooner after a (re)start.
+        let (sinks, stores, plugins) = tokio::try_join!(
             crate::relay::build_sinks(&loaded),
             futures::future::try_join_all(names.iter().map(|name| {
                 let loaded = &loaded;
                 let relay_id = &relay_id;
                 async move {
                     open_store(loaded, name, relay_id)
+                        .await
+                        .with_context(|| format!("source `{name}`"))
+                }
+            })),
+            futures::future::try_join_all(names.iter().map(|name| {
+                let loaded = &loaded;
+                async move {
+                    RoutePlugins::load(loaded, name)
                         .await
                         .with_context(|| format!("source `{name}`"))
                 }
@@ -121,9 +141,18 @@ impl Topology {
             ready,
         };
         let mut built = Vec::new();
-        for (name, store) in names.iter().zip(stores) {
-            let store = Arc::new(store);
-            built.push((name.clone(), t.build_relay(&t.loaded, name, store).await?));
+        for ((name, store), plugins) in names.iter().zip(stores).zip(plugins) {
+            let health = Health::new(t.loaded.config.relay.stall_after);
+            let relay = Relay::assemble(
+                &t.loaded,
+                name,
+                Arc::new(store),
+                t.sinks.clone(),
+                health,
+                plugins,
+            )
+            .with_context(|| format!("source `{name}`"))?;
+            built.push((name.clone(), relay));
         }
         for (name, relay) in built {
             t.spawn(name, relay);

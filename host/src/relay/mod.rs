@@ -236,16 +236,20 @@ pub async fn build_sinks(loaded: &Loaded) -> Result<Sinks> {
     .await
 }
 
-impl Relay {
-    /// Build the relay of source `source`: the routes that read it, their
-    /// plugins, over the process's shared `sinks` (see [`build_sinks`]).
-    pub async fn build(
-        loaded: &Loaded,
-        source: &str,
-        store: Arc<Store>,
-        sinks: Sinks,
-        health: Arc<Health>,
-    ) -> Result<Self> {
+/// The routes that read one source with their plugins loaded: the part of
+/// a relay that needs no store or sink, so it is loaded while those connect.
+pub struct RoutePlugins {
+    routes: Routes,
+    /// One handle per route (same index as `routes`).
+    plugins: Vec<Arc<PluginHandle>>,
+    shadows: Vec<Option<Shadow>>,
+    reload: Vec<Option<Duration>>,
+}
+
+impl RoutePlugins {
+    /// Compile (or take from the cache) and `init` the plugin of every
+    /// route that reads `source`, all routes at once.
+    pub async fn load(loaded: &Loaded, source: &str) -> Result<Self> {
         let config = &loaded.config;
         let mut routes = Routes::compile(config).map_err(anyhow::Error::msg)?;
         routes
@@ -257,45 +261,90 @@ impl Relay {
             r.index = i;
         }
         let runtime = Runtime::new(loaded.cache_dir())?;
+        let loads = routes.0.iter().map(|r| {
+            let runtime = &runtime;
+            async move {
+                let pc = config.plugins.get(&r.config.plugin).ok_or_else(|| {
+                    anyhow::anyhow!("routes.{}: no plugin `{}`", r.name(), r.config.plugin)
+                })?;
+                let limits = Limits::of(&r.config);
+                let handle = load_plugin(
+                    runtime,
+                    loaded.resolve(&pc.path),
+                    r.config.config.clone(),
+                    limits,
+                )
+                .await
+                .map_err(|e| anyhow::anyhow!("route `{}`: {e:#}", r.name()))?;
+                let shadow = match &pc.shadow {
+                    None => None,
+                    Some(file) => {
+                        let path = loaded.resolve(file);
+                        let cfg = pc
+                            .shadow_config
+                            .clone()
+                            .unwrap_or_else(|| r.config.config.clone());
+                        let handle = load_plugin(runtime, path.clone(), cfg, limits)
+                            .await
+                            .map_err(|e| {
+                                anyhow::anyhow!("route `{}`: shadow plugin: {e:#}", r.name())
+                            })?;
+                        Some(Shadow {
+                            plugin: Arc::new(handle),
+                            file: path.display().to_string(),
+                        })
+                    }
+                };
+                anyhow::Ok((Arc::new(handle), shadow, pc.reload_interval))
+            }
+        });
         let mut plugins = Vec::new();
-        let mut reload = Vec::new();
         let mut shadows = Vec::new();
-        for r in &routes.0 {
-            let pc = config.plugins.get(&r.config.plugin).ok_or_else(|| {
-                anyhow::anyhow!("routes.{}: no plugin `{}`", r.name(), r.config.plugin)
-            })?;
-            let limits = Limits::of(&r.config);
-            let handle = load_plugin(
-                &runtime,
-                loaded.resolve(&pc.path),
-                r.config.config.clone(),
-                limits,
-            )
-            .await
-            .map_err(|e| anyhow::anyhow!("route `{}`: {e:#}", r.name()))?;
-            reload.push(pc.reload_interval);
-            plugins.push(Arc::new(handle));
-            let shadow = match &pc.shadow {
-                None => None,
-                Some(file) => {
-                    let path = loaded.resolve(file);
-                    let cfg = pc
-                        .shadow_config
-                        .clone()
-                        .unwrap_or_else(|| r.config.config.clone());
-                    let handle = load_plugin(&runtime, path.clone(), cfg, limits)
-                        .await
-                        .map_err(|e| {
-                            anyhow::anyhow!("route `{}`: shadow plugin: {e:#}", r.name())
-                        })?;
-                    Some(Shadow {
-                        plugin: Arc::new(handle),
-                        file: path.display().to_string(),
-                    })
-                }
-            };
+        let mut reload = Vec::new();
+        for (handle, shadow, interval) in futures::future::try_join_all(loads).await? {
+            plugins.push(handle);
             shadows.push(shadow);
+            reload.push(interval);
         }
+        Ok(RoutePlugins {
+            routes,
+            plugins,
+            shadows,
+            reload,
+        })
+    }
+}
+
+impl Relay {
+    /// Build the relay of source `source`: the routes that read it, their
+    /// plugins, over the process's shared `sinks` (see [`build_sinks`]).
+    pub async fn build(
+        loaded: &Loaded,
+        source: &str,
+        store: Arc<Store>,
+        sinks: Sinks,
+        health: Arc<Health>,
+    ) -> Result<Self> {
+        let plugins = RoutePlugins::load(loaded, source).await?;
+        Self::assemble(loaded, source, store, sinks, health, plugins)
+    }
+
+    /// [`Relay::build`] from plugins already loaded.
+    pub fn assemble(
+        loaded: &Loaded,
+        source: &str,
+        store: Arc<Store>,
+        sinks: Sinks,
+        health: Arc<Health>,
+        loaded_routes: RoutePlugins,
+    ) -> Result<Self> {
+        let config = &loaded.config;
+        let RoutePlugins {
+            routes,
+            plugins,
+            shadows,
+            reload,
+        } = loaded_routes;
         let routes = Arc::new(routes);
         let store_config = config.source(source)?.clone();
         let relay_id = store.relay_id().to_string();
@@ -382,6 +431,12 @@ impl Relay {
                 );
             }
             return Ok(());
+        }
+        // One warm plugin instance per worker, made while the first lease
+        // round runs, so the workers' first batches do not instantiate.
+        for plugin in self.plugins.iter().filter_map(|p| p.current()) {
+            let workers = self.config.concurrency as usize;
+            tokio::task::spawn_blocking(move || plugin.warm(workers));
         }
         if matches!(*self.store, Store::Postgres(_)) {
             background.push(spawn_here(
@@ -483,6 +538,11 @@ impl Relay {
         // Workers start at different places, so two claims at once mostly
         // walk different lanes.
         let mut turn = index as usize * 7;
+        // Slow start: a worker's first claim takes an eighth of a batch and
+        // each full one doubles it up to `relay.batch_size`, so after a
+        // (re)start the first events go out after a short claim and a short
+        // publish, not after a full batch of each.
+        let mut size = (self.config.batch_size / 8).max(1);
         while !shutdown.is_cancelled() {
             let view = leases.borrow_and_update().clone();
             let mut lanes: Vec<i32> = if Instant::now() < view.valid_until {
@@ -509,7 +569,7 @@ impl Relay {
                 continue;
             }
             let claim_started = Instant::now();
-            let claims = match self.store.claim(&lanes, self.config.batch_size).await {
+            let claims = match self.store.claim(&lanes, size).await {
                 Ok(c) => {
                     metrics::histogram!(m::CLAIM_SECONDS, "source" => self.source.clone())
                         .record(claim_started.elapsed().as_secs_f64());
@@ -552,7 +612,10 @@ impl Relay {
                 }
                 continue;
             }
-            let full = claims.len() as u32 >= self.config.batch_size;
+            let full = claims.len() as u32 >= size;
+            if full {
+                size = (size * 2).min(self.config.batch_size);
+            }
             let now = Utc::now();
             let pickup = metrics::histogram!(m::PICKUP, "source" => self.source.clone());
             for ev in claims.iter().filter_map(|c| c.row.as_ref().ok()) {

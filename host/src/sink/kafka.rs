@@ -232,6 +232,13 @@ impl KafkaSink {
             // Ordering with idempotence needs ≤ 5 in flight per connection.
             .set("max.in.flight.requests.per.connection", "5")
             .set("linger.ms", c.linger_ms.max(1).to_string())
+            // librdkafka drops the bootstrap connection after the first
+            // metadata and may connect to the broker it named only after
+            // `reconnect.backoff.ms / 2`; a first produce queued before that
+            // can wait ~500 ms for the idempotent producer's id (measured
+            // here). 10 ms gets the id before the first batch; reconnects
+            // still back off exponentially to `reconnect.backoff.max.ms`.
+            .set("reconnect.backoff.ms", "10")
             .set("compression.type", &c.compression)
             .set(
                 "message.timeout.ms",

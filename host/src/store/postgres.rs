@@ -732,24 +732,28 @@ impl PgStore {
         if let Marking::PublishedAt { column } | Marking::Status { column, .. } = &t.marking {
             cols.push(("marking.column", column));
         }
+        // Every mapped column's type in one round trip.
+        let names: Vec<&str> = cols.iter().map(|(_, c)| c.as_str()).collect();
+        let types: std::collections::HashMap<String, String> = sqlx::query_as::<_, (String, String)>(
+            "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod) FROM pg_attribute a \
+             WHERE a.attrelid = to_regclass($1) AND a.attname::text = ANY($2::text[]) AND NOT a.attisdropped AND a.attnum > 0",
+        )
+        .bind(quote(&t.name))
+        .bind(&names)
+        .fetch_all(&self.pool)
+        .await?
+        .into_iter()
+        .collect();
         let mut id_type = String::new();
         let mut payload_is_json = false;
         for (key, col) in cols {
-            let ty: Option<String> = sqlx::query_scalar(
-                "SELECT format_type(a.atttypid, a.atttypmod) FROM pg_attribute a \
-                 WHERE a.attrelid = to_regclass($1) AND a.attname = $2 AND NOT a.attisdropped AND a.attnum > 0",
-            )
-            .bind(quote(&t.name))
-            .bind(col)
-            .fetch_optional(&self.pool)
-            .await?;
-            match ty {
+            match types.get(col.as_str()) {
                 None => bail!(
                     "{}.table.{key}: column `{col}` not found in table `{}`",
                     self.key,
                     t.name
                 ),
-                Some(ty) if key == "id" => id_type = ty,
+                Some(ty) if key == "id" => id_type = ty.clone(),
                 Some(ty) if key == "payload" => payload_is_json = ty == "json" || ty == "jsonb",
                 Some(_) => {}
             }
