@@ -93,6 +93,9 @@ struct Args {
     /// (the stamp; examples/outbox-published-at.toml).
     #[arg(long, default_value = "queue")]
     marking: String,
+    /// The Kafka sink's `linger_ms` in every run (unset: the relay's default).
+    #[arg(long)]
+    linger_ms: Option<u32>,
 }
 
 /// How pre-filled tables are made (see `--aggregates`, `--analyse`).
@@ -106,6 +109,8 @@ struct Fill {
 static FILL: std::sync::OnceLock<Fill> = std::sync::OnceLock::new();
 /// `--pg-sslmode`, for the drain runs' store URL.
 static SSLMODE: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+/// `--linger-ms`, for every Kafka sink the runs configure.
+static LINGER_MS: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
 
 /// Which PostgreSQL and which capture the drain, latency and wake-up runs
 /// use: 0 the shared cluster (lease), 1 the `wal_level = logical` cluster
@@ -184,6 +189,7 @@ async fn main() -> Result<()> {
         ordering,
     });
     let _ = SSLMODE.set(args.pg_sslmode.clone());
+    let _ = LINGER_MS.set(args.linger_ms);
     match args.marking.as_str() {
         "queue" => {}
         "published_at" => STAMP.store(true, Ordering::Relaxed),
@@ -867,7 +873,13 @@ fn proc_stats(pid: u32) -> (f64, f64) {
 
 fn relay_body(sink: &str, t: &str, http: &str) -> String {
     let sink_cfg = match sink {
-        "kafka" => format!("[sinks.kafka]\nkind = \"kafka\"\nbrokers = \"{KAFKA}\"\n"),
+        "kafka" => format!(
+            "[sinks.kafka]\nkind = \"kafka\"\nbrokers = \"{KAFKA}\"\n{}",
+            match LINGER_MS.get().copied().flatten() {
+                Some(ms) => format!("linger_ms = {ms}\n"),
+                None => String::new(),
+            }
+        ),
         _ => format!("[sinks.nats]\nkind = \"nats\"\nurl = \"{NATS}\"\n"),
     };
     format!(

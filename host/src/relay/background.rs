@@ -202,9 +202,10 @@ impl Relay {
         while !shutdown.is_cancelled() {
             loop {
                 match self.store.purge_published(retention, 1000).await {
-                    Ok(n) => {
-                        metrics::counter!(m::PURGED, "source" => self.source.clone()).increment(n);
-                        if n < 1000 {
+                    Ok(p) => {
+                        metrics::counter!(m::PURGED, "source" => self.source.clone())
+                            .increment(p.deleted);
+                        if !p.more {
                             break;
                         }
                     }

@@ -24,6 +24,14 @@ use crate::event::{Event, Malformed};
 pub mod postgres;
 pub mod sqlite;
 
+/// What one retention round did.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Purged {
+    pub deleted: u64,
+    /// The round stopped at its size limit: another may delete more now.
+    pub more: bool,
+}
+
 /// One claimed row: an event, or a row that cannot be one.
 #[derive(Debug, Clone)]
 pub struct Claim {
@@ -536,12 +544,13 @@ impl Store {
         dispatch!(self, s => s.published_count(f).await)
     }
 
-    /// Delete up to `batch` published rows older than `older_than`.
+    /// One retention round: delete up to `batch` published rows older than
+    /// `older_than`.
     pub async fn purge_published(
         &self,
         older_than: std::time::Duration,
         batch: i64,
-    ) -> anyhow::Result<u64> {
+    ) -> anyhow::Result<Purged> {
         dispatch!(self, s => s.purge_published(older_than, batch).await)
     }
 

@@ -557,6 +557,10 @@ pub struct PgStore {
     /// captured rows can be deleted by runs of numbers (else by id: a run
     /// could take an unread or failed row sharing a number).
     seq_unique: bool,
+    /// Queue marking's retention walks the table by sequence number from
+    /// here (`i64::MIN`: the bottom), so rows it must keep (failed, or
+    /// still pending) are stepped over once per pass, not on every round.
+    purge_from: std::sync::atomic::AtomicI64,
 }
 
 /// The URL's options with `store.password` and `store.tls` applied.
@@ -675,6 +679,7 @@ impl PgStore {
             floor_sql: None,
             floors_off: None,
             seq_unique: false,
+            purge_from: std::sync::atomic::AtomicI64::new(i64::MIN),
         })
     }
 
@@ -2271,12 +2276,12 @@ impl PgStore {
             .await?)
     }
 
-    pub async fn purge_published(&self, older_than: Duration, batch: i64) -> Result<u64> {
+    pub async fn purge_published(&self, older_than: Duration, batch: i64) -> Result<super::Purged> {
         let s = self.sql()?;
         let age = match &s.cfg.marking {
             Marking::PublishedAt { column } => format!("o.{}", quote(column)),
             Marking::Status { .. } => format!("o.{}::timestamptz", quote(&s.cfg.created_at)),
-            Marking::Delete => return Ok(0),
+            Marking::Delete => return Ok(super::Purged::default()),
             Marking::Queue { .. } => format!("o.{}::timestamptz", quote(&s.cfg.created_at)),
         };
         // Small batches by ctid: short transactions, no long locks. One
@@ -2290,36 +2295,65 @@ impl PgStore {
         .fetch_one(&mut *tx)
         .await?;
         if !ours {
-            return Ok(0);
+            return Ok(super::Purged::default());
         }
-        let q = match &s.cfg.marking {
-            // Nothing is stamped: the oldest rows by sequence number (a
-            // bounded walk of its unique index) that are neither queued nor
-            // failed. Rows still pending at the bottom are stepped over;
-            // only 3 × batch of them would hold the purge back.
-            Marking::Queue { .. } => format!(
-                "DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT o.ctid FROM \
-                   (SELECT ctid, * FROM {table} x ORDER BY {seq} LIMIT $2 * 4) o \
-                   WHERE {published} AND {age} < now() - make_interval(secs => $1) LIMIT $2))",
-                table = s.table,
-                seq = s.seq.replacen("o.", "x.", 1),
-                published = s.published,
-            ),
-            _ => format!(
-                "DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT o.ctid FROM {table} o WHERE {published} \
-                   AND {age} < now() - make_interval(secs => $1) LIMIT $2))",
-                table = s.table,
-                published = s.published,
-            ),
+        let purged = match &s.cfg.marking {
+            // Nothing is stamped: walk `batch` rows by sequence number (its
+            // unique index) from where the last round stopped, delete the
+            // published ones past the window and step over the rest (failed
+            // or still pending rows stay until they are published or
+            // handled). A published row still inside the window means the
+            // rows after it are younger: the next round starts again from
+            // the bottom, as does one that reaches the end of the table.
+            Marking::Queue { .. } => {
+                let q = format!(
+                    "WITH w AS MATERIALIZED (SELECT o.ctid AS t, {seq} AS seq, ({published}) AS done,                        {age} < now() - make_interval(secs => $1) AS old                        FROM (SELECT ctid, * FROM {table} x WHERE {seq_x} > $3 ORDER BY {seq_x} LIMIT $2) o),                      gone AS (DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT t FROM w WHERE done AND old)) RETURNING 1)                      SELECT (SELECT count(*) FROM gone)::bigint, (SELECT count(*) FROM w)::bigint,                        (SELECT max(seq) FROM w)::bigint, coalesce((SELECT bool_or(done AND NOT old) FROM w), false)",
+                    table = s.table,
+                    seq = s.seq,
+                    seq_x = s.seq.replacen("o.", "x.", 1),
+                    published = s.published,
+                );
+                let from = self.purge_from.load(std::sync::atomic::Ordering::Relaxed);
+                let (deleted, walked, last, young): (i64, i64, Option<i64>, bool) =
+                    sqlx::query_as(&q)
+                        .bind(older_than.as_secs_f64())
+                        .bind(batch)
+                        .bind(from)
+                        .fetch_one(&mut *tx)
+                        .await?;
+                let more = walked >= batch && !young;
+                let next = match last {
+                    Some(seq) if more => seq,
+                    _ => i64::MIN,
+                };
+                self.purge_from
+                    .store(next, std::sync::atomic::Ordering::Relaxed);
+                super::Purged {
+                    deleted: deleted.max(0) as u64,
+                    more,
+                }
+            }
+            _ => {
+                let q = format!(
+                    "DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT o.ctid FROM {table} o WHERE {published} \
+                       AND {age} < now() - make_interval(secs => $1) LIMIT $2))",
+                    table = s.table,
+                    published = s.published,
+                );
+                let deleted = sqlx::query(&q)
+                    .bind(older_than.as_secs_f64())
+                    .bind(batch)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+                super::Purged {
+                    deleted,
+                    more: deleted >= batch as u64,
+                }
+            }
         };
-        let n = sqlx::query(&q)
-            .bind(older_than.as_secs_f64())
-            .bind(batch)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
         tx.commit().await?;
-        Ok(n)
+        Ok(purged)
     }
 
     pub async fn ping(&self) -> bool {

@@ -478,9 +478,9 @@ impl SqliteStore {
         Ok(qb.build().fetch_one(&self.pool).await?.try_get(0)?)
     }
 
-    pub async fn purge_published(&self, older_than: Duration, batch: i64) -> Result<u64> {
+    pub async fn purge_published(&self, older_than: Duration, batch: i64) -> Result<super::Purged> {
         let cutoff = Utc::now() - chrono::Duration::from_std(older_than).unwrap_or_default();
-        Ok(sqlx::query(
+        let deleted = sqlx::query(
             "DELETE FROM outbox WHERE seq IN (SELECT seq FROM outbox WHERE published_at IS NOT NULL \
                AND julianday(published_at) < julianday(?1) LIMIT ?2)",
         )
@@ -488,7 +488,11 @@ impl SqliteStore {
         .bind(batch)
         .execute(&self.pool)
         .await?
-        .rows_affected())
+        .rows_affected();
+        Ok(super::Purged {
+            deleted,
+            more: deleted >= batch as u64,
+        })
     }
 
     pub async fn ping(&self) -> bool {
