@@ -555,3 +555,31 @@ fn the_idle_pool_is_bounded_in_bytes() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// Warming makes instances up to the count asked, within the pool's
+/// bounds (at most 8, and the byte budget).
+#[test]
+fn warming_fills_the_idle_pool_within_its_bounds() -> anyhow::Result<()> {
+    let handle = hostile_plugin(serde_json::Value::Null, Limits::default())?;
+    let p = handle.current().expect("plugin");
+    assert_eq!(p.idle().0, 1, "the instance that answered describe is kept");
+    p.warm(3);
+    assert_eq!(p.idle().0, 3);
+    p.warm(2);
+    assert_eq!(p.idle().0, 3, "warming never drops instances");
+    p.warm(100);
+    assert_eq!(p.idle().0, 8, "at most 8 idle instances");
+    let none = hostile_plugin(
+        serde_json::Value::Null,
+        Limits {
+            max_idle_bytes: 0,
+            ..Limits::default()
+        },
+    )?;
+    let p = none.current().expect("plugin");
+    p.warm(4);
+    assert_eq!(p.idle().0, 0, "no instance fits a zero byte budget");
+    let answers = p.route_batch(&[hostile_event("a", None)]);
+    assert!(matches!(answers.as_slice(), [Answer::Outcome(Ok(_))]));
+    Ok(())
+}
