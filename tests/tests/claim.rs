@@ -682,6 +682,46 @@ async fn purge_all(store: &outroute::store::Store, batch: i64) -> anyhow::Result
     }
 }
 
+/// A pending row deleted by hand leaves its queue entry behind; the orphan
+/// sweep removes it (and only it), so claims stop paying for it.
+#[tokio::test(flavor = "multi_thread")]
+async fn queue_entries_of_rows_deleted_by_hand_are_removed() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("claim-queue-orphans");
+    let config = write_config(&dir, &db.url, "lanes = 2", &file_body(&dir, ""))?;
+    db.migrate(&config)?;
+    let store = open_store(&config, "orphans").await?;
+    let lanes = store.lease_round().await?.lanes;
+    fill(&db, 1, 200).await?;
+    sqlx::query("DELETE FROM outbox WHERE seq <= 150 AND seq % 3 <> 0")
+        .execute(&db.pool)
+        .await?;
+    assert_eq!(db.count("SELECT count(*) FROM outroute_queue").await, 200);
+    // Rounds of at most 64 entries per lane, until one finds none.
+    let mut dropped = 0;
+    loop {
+        let n = store.drop_orphans(&lanes).await?;
+        if n == 0 {
+            break;
+        }
+        dropped += n;
+    }
+    assert_eq!(dropped, 100);
+    assert_eq!(
+        db.count(
+            "SELECT count(*) FROM outroute_queue q WHERE NOT EXISTS \
+             (SELECT 1 FROM outbox o WHERE o.seq = q.seq)"
+        )
+        .await,
+        0
+    );
+    // Every remaining row is still pending and claimed once.
+    let claims = store.claim(&lanes, 1000).await?;
+    assert_eq!(claims.len(), 100);
+    db.drop_db().await;
+    Ok(())
+}
+
 /// Failed rows at the bottom of a queue-marked table, many rounds' worth,
 /// do not hold retention back: rounds step over them to the published
 /// rows above, and the next pass starts from the bottom again.

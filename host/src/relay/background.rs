@@ -56,12 +56,39 @@ impl Relay {
         mut leases: watch::Receiver<LeaseView>,
         shutdown: CancellationToken,
     ) {
+        let mut orphans_due = Instant::now();
         while !shutdown.is_cancelled() {
             let lanes = leases.borrow_and_update().lanes.clone();
             if !lanes.is_empty() {
+                if Instant::now() >= orphans_due {
+                    self.drop_orphans(&lanes).await;
+                    orphans_due = Instant::now() + crate::store::postgres::ORPHAN_SWEEP_INTERVAL;
+                }
                 self.store.raise_floors(&lanes).await;
             }
             sleep_or_cancel(crate::store::postgres::FLOOR_ROUND_INTERVAL, &shutdown).await;
+        }
+    }
+
+    /// Queue entries of rows deleted by hand, at the head of the owned
+    /// lanes: removed in rounds until one finds none (at most 100 rounds).
+    async fn drop_orphans(&self, lanes: &[i32]) {
+        let mut dropped = 0;
+        for _ in 0..100 {
+            match self.store.drop_orphans(lanes).await {
+                Ok(0) => break,
+                Ok(n) => dropped += n,
+                Err(e) => {
+                    tracing::warn!("removing queue entries of deleted rows failed: {e:#}");
+                    break;
+                }
+            }
+        }
+        if dropped > 0 {
+            tracing::info!(
+                dropped,
+                "removed pending-queue entries whose rows were deleted (claims stepped over them)"
+            );
         }
     }
 

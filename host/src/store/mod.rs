@@ -462,6 +462,15 @@ impl Store {
         }
     }
 
+    /// Delete queue entries whose row is gone at the head of these lanes
+    /// (PostgreSQL, `marking = queue`; see [`postgres::PgStore::drop_orphans`]).
+    pub async fn drop_orphans(&self, lanes: &[i32]) -> anyhow::Result<u64> {
+        match self {
+            Store::Postgres(s) => s.drop_orphans(lanes).await,
+            Store::Sqlite(_) => Ok(0),
+        }
+    }
+
     /// Mark these claimed events published; returns how many were marked
     /// (rows in lanes this relay no longer owns are not).
     pub async fn mark_published(&self, claims: &[&Claim]) -> anyhow::Result<u64> {

@@ -77,6 +77,10 @@ use crate::event::RawRow;
 mod floor;
 mod logical;
 pub use floor::ROUND_INTERVAL as FLOOR_ROUND_INTERVAL;
+pub use floor::SWEEP_INTERVAL as ORPHAN_SWEEP_INTERVAL;
+
+/// Queue entries looked at per lane by one [`PgStore::drop_orphans`] round.
+pub const ORPHAN_WALK: i64 = 64;
 pub use logical::{CAPTURE_LANE, CapturedRows};
 
 /// Quote a validated identifier (`schema.table` → `"schema"."table"`).
@@ -1111,6 +1115,35 @@ impl PgStore {
     /// whose trigger takes the place of the lane index.
     pub fn queue_marking(&self) -> bool {
         matches!(self.cfg.marking, Marking::Queue { .. })
+    }
+
+    /// Under `marking = queue`: delete the entries at the head of each of
+    /// `lanes` (the first [`ORPHAN_WALK`] per lane) whose row is gone — a
+    /// pending row deleted by hand. Claims step over such an entry, but
+    /// every claim pays for it until it is removed. The entry and its row
+    /// are written in one transaction, so an entry is never seen before
+    /// its row. Returns the entries deleted.
+    pub async fn drop_orphans(&self, lanes: &[i32]) -> Result<u64> {
+        let s = self.sql()?;
+        if !self.queue_marking() || lanes.is_empty() {
+            return Ok(0);
+        }
+        let q = format!(
+            "DELETE FROM outroute_queue d USING ( \
+               SELECT e.lane, e.seq FROM unnest($1::int[]) AS l(lane) \
+               CROSS JOIN LATERAL (SELECT qq.lane, qq.seq FROM outroute_queue qq \
+                 WHERE qq.source = {src} AND qq.lane = l.lane ORDER BY qq.seq LIMIT {ORPHAN_WALK}) e \
+               WHERE NOT EXISTS (SELECT 1 FROM {table} o WHERE {seqcol} = e.seq OFFSET 0)) g \
+             WHERE d.source = {src} AND d.lane = g.lane AND d.seq = g.seq",
+            src = literal(&self.cfg.name),
+            table = s.table,
+            seqcol = s.seq,
+        );
+        Ok(sqlx::query(&q)
+            .bind(lanes)
+            .execute(&self.pool)
+            .await?
+            .rows_affected())
     }
 
     /// Create the lane index (`outroute migrate`, `migrate --table`):
