@@ -532,16 +532,21 @@ fn a_route_batch_count_mismatch_falls_back_to_route() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Idle instances are kept within the route's byte budget.
-#[test]
-fn the_idle_pool_is_bounded_in_bytes() -> anyhow::Result<()> {
-    let none = hostile_plugin(
+/// The hostile plugin with no memory for idle instances.
+fn no_idle_budget() -> anyhow::Result<PluginHandle> {
+    hostile_plugin(
         serde_json::Value::Null,
         Limits {
             max_idle_bytes: 0,
             ..Limits::default()
         },
-    )?;
+    )
+}
+
+/// Idle instances are kept within the route's byte budget.
+#[test]
+fn the_idle_pool_is_bounded_in_bytes() -> anyhow::Result<()> {
+    let none = no_idle_budget()?;
     let p = none.current().expect("plugin");
     p.route_batch(&[hostile_event("a", None)]);
     assert_eq!(p.idle(), (0, 0));
@@ -569,13 +574,7 @@ fn warming_fills_the_idle_pool_within_its_bounds() -> anyhow::Result<()> {
     assert_eq!(p.idle().0, 3, "warming never drops instances");
     p.warm(100);
     assert_eq!(p.idle().0, 8, "at most 8 idle instances");
-    let none = hostile_plugin(
-        serde_json::Value::Null,
-        Limits {
-            max_idle_bytes: 0,
-            ..Limits::default()
-        },
-    )?;
+    let none = no_idle_budget()?;
     let p = none.current().expect("plugin");
     p.warm(4);
     assert_eq!(p.idle().0, 0, "no instance fits a zero byte budget");
