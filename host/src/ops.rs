@@ -109,7 +109,11 @@ fn relay_id(loaded: &Loaded) -> String {
     })
 }
 
-async fn open_store(loaded: &Loaded, source: &str, relay_id: &str) -> Result<Store> {
+/// A store for a one-shot command (`status`, `failed`, `replay`, …):
+/// connected, coordination tables migrated, table checked. Unlike the
+/// relay's `topology::open_store` it opens no connections ahead and does
+/// not warn about indexes.
+async fn open_for_command(loaded: &Loaded, source: &str, relay_id: &str) -> Result<Store> {
     let mut store = Store::connect(&loaded.config, source, relay_id).await?;
     store.migrate(false).await?;
     store.check_table().await?;
@@ -392,7 +396,7 @@ pub async fn status(arg: &ConfigArg, json: bool) -> Result<ExitCode> {
     let loaded = arg.load()?;
     let mut all = serde_json::Map::new();
     for source in sources(&loaded) {
-        let store = open_store(&loaded, &source, "status")
+        let store = open_for_command(&loaded, &source, "status")
             .await
             .with_context(|| format!("source `{source}`"))?;
         let s = store.status().await?;
@@ -535,7 +539,7 @@ pub async fn route(action: RouteAction) -> Result<ExitCode> {
             let loaded = config.load()?;
             for source in sources(&loaded) {
                 heading(&loaded, &source);
-                let store = open_store(&loaded, &source, "route").await?;
+                let store = open_for_command(&loaded, &source, "route").await?;
                 let quarantined = store.quarantined_routes().await?;
                 for r in loaded
                     .config
@@ -566,7 +570,7 @@ pub async fn route(action: RouteAction) -> Result<ExitCode> {
                     continue;
                 }
                 heading(&loaded, &source);
-                let store = open_store(&loaded, &source, "route").await?;
+                let store = open_for_command(&loaded, &source, "route").await?;
                 let (was, due) = store.resume_route(&name).await?;
                 if was {
                     println!("route `{name}` resumed; {due} waiting events are due now");
@@ -672,7 +676,7 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
             };
             let mut list = Vec::new();
             for source in sources(&loaded) {
-                let store = open_store(&loaded, &source, "failed").await?;
+                let store = open_for_command(&loaded, &source, "failed").await?;
                 for e in store.failed_list(&f).await? {
                     list.push((source.clone(), e));
                 }
@@ -738,7 +742,7 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
                 ..Filter::default()
             };
             for source in sources(&loaded) {
-                let store = open_store(&loaded, &source, "failed").await?;
+                let store = open_for_command(&loaded, &source, "failed").await?;
                 if let Some(e) = store.failed_list(&f).await?.into_iter().next() {
                     heading(&loaded, &source);
                     println!("{}", serde_json::to_string_pretty(&e)?);
@@ -753,7 +757,7 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
             let loaded = config.load()?;
             let mut n = 0;
             for source in sources(&loaded) {
-                let store = open_store(&loaded, &source, "failed").await?;
+                let store = open_for_command(&loaded, &source, "failed").await?;
                 n += store.failed_retry(&filter.filter()).await?;
             }
             println!("{n} event(s) put back in line");
@@ -764,7 +768,7 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
             let loaded = config.load()?;
             let mut n = 0;
             for source in sources(&loaded) {
-                let store = open_store(&loaded, &source, "failed").await?;
+                let store = open_for_command(&loaded, &source, "failed").await?;
                 n += store.failed_discard(&filter.filter()).await?;
             }
             println!("{n} event(s) discarded");
@@ -820,7 +824,7 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
     let (mut selected, mut sent, mut failed) = (0usize, 0usize, Vec::new());
     for source in sources(&loaded) {
         heading(&loaded, &source);
-        let store = Arc::new(open_store(&loaded, &source, "replay").await?);
+        let store = Arc::new(open_for_command(&loaded, &source, "replay").await?);
         let total = store.published_count(&filter).await?;
         if a.dry_run {
             println!("{total} published event(s) match; nothing re-published (dry run)");
@@ -1303,7 +1307,7 @@ async fn try_candidate(
         if !config::Config::route_reads(&r.config, &source) {
             continue;
         }
-        let store = open_store(&loaded, &source, "plugin-try").await?;
+        let store = open_for_command(&loaded, &source, "plugin-try").await?;
         let mut mine = Vec::new();
         let mut before: Option<Cursor> = None;
         let mut scanned = 0usize;
