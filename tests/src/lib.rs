@@ -962,6 +962,23 @@ pub async fn open_store(config: &Path, relay_id: &str) -> Result<outroute::store
     Ok(s)
 }
 
+/// Retention rounds of `batch` rows past `older_than` until one says there
+/// is no more to do now: the rows deleted.
+pub async fn purge_rounds(
+    store: &outroute::store::Store,
+    older_than: Duration,
+    batch: i64,
+) -> Result<u64> {
+    let mut deleted = 0;
+    loop {
+        let round = store.purge_published(older_than, batch).await?;
+        deleted += round.deleted;
+        if !round.more {
+            return Ok(deleted);
+        }
+    }
+}
+
 /// The two existing outbox shapes from the seed articles, exactly as they
 /// define them, and the `[store.table]` mappings that relay them unchanged.
 pub mod seed {

@@ -660,26 +660,23 @@ async fn the_pending_queue_is_filled_by_its_trigger_and_claims_read_only_the_bat
     // Retention (by age of the row) deletes published rows, oldest first,
     // and keeps a pending one.
     fill(&db, 70_001, 70_001).await?;
-    assert_eq!(purge_all(&store, 1000).await?, 50_011);
+    assert_eq!(
+        purge_rounds(&store, std::time::Duration::ZERO, 1000).await?,
+        50_011
+    );
     assert_eq!(db.count("SELECT count(*) FROM outbox").await, 1);
     assert_eq!(db.count("SELECT count(*) FROM outroute_queue").await, 1);
     db.drop_db().await;
     Ok(())
 }
 
-/// Retention rounds of `batch` rows (no age window) until one says there is
-/// no more to do now: the rows deleted.
-async fn purge_all(store: &outroute::store::Store, batch: i64) -> anyhow::Result<u64> {
-    let mut purged = 0;
-    loop {
-        let round = store
-            .purge_published(std::time::Duration::ZERO, batch)
-            .await?;
-        purged += round.deleted;
-        if !round.more {
-            return Ok(purged);
-        }
-    }
+/// Claim up to 100 pending events and mark them all published: how many.
+async fn publish_pending(store: &Store, lanes: &[i32]) -> anyhow::Result<u64> {
+    let claims = store.claim(lanes, 100).await?;
+    let refs: Vec<&Claim> = claims.iter().collect();
+    let marked = store.mark_published(&refs).await?;
+    assert_eq!(marked, claims.len() as u64, "every claimed event is marked");
+    Ok(marked)
 }
 
 /// A pending row deleted by hand leaves its queue entry behind; the orphan
@@ -743,14 +740,14 @@ async fn queue_retention_steps_over_failed_rows_at_the_bottom() -> anyhow::Resul
         .collect::<anyhow::Result<Vec<_>>>()?;
     assert_eq!(store.record_failures(&failures).await?, 40);
     fill(&db, 41, 50).await?;
-    let claims = store.claim(&lanes, 100).await?;
-    assert_eq!(claims.len(), 10);
-    let refs: Vec<&Claim> = claims.iter().collect();
-    assert_eq!(store.mark_published(&refs).await?, 10);
+    assert_eq!(publish_pending(&store, &lanes).await?, 10);
 
     // Rounds of 3 rows: 13 rounds walk the failed rows before one reaches
     // a published row; every published row goes, no failed one does.
-    assert_eq!(purge_all(&store, 3).await?, 10);
+    assert_eq!(
+        purge_rounds(&store, std::time::Duration::ZERO, 3).await?,
+        10
+    );
     assert_eq!(db.count("SELECT count(*) FROM outbox").await, 40);
     assert_eq!(
         db.count("SELECT count(*) FROM outbox WHERE failed_at IS NULL")
@@ -760,11 +757,8 @@ async fn queue_retention_steps_over_failed_rows_at_the_bottom() -> anyhow::Resul
     );
     // Later published rows are found by the next pass, from the bottom.
     fill(&db, 51, 55).await?;
-    let claims = store.claim(&lanes, 100).await?;
-    assert_eq!(claims.len(), 5);
-    let refs: Vec<&Claim> = claims.iter().collect();
-    assert_eq!(store.mark_published(&refs).await?, 5);
-    assert_eq!(purge_all(&store, 3).await?, 5);
+    assert_eq!(publish_pending(&store, &lanes).await?, 5);
+    assert_eq!(purge_rounds(&store, std::time::Duration::ZERO, 3).await?, 5);
     assert_eq!(db.count("SELECT count(*) FROM outbox").await, 40);
     db.drop_db().await;
     Ok(())

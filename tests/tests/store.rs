@@ -192,18 +192,10 @@ async fn a_batch_from_before_a_lane_changed_hands_and_came_back_is_not_marked() 
     Ok(())
 }
 
-/// Retention rounds of 3 rows with a one-day window until one says there
-/// is no more to do now: the rows deleted.
+/// Retention rounds of 3 rows with a one-day window: the rows deleted.
 async fn purge_a_day_old(config: &Path) -> anyhow::Result<u64> {
     let s = open_store(config, "purger").await?;
-    let mut deleted = 0;
-    loop {
-        let round = s.purge_published(Duration::from_secs(86_400), 3).await?;
-        deleted += round.deleted;
-        if !round.more {
-            return Ok(deleted);
-        }
-    }
+    purge_rounds(&s, Duration::from_secs(86_400), 3).await
 }
 
 /// Under `published_at` marking retention ages rows by their stamp.

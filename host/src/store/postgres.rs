@@ -77,7 +77,9 @@ use crate::event::RawRow;
 mod floor;
 mod logical;
 pub use floor::ROUND_INTERVAL as FLOOR_ROUND_INTERVAL;
-pub use floor::SWEEP_INTERVAL as ORPHAN_SWEEP_INTERVAL;
+/// How often a relay removes queue entries whose row was deleted by hand
+/// (see [`PgStore::drop_orphans`]).
+pub const ORPHAN_SWEEP_INTERVAL: Duration = Duration::from_secs(30);
 
 /// Queue entries looked at per lane by one [`PgStore::drop_orphans`] round.
 pub const ORPHAN_WALK: i64 = 64;
@@ -2340,7 +2342,12 @@ impl PgStore {
             // the bottom, as does one that reaches the end of the table.
             Marking::Queue { .. } => {
                 let q = format!(
-                    "WITH w AS MATERIALIZED (SELECT o.ctid AS t, {seq} AS seq, ({published}) AS done,                        {age} < now() - make_interval(secs => $1) AS old                        FROM (SELECT ctid, * FROM {table} x WHERE {seq_x} > $3 ORDER BY {seq_x} LIMIT $2) o),                      gone AS (DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT t FROM w WHERE done AND old)) RETURNING 1)                      SELECT (SELECT count(*) FROM gone)::bigint, (SELECT count(*) FROM w)::bigint,                        (SELECT max(seq) FROM w)::bigint, coalesce((SELECT bool_or(done AND NOT old) FROM w), false)",
+                    "WITH w AS MATERIALIZED (SELECT o.ctid AS t, {seq} AS seq, ({published}) AS done, \
+                       {age} < now() - make_interval(secs => $1) AS old \
+                       FROM (SELECT ctid, * FROM {table} x WHERE {seq_x} > $3 ORDER BY {seq_x} LIMIT $2) o), \
+                     gone AS (DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT t FROM w WHERE done AND old)) RETURNING 1) \
+                     SELECT (SELECT count(*) FROM gone)::bigint, (SELECT count(*) FROM w)::bigint, \
+                       (SELECT max(seq) FROM w)::bigint, coalesce((SELECT bool_or(done AND NOT old) FROM w), false)",
                     table = s.table,
                     seq = s.seq,
                     seq_x = s.seq.replacen("o.", "x.", 1),
