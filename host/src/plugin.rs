@@ -445,7 +445,9 @@ pub struct Plugin {
 
 impl Plugin {
     /// Instantiate once to read `describe` and check that `init` accepts the
-    /// route config; the instance is kept for reuse.
+    /// route config; the instance is kept for reuse. `describe` (which must
+    /// not depend on the config, says the contract) comes first, so even the
+    /// first `init`'s log lines carry the plugin's own name.
     pub fn new(
         runtime: &Runtime,
         compiled: Compiled,
@@ -471,7 +473,13 @@ impl Plugin {
             cost_ns: AtomicU64::new(INITIAL_COST_PER_EVENT.as_nanos() as u64),
             counts: Mutex::new(Vec::new()),
         };
-        let mut inst = plugin.instantiate()?;
+        let stem = plugin
+            .compiled
+            .path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let mut inst = plugin.instantiate_bare(&stem)?;
         let deadline = inst.store.data_mut().begin_call(limits.cpu_budget, 1);
         inst.store.set_epoch_deadline(deadline);
         let info = inst.router.call_describe(&mut inst.store).map_err(|e| {
@@ -489,29 +497,28 @@ impl Plugin {
                 info.version.len()
             );
         }
+        inst.store.data_mut().rename(&info.name);
         plugin.info = PluginInfo {
             name: info.name,
             version: info.version,
         };
+        plugin.init(&mut inst)?;
         plugin.checkin(inst);
         Ok(plugin)
     }
 
+    /// A new instance, ready for events.
     fn instantiate(&self) -> Result<Instance> {
-        // The first instance is made before `describe` named the plugin:
-        // its log lines carry the file's name meanwhile.
-        let name = if self.info.name.is_empty() {
-            self.compiled
-                .path
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_default()
-        } else {
-            self.info.name.clone()
-        };
-        let mut store = self.runtime.new_store(&name, self.limits.caps());
-        // Instantiation and `init` get at least 100 ms (a plugin may build
-        // tables once there).
+        let mut inst = self.instantiate_bare(&self.info.name)?;
+        self.init(&mut inst)?;
+        Ok(inst)
+    }
+
+    /// A new instance before `init`; `name` labels its log lines.
+    fn instantiate_bare(&self, name: &str) -> Result<Instance> {
+        let mut store = self.runtime.new_store(name, self.limits.caps());
+        // Instantiation and `init` get at least 100 ms each (a plugin may
+        // build tables once there).
         let deadline = store
             .data_mut()
             .begin_call(self.limits.cpu_budget.max(Duration::from_millis(100)), 1);
@@ -521,16 +528,26 @@ impl Plugin {
             .pre
             .instantiate(&mut store)
             .map_err(|e| anyhow!("instantiating {}: {e:#}", self.compiled.path.display()))?;
+        Ok(Instance { store, router })
+    }
+
+    /// Hand the route config to a new instance's `init`.
+    fn init(&self, inst: &mut Instance) -> Result<()> {
+        let Instance { store, router } = inst;
+        let deadline = store
+            .data_mut()
+            .begin_call(self.limits.cpu_budget.max(Duration::from_millis(100)), 1);
+        store.set_epoch_deadline(deadline);
         router
-            .call_init(&mut store, &self.config_json)
+            .call_init(&mut *store, &self.config_json)
             .map_err(|e| {
                 anyhow!(
                     "plugin init trapped: {}",
-                    trap_reason(&e, &store, self.limits)
+                    trap_reason(&e, store, self.limits)
                 )
             })?
             .map_err(|e| anyhow!("plugin refused its route config: {e}"))?;
-        Ok(Instance { store, router })
+        Ok(())
     }
 
     fn checkout(&self) -> Result<Instance> {

@@ -100,6 +100,18 @@ async fn a_plugin_built_against_the_0_1_0_contract_still_routes() -> Result<()> 
         "the plugin's init log line: {}",
         relay.log_text()
     );
+    // Every instance's init line (the first one's too) carries the name
+    // `describe` gave, not the file's.
+    for line in relay
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("routing to file"))
+    {
+        assert!(
+            line.contains("order-router") && !line.contains("order_router-wit"),
+            "{line}"
+        );
+    }
     drop(relay);
     db.drop_db().await;
     Ok(())

@@ -171,6 +171,12 @@ impl HostState {
         }
     }
 
+    /// Label this instance's log lines with `plugin` (the name `describe`
+    /// gave, once it is known).
+    pub fn rename(&mut self, plugin: &str) {
+        plugin.clone_into(&mut self.plugin);
+    }
+
     /// Start a call routing `events` events under `cpu_budget` in total;
     /// returns the epoch deadline (ticks) to set.
     pub fn begin_call(&mut self, cpu_budget: Duration, events: usize) -> u64 {
