@@ -86,8 +86,11 @@ pub fn load(path: &Path) -> Result<Loaded> {
 pub fn init_logging(format: LogFormat, level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    // Colours only for a terminal: a log file or journald gets plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
     let _ = match format {
         LogFormat::Human => builder.try_init(),
@@ -1091,6 +1094,10 @@ pub async fn plugin(action: PluginAction) -> Result<ExitCode> {
             cpu_budget,
             memory_mib,
         } => {
+            // The plugin's own `log` lines (every level) and the host's
+            // warnings, on stderr beside the outcomes on stdout; RUST_LOG
+            // overrides.
+            init_logging(LogFormat::Human, "warn,outroute::plugin::sandbox=trace");
             let config_text = if config.starts_with('@') {
                 read_text(&config)?
             } else {

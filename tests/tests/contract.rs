@@ -265,3 +265,38 @@ fn plugin_test_shows_counts_and_counter_rules_fail_the_event() -> Result<()> {
     }
     Ok(())
 }
+
+/// `outroute plugin test` shows the plugin's own log lines (here the
+/// order router's `init` line), under the name `describe` gives.
+#[test]
+fn plugin_test_shows_the_plugins_log_lines() -> Result<()> {
+    let dir = test_dir("contract-plugin-log");
+    let one = dir.join("one.json");
+    std::fs::write(
+        &one,
+        r#"{"aggregate_type": "order", "aggregate_id": "o1", "event_type": "order-created", "payload": {}}"#,
+    )?;
+    let router = plugin("order-router").display().to_string();
+    let (code, out, err) = cli(&[
+        "plugin",
+        "test",
+        &router,
+        "--config",
+        r#"{"sink": "file", "topic": "t.{event_type}"}"#,
+        "--event",
+        one.to_str().unwrap_or_default(),
+    ])?;
+    assert_eq!(code, 0, "{out}{err}");
+    let line = err
+        .lines()
+        .find(|l| l.contains("routing to file `t.{event_type}`"))
+        .unwrap_or_default();
+    assert!(line.contains("plugin=\"order-router\""), "{err}");
+    // Not a terminal: no colour codes in the log.
+    assert!(!err.contains('\u{1b}'), "{err}");
+    assert!(
+        out.contains("\"topic\": \"t.order-created\""),
+        "the outcome stays on stdout: {out}"
+    );
+    Ok(())
+}
