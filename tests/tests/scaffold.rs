@@ -15,15 +15,17 @@ use outroute_e2e::*;
 
 fn run(cmd: &mut Command, what: &str) -> Result<String> {
     let out = cmd.output()?;
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     if !out.status.success() {
-        bail!("{what} failed ({}):\n{text}", out.status);
+        bail!(
+            "{what} failed ({}):\n{stdout}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
-    Ok(text)
+    // Standard output only: the plugin's log lines (`outroute plugin
+    // test` writes them to stderr) may come in any order around it.
+    Ok(stdout)
 }
 
 /// A build cache of its own for scaffolds (kept across runs like the
