@@ -1139,7 +1139,9 @@ pub async fn plugin(action: PluginAction) -> Result<ExitCode> {
                 memory_bytes: (memory_mib as usize) << 20,
                 log_lines_per_event: 100,
                 log_bytes_per_event: 64 << 10,
-                max_idle_bytes: 0,
+                // The instance that answered `describe` and `init` routes
+                // the events, as in the relay (`init` runs once).
+                max_idle_bytes: (memory_mib as usize) << 20,
             };
             let (outcomes, counts) = tokio::task::spawn_blocking(move || -> Result<_> {
                 let handle = PluginHandle::load(&rt, &plugin, config, limits)?;

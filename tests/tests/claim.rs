@@ -679,42 +679,51 @@ async fn publish_pending(store: &Store, lanes: &[i32]) -> anyhow::Result<u64> {
     Ok(marked)
 }
 
-/// A pending row deleted by hand leaves its queue entry behind; the orphan
-/// sweep removes it (and only it), so claims stop paying for it.
+/// Queue entries whose row was deleted or failed by hand are removed by
+/// the orphan sweep wherever they sit in a lane: each round goes on from
+/// where the last one stopped, past live entries, to the lane's end.
 #[tokio::test(flavor = "multi_thread")]
-async fn queue_entries_of_rows_deleted_by_hand_are_removed() -> anyhow::Result<()> {
+async fn queue_entries_of_rows_deleted_or_failed_by_hand_are_removed() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let dir = test_dir("claim-queue-orphans");
     let config = write_config(&dir, &db.url, "lanes = 2", &file_body(&dir, ""))?;
     db.migrate(&config)?;
     let store = open_store(&config, "orphans").await?;
     let lanes = store.lease_round().await?.lanes;
-    fill(&db, 1, 200).await?;
-    sqlx::query("DELETE FROM outbox WHERE seq <= 150 AND seq % 3 <> 0")
+    // ~300 entries per lane; every orphan sits past the first 64 of its
+    // lane, behind live entries.
+    fill(&db, 1, 600).await?;
+    sqlx::query("DELETE FROM outbox WHERE seq > 300 AND seq % 3 <> 0")
         .execute(&db.pool)
         .await?;
-    assert_eq!(db.count("SELECT count(*) FROM outroute_queue").await, 200);
-    // Rounds of at most 64 entries per lane, until one finds none.
-    let mut dropped = 0;
-    loop {
-        let n = store.drop_orphans(&lanes).await?;
-        if n == 0 {
-            break;
-        }
-        dropped += n;
+    sqlx::query("UPDATE outbox SET failed_at = now() WHERE seq BETWEEN 201 AND 210")
+        .execute(&db.pool)
+        .await?;
+    assert_eq!(db.count("SELECT count(*) FROM outroute_queue").await, 600);
+    // Rounds as the relay's sweep makes them: the lanes with entries left,
+    // each from where its walk stopped.
+    let (mut todo, mut after) = (lanes.clone(), vec![i64::MIN; lanes.len()]);
+    let (mut dropped, mut rounds) = (0, 0);
+    while !todo.is_empty() {
+        let walk = store.drop_orphans(&todo, &after).await?;
+        dropped += walk.dropped;
+        rounds += 1;
+        (todo, after) = walk.more.into_iter().unzip();
+        assert!(rounds <= 10, "a walk of ~300 entries per lane ends");
     }
-    assert_eq!(dropped, 100);
+    assert!(rounds >= 4, "64 entries per lane per round: {rounds} rounds");
+    assert_eq!(dropped, 210);
     assert_eq!(
         db.count(
             "SELECT count(*) FROM outroute_queue q WHERE NOT EXISTS \
-             (SELECT 1 FROM outbox o WHERE o.seq = q.seq)"
+             (SELECT 1 FROM outbox o WHERE o.seq = q.seq AND o.failed_at IS NULL)"
         )
         .await,
         0
     );
     // Every remaining row is still pending and claimed once.
     let claims = store.claim(&lanes, 1000).await?;
-    assert_eq!(claims.len(), 100);
+    assert_eq!(claims.len(), 390);
     db.drop_db().await;
     Ok(())
 }

@@ -287,11 +287,12 @@ fn plugin_test_shows_the_plugins_log_lines() -> Result<()> {
         one.to_str().unwrap_or_default(),
     ])?;
     assert_eq!(code, 0, "{out}{err}");
-    let line = err
+    let init_lines: Vec<&str> = err
         .lines()
-        .find(|l| l.contains("routing to file `t.{event_type}`"))
-        .unwrap_or_default();
-    assert!(line.contains("plugin=\"order-router\""), "{err}");
+        .filter(|l| l.contains("routing to file `t.{event_type}`"))
+        .collect();
+    assert_eq!(init_lines.len(), 1, "init runs once, as in the relay: {err}");
+    assert!(init_lines[0].contains("plugin=\"order-router\""), "{err}");
     // Not a terminal: no colour codes in the log.
     assert!(!err.contains('\u{1b}'), "{err}");
     assert!(

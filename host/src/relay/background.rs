@@ -5,6 +5,7 @@
 //! (`store/postgres/floor.rs`) and the opt-in LISTEN wake-up. Each runs
 //! until shutdown.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,6 +17,7 @@ use crate::metrics as m;
 use crate::pipeline::LeaseView;
 use crate::plugin::PluginHandle;
 use crate::store::Store;
+use crate::store::postgres::{ORPHAN_ROUNDS, ORPHAN_SWEEP_INTERVAL};
 
 /// How often a relay reads the store's quarantine records.
 const QUARANTINE_FOLLOW: Duration = Duration::from_secs(2);
@@ -50,19 +52,22 @@ impl Relay {
     }
 
     /// Raise the owned lanes' claim floors every round interval, beside the
-    /// workers (a claim never waits for a round).
+    /// workers (a claim never waits for a round); sweep orphaned queue
+    /// entries every [`ORPHAN_SWEEP_INTERVAL`], the first one interval
+    /// after the start (a relay starting on a backlog claims first).
     pub(super) async fn raise_floors(
         self: Arc<Self>,
         mut leases: watch::Receiver<LeaseView>,
         shutdown: CancellationToken,
     ) {
-        let mut orphans_due = Instant::now();
+        let mut orphans_due = Instant::now() + ORPHAN_SWEEP_INTERVAL;
+        let mut orphan_walk = HashMap::new();
         while !shutdown.is_cancelled() {
             let lanes = leases.borrow_and_update().lanes.clone();
             if !lanes.is_empty() {
                 if Instant::now() >= orphans_due {
-                    self.drop_orphans(&lanes).await;
-                    orphans_due = Instant::now() + crate::store::postgres::ORPHAN_SWEEP_INTERVAL;
+                    self.drop_orphans(&lanes, &mut orphan_walk).await;
+                    orphans_due = Instant::now() + ORPHAN_SWEEP_INTERVAL;
                 }
                 self.store.raise_floors(&lanes).await;
             }
@@ -70,24 +75,41 @@ impl Relay {
         }
     }
 
-    /// Queue entries of rows deleted by hand, at the head of the owned
-    /// lanes: removed in rounds until one finds none (at most 100 rounds).
-    async fn drop_orphans(&self, lanes: &[i32]) {
+    /// One orphan sweep: queue entries whose row was deleted or failed by
+    /// hand, in the owned lanes, removed in at most [`ORPHAN_ROUNDS`]
+    /// rounds. `walk` keeps, per lane, where the last sweep stopped when
+    /// it did not reach the lane's end; the others start from the lowest.
+    async fn drop_orphans(&self, lanes: &[i32], walk: &mut HashMap<i32, i64>) {
+        walk.retain(|lane, _| lanes.contains(lane));
+        let mut todo = lanes.to_vec();
         let mut dropped = 0;
-        for _ in 0..100 {
-            match self.store.drop_orphans(lanes).await {
-                Ok(0) => break,
-                Ok(n) => dropped += n,
+        for _ in 0..ORPHAN_ROUNDS {
+            let after: Vec<i64> = todo
+                .iter()
+                .map(|l| walk.get(l).copied().unwrap_or(i64::MIN))
+                .collect();
+            match self.store.drop_orphans(&todo, &after).await {
+                Ok(round) => {
+                    dropped += round.dropped;
+                    for lane in &todo {
+                        walk.remove(lane);
+                    }
+                    walk.extend(round.more.iter().copied());
+                    todo = round.more.into_iter().map(|(lane, _)| lane).collect();
+                }
                 Err(e) => {
-                    tracing::warn!("removing queue entries of deleted rows failed: {e:#}");
+                    tracing::warn!("removing orphaned queue entries failed: {e:#}");
                     break;
                 }
+            }
+            if todo.is_empty() {
+                break;
             }
         }
         if dropped > 0 {
             tracing::info!(
                 dropped,
-                "removed pending-queue entries whose rows were deleted (claims stepped over them)"
+                "removed pending-queue entries whose rows were deleted or failed by hand (claims stepped over them)"
             );
         }
     }

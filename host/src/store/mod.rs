@@ -462,12 +462,17 @@ impl Store {
         }
     }
 
-    /// Delete queue entries whose row is gone at the head of these lanes
-    /// (PostgreSQL, `marking = queue`; see [`postgres::PgStore::drop_orphans`]).
-    pub async fn drop_orphans(&self, lanes: &[i32]) -> anyhow::Result<u64> {
+    /// Delete queue entries whose row is gone or failed by hand, walking
+    /// these lanes on from `after` (PostgreSQL, `marking = queue`; see
+    /// [`postgres::PgStore::drop_orphans`]).
+    pub async fn drop_orphans(
+        &self,
+        lanes: &[i32],
+        after: &[i64],
+    ) -> anyhow::Result<postgres::OrphanWalk> {
         match self {
-            Store::Postgres(s) => s.drop_orphans(lanes).await,
-            Store::Sqlite(_) => Ok(0),
+            Store::Postgres(s) => s.drop_orphans(lanes, after).await,
+            Store::Sqlite(_) => Ok(postgres::OrphanWalk::default()),
         }
     }
 

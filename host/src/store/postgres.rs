@@ -77,12 +77,28 @@ use crate::event::RawRow;
 mod floor;
 mod logical;
 pub use floor::ROUND_INTERVAL as FLOOR_ROUND_INTERVAL;
-/// How often a relay removes queue entries whose row was deleted by hand
-/// (see [`PgStore::drop_orphans`]).
+/// How often a relay removes queue entries whose row was deleted or
+/// failed by hand (see [`PgStore::drop_orphans`]).
 pub const ORPHAN_SWEEP_INTERVAL: Duration = Duration::from_secs(30);
 
 /// Queue entries looked at per lane by one [`PgStore::drop_orphans`] round.
 pub const ORPHAN_WALK: i64 = 64;
+
+/// Rounds per sweep: a sweep walks at most `ORPHAN_ROUNDS × ORPHAN_WALK`
+/// entries per lane, then the next one goes on from there, so a deep queue
+/// is covered over several sweeps at a bounded cost to the database.
+pub const ORPHAN_ROUNDS: usize = 4;
+
+/// What one [`PgStore::drop_orphans`] round did.
+#[derive(Debug, Default)]
+pub struct OrphanWalk {
+    /// Entries deleted.
+    pub dropped: u64,
+    /// The lanes with entries left after the walk, each with the last
+    /// sequence number walked (where the next round starts); a lane not
+    /// listed was walked to its end.
+    pub more: Vec<(i32, i64)>,
+}
 pub use logical::{CAPTURE_LANE, CapturedRows};
 
 /// Quote a validated identifier (`schema.table` → `"schema"."table"`).
@@ -1119,33 +1135,58 @@ impl PgStore {
         matches!(self.cfg.marking, Marking::Queue { .. })
     }
 
-    /// Under `marking = queue`: delete the entries at the head of each of
-    /// `lanes` (the first [`ORPHAN_WALK`] per lane) whose row is gone — a
-    /// pending row deleted by hand. Claims step over such an entry, but
-    /// every claim pays for it until it is removed. The entry and its row
-    /// are written in one transaction, so an entry is never seen before
-    /// its row. Returns the entries deleted.
-    pub async fn drop_orphans(&self, lanes: &[i32]) -> Result<u64> {
+    /// Under `marking = queue`: walk the next [`ORPHAN_WALK`] entries of
+    /// each of `lanes` after the sequence number given for it in `after`
+    /// (`i64::MIN`: from the lowest) and delete those whose row is
+    /// gone (a pending row deleted by hand) or says it is not pending (its
+    /// `failed_at` set by hand). Claims step over such an entry, but every
+    /// claim that walks past it pays for it until it is removed. The entry
+    /// and its row are written in one transaction, so an entry is never
+    /// seen before its row; a relay that fails an event for good deletes
+    /// its entry itself (`failed retry` queues it again).
+    pub async fn drop_orphans(&self, lanes: &[i32], after: &[i64]) -> Result<OrphanWalk> {
         let s = self.sql()?;
         if !self.queue_marking() || lanes.is_empty() {
-            return Ok(0);
+            return Ok(OrphanWalk::default());
         }
+        // The walk is materialised with each entry's ctid, and the delete
+        // goes by ctid: no join a planner without statistics could turn
+        // into a scan of the source's queue. Entries are never updated, so
+        // a ctid seen by the statement's snapshot names the same entry
+        // (or one deleted since, which the delete then skips).
         let q = format!(
-            "DELETE FROM outroute_queue d USING ( \
-               SELECT e.lane, e.seq FROM unnest($1::int[]) AS l(lane) \
-               CROSS JOIN LATERAL (SELECT qq.lane, qq.seq FROM outroute_queue qq \
-                 WHERE qq.source = {src} AND qq.lane = l.lane ORDER BY qq.seq LIMIT {ORPHAN_WALK}) e \
-               WHERE NOT EXISTS (SELECT 1 FROM {table} o WHERE {seqcol} = e.seq OFFSET 0)) g \
-             WHERE d.source = {src} AND d.lane = g.lane AND d.seq = g.seq",
+            "WITH walk AS MATERIALIZED ( \
+               SELECT e.lane, e.seq, e.tid, NOT EXISTS (SELECT 1 FROM {table} o \
+                 WHERE {seqcol} = e.seq AND {row_pending} OFFSET 0) AS orphan \
+               FROM unnest($1::int[], $2::bigint[]) AS l(lane, after) \
+               CROSS JOIN LATERAL (SELECT qq.lane, qq.seq, qq.ctid AS tid FROM outroute_queue qq \
+                 WHERE qq.source = {src} AND qq.lane = l.lane AND qq.seq > l.after \
+                 ORDER BY qq.seq LIMIT {ORPHAN_WALK}) e), \
+             gone AS (DELETE FROM outroute_queue \
+               WHERE ctid = ANY(ARRAY(SELECT w.tid FROM walk w WHERE w.orphan)) AND source = {src} \
+               RETURNING lane) \
+             SELECT w.lane, max(w.seq)::bigint, count(*)::bigint, \
+               (SELECT count(*) FROM gone g WHERE g.lane = w.lane)::bigint \
+             FROM walk w GROUP BY w.lane",
             src = literal(&self.cfg.name),
             table = s.table,
             seqcol = s.seq,
+            row_pending = s.row_pending,
         );
-        Ok(sqlx::query(&q)
+        let rows: Vec<(i32, i64, i64, i64)> = sqlx::query_as(&q)
             .bind(lanes)
-            .execute(&self.pool)
-            .await?
-            .rows_affected())
+            .bind(after)
+            .fetch_all(&self.pool)
+            .await
+            .context("removing orphaned queue entries")?;
+        let mut walk = OrphanWalk::default();
+        for (lane, last, walked, dropped) in rows {
+            walk.dropped += dropped as u64;
+            if walked >= ORPHAN_WALK {
+                walk.more.push((lane, last));
+            }
+        }
+        Ok(walk)
     }
 
     /// Create the lane index (`outroute migrate`, `migrate --table`):
