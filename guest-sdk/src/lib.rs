@@ -36,6 +36,30 @@
 //!
 //! The host and the plugin meet only at the WIT contract in `wit/`; this crate
 //! hides the generated bindings behind [`Router`] and [`export_router!`].
+//!
+//! ## What the relay enforces
+//!
+//! Each route of the relay's config sets the limits (defaults in brackets):
+//! CPU time per event (`cpu_budget`, 50 ms; `init` gets at least 100 ms),
+//! memory per instance (`memory_mib`, 64), messages and payload bytes per
+//! event (`max_messages_per_event`, 100; `max_bytes_per_event`, 16 MiB), and
+//! [`log`] lines and bytes per event (100; 64 KiB). A call that runs over
+//! one is stopped and counts toward the route's quarantine. Every message
+//! must name a sink and a topic the route's allow-list permits, and a name
+//! the sink accepts (see [`Message::to`]); headers follow the rules in
+//! [`headers`]. A message that breaks a rule fails its event as
+//! [`Rejection::Invalid`] with a reason naming the rule, before anything of
+//! the event is sent.
+//!
+//! A panic (or any trap) is treated as [`Rejection::Retryable`]: the event is
+//! retried with backoff until the route's `max_attempts` (10), then fails.
+//! For input that can never be routed, return [`Rejection::Invalid`] rather
+//! than `unwrap()`: the event fails at once, with your reason.
+//!
+//! The sandbox has no files, network, environment or real clock: clocks read
+//! 1970 and randomness is the same in every instance (never use it for ids
+//! or secrets), so the same event always gets the same answer. Use
+//! [`Event::created_at_ms`] for time.
 
 use std::cell::OnceCell;
 
@@ -50,28 +74,43 @@ pub use message::Message;
 /// sets the envelope (`ce_id`, `ce_type`, …) on every message and refuses a
 /// message whose plugin set a `ce_*` header itself — except
 /// [`DATA_SCHEMA`](headers::DATA_SCHEMA), the schema of the payload the
-/// plugin produced. Other headers (`content-type`, `x-…`) are the plugin's.
+/// plugin produced — or a `Nats-*` header. Other headers (`content-type`,
+/// `x-…`) are the plugin's: names up to 256 bytes with no whitespace, `:`
+/// or control characters, values up to 8 KiB with no CR, LF or NUL. A
+/// `traceparent`/`tracestate` the event carries wins over the plugin's.
 pub mod headers {
     pub const ID: &str = "ce_id";
     pub const TYPE: &str = "ce_type";
     pub const SOURCE: &str = "ce_source";
     pub const SPEC_VERSION: &str = "ce_specversion";
     pub const TIME: &str = "ce_time";
+    /// The event's aggregate id.
     pub const SUBJECT: &str = "ce_subject";
+    pub const AGGREGATE_TYPE: &str = "ce_aggregatetype";
+    pub const AGGREGATE_ID: &str = "ce_aggregateid";
+    pub const EVENT_VERSION: &str = "ce_eventversion";
+    /// The event's position in its outbox.
+    pub const SEQUENCE: &str = "ce_sequence";
     pub const DATA_CONTENT_TYPE: &str = "content-type";
     /// The schema of the payload the plugin produced: the one `ce_*`
     /// header a plugin may set (the relay sets the rest of the envelope).
     pub const DATA_SCHEMA: &str = "ce_dataschema";
     /// W3C trace context, carried from the event into every message.
     pub const TRACEPARENT: &str = "traceparent";
+    pub const TRACESTATE: &str = "tracestate";
 }
 
-/// Why a plugin refused an event.
+/// Why a plugin refused an event. Either way the reason is recorded with
+/// the event (`outroute failed list`), and under the route's default
+/// `on_failure = "block"` the aggregate's later events wait behind it;
+/// other aggregates flow on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Rejection {
-    /// Transient: the relay will retry the event later, with backoff.
+    /// Transient: the relay retries the event later, with backoff, and
+    /// after the route's `max_attempts` (default 10) it fails for good.
     Retryable(String),
-    /// Permanent: the event goes to the failed state with this reason.
+    /// Permanent: the event goes to the failed state with this reason, with
+    /// no further attempt (`outroute failed retry` sends it again).
     Invalid(String),
 }
 
@@ -240,17 +279,21 @@ pub enum Level {
     Error,
 }
 
-/// Write a line to the relay's log. Natively (in `cargo test`) it goes to
-/// standard error.
+/// Write a line to the relay's log, tagged with the plugin's name. Lines
+/// are cut at 4,096 characters; at most 100 lines and 64 KiB per event by
+/// default (the route's `max_log_lines_per_event`, `max_log_bytes_per_event`):
+/// one more stops the call as a breach of the route's limits. Natively (in
+/// `cargo test`) it goes to standard error.
 pub fn log(level: Level, message: impl AsRef<str>) {
     runtime::log(level, message.as_ref());
 }
 
 /// Add `delta` to this plugin's counter `name` (contract 0.1.1): the relay
 /// exports it as `outroute_plugin_count_total{route, plugin, name}`. Names
-/// are 1–64 characters of `a-z`, `0-9` and `_`, at most 32 per plugin; a bad
-/// name fails the event with a reason saying so. Increments made while
-/// routing an event that then fails are not kept.
+/// are 1–64 characters of `a-z`, `0-9` and `_`, at most 32 per plugin
+/// instance; a bad name traps the call with a reason saying so (retried
+/// like a [`Rejection::Retryable`]). Increments made while routing an event
+/// that then fails are not kept.
 ///
 /// Natively (in `cargo test`) the counts are kept per thread: read them
 /// with [`counted`].
@@ -266,19 +309,24 @@ pub fn counted(name: &str) -> u64 {
 
 /// Implement this for your plugin type and export it with [`export_router!`].
 pub trait Router: Sized + 'static {
-    /// Plugin name, recorded with every failed event.
+    /// Plugin name (at most 128 bytes), recorded with every failed event.
     const NAME: &'static str;
-    /// Plugin version, recorded with every failed event.
+    /// Plugin version (at most 64 bytes), recorded with every failed event.
     const VERSION: &'static str;
 
     /// Build the plugin from its route's static configuration (JSON; `null`
     /// when the route has none). An error refuses the route at start-up.
+    /// Runs once per instance, within the route's CPU budget (at least
+    /// 100 ms) and memory cap: a place to build lookup tables.
     fn init(config: serde_json::Value) -> Result<Self, String>;
 
     /// Route one event.
     fn route(&self, event: &Event) -> Outcome;
 
     /// Route several events; the default calls [`Router::route`] for each.
+    /// An override must answer exactly as `route` would: the relay calls
+    /// `route` for a batch of one, and again event by event when a batch
+    /// call panics, runs over its budget or returns the wrong count.
     fn route_batch(&self, events: &[Event]) -> Vec<Outcome> {
         events.iter().map(|e| self.route(e)).collect()
     }

@@ -7,7 +7,8 @@ pub struct Message {
     pub sink: String,
     /// Kafka topic or NATS subject.
     pub topic: String,
-    /// Kafka key (partitioning); ignored by NATS.
+    /// Kafka key (partitioning); ignored by NATS. With neither key nor
+    /// partition the relay keys the message by the event's aggregate id.
     pub key: Option<Vec<u8>>,
     /// Explicit Kafka partition.
     pub partition: Option<i32>,
@@ -18,6 +19,13 @@ pub struct Message {
 
 impl Message {
     /// A message for `topic` (or subject) on `sink`, with an empty payload.
+    ///
+    /// The route's allow-list must permit `topic` on `sink`, and the sink
+    /// must accept the name: Kafka topics at most 249 bytes of `A-Z a-z 0-9
+    /// . _ -`; NATS subjects at most 1024 bytes, no whitespace, no empty
+    /// token, no `*` or `>` token; no control characters in either.
+    /// Otherwise the event fails as [`Rejection::Invalid`](crate::Rejection)
+    /// with a reason naming the rule.
     pub fn to(sink: impl Into<String>, topic: impl Into<String>) -> Self {
         Message {
             sink: sink.into(),

@@ -387,7 +387,7 @@ impl StoreConfig {
     /// The table mapping in force. Unset: the canonical table; on
     /// PostgreSQL in lease mode its pending rows are listed in the queue
     /// (measured: about a third less PostgreSQL work per event than
-    /// stamping `published_at`, rows kept; see README "Marking"). Rows
+    /// stamping `published_at`, rows kept; see README "Marking: queue, stamp or delete"). Rows
     /// stamped before the switch count as published.
     pub fn table(&self) -> TableConfig {
         match &self.table {

@@ -35,7 +35,9 @@ enum Command {
         #[arg(long)]
         coordination_only: bool,
         /// Also add what the fast claim needs to the configured (existing)
-        /// table: its lane index, built CONCURRENTLY (producers keep writing).
+        /// table: its lane index, built CONCURRENTLY (producers keep
+        /// writing), or under `marking = queue` the pending queue's trigger
+        /// and the rows already pending.
         #[arg(long)]
         table: bool,
         /// With --table, for a table without a sequence column: add one
@@ -52,7 +54,7 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Failed events (dead letters): list, show, retry, discard.
+    /// Failed events (outroute's dead-letter state): list, show, retry, discard.
     Failed {
         #[command(subcommand)]
         action: ops::FailedAction,

@@ -1,6 +1,6 @@
 //! Metrics and health, served over HTTP by `outroute run`.
 //!
-//! Every series is named here, once. What to alert on (README "Operating"):
+//! Every series is named here, once. What to alert on (README "Operating it"):
 //! `outroute_oldest_pending_age_seconds` rising, `outroute_events_failed_total`
 //! increasing, `/readyz` failing.
 

@@ -885,7 +885,11 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
 #[derive(Subcommand)]
 pub enum PluginAction {
     /// Route sample events through a plugin and print the messages or the
-    /// rejection as JSON.
+    /// rejection as JSON. Exit status: 0 when every event was routed, 3
+    /// when at least one was rejected (stderr says how many), 1 on an error
+    /// (a plugin that does not load or refuses its config, a bad event
+    /// file). The route's allow-list is not checked here: `plugin try`
+    /// checks it on real events.
     Test {
         /// The compiled plugin (.wasm).
         plugin: PathBuf,
@@ -895,7 +899,8 @@ pub enum PluginAction {
         /// Event file (one JSON event or an array); `-` for standard input.
         #[arg(long, default_value = "-")]
         event: String,
-        /// CPU budget per event.
+        /// CPU budget per event (a route's `cpu_budget` defaults to 50 ms:
+        /// pass that to see whether the plugin fits it).
         #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
         cpu_budget: Duration,
         /// Memory cap in MiB.
@@ -1159,7 +1164,7 @@ pub async fn plugin(action: PluginAction) -> Result<ExitCode> {
             for (name, n) in &counts {
                 eprintln!("counted: {name} += {n}");
             }
-            let mut all_ok = true;
+            let mut rejected = 0usize;
             let out: Vec<serde_json::Value> = outcomes
                 .into_iter()
                 .map(|(id, o)| match o {
@@ -1176,7 +1181,7 @@ pub async fn plugin(action: PluginAction) -> Result<ExitCode> {
                         })).collect::<Vec<_>>(),
                     }),
                     Err(r) => {
-                        all_ok = false;
+                        rejected += 1;
                         let kind = match r {
                             Rejection::Retryable(_) => "retryable",
                             Rejection::Invalid(_) => "invalid",
@@ -1186,7 +1191,13 @@ pub async fn plugin(action: PluginAction) -> Result<ExitCode> {
                 })
                 .collect();
             println!("{}", serde_json::to_string_pretty(&out)?);
-            Ok(if all_ok {
+            if rejected > 0 {
+                eprintln!(
+                    "{rejected} of {} events rejected (exit status 3)",
+                    out.len()
+                );
+            }
+            Ok(if rejected == 0 {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::from(3)
@@ -1369,6 +1380,15 @@ async fn try_candidate(
         ))
     })
     .await??;
+    // As the relay would take them: a message the route may not send is
+    // the event's rejection.
+    let checked = |outcomes: Vec<crate::event::Outcome>| -> Vec<crate::event::Outcome> {
+        outcomes
+            .into_iter()
+            .map(|o| crate::relay::checked(r, o))
+            .collect()
+    };
+    let (was, would) = (checked(was), checked(would));
     let mut different = 0usize;
     let mut lines = Vec::new();
     for ((e, a), b) in events.iter().zip(&was).zip(&would) {

@@ -338,6 +338,10 @@ pub struct Inspection {
     pub exports: Vec<String>,
 }
 
+/// The least CPU time instantiation and `init` get, each, whatever the
+/// route's per-event budget (a plugin may build tables once there).
+const SETUP_MIN_BUDGET: Duration = Duration::from_millis(100);
+
 /// Per-route limits for instances.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
@@ -486,7 +490,7 @@ impl Plugin {
             anyhow!(
                 "plugin {} failed in describe: {}",
                 plugin.compiled.path.display(),
-                trap_reason(&e, &inst.store, limits)
+                trap_reason(&e, &inst.store, limits, "for describe")
             )
         })?;
         if info.name.len() > MAX_NAME_BYTES || info.version.len() > MAX_VERSION_BYTES {
@@ -517,11 +521,11 @@ impl Plugin {
     /// A new instance before `init`; `name` labels its log lines.
     fn instantiate_bare(&self, name: &str) -> Result<Instance> {
         let mut store = self.runtime.new_store(name, self.limits.caps());
-        // Instantiation and `init` get at least 100 ms each (a plugin may
-        // build tables once there).
+        // Instantiation and `init` get at least SETUP_MIN_BUDGET each (a
+        // plugin may build tables once there).
         let deadline = store
             .data_mut()
-            .begin_call(self.limits.cpu_budget.max(Duration::from_millis(100)), 1);
+            .begin_call(self.limits.cpu_budget.max(SETUP_MIN_BUDGET), 1);
         store.set_epoch_deadline(deadline);
         let router = self
             .compiled
@@ -536,14 +540,18 @@ impl Plugin {
         let Instance { store, router } = inst;
         let deadline = store
             .data_mut()
-            .begin_call(self.limits.cpu_budget.max(Duration::from_millis(100)), 1);
+            .begin_call(self.limits.cpu_budget.max(SETUP_MIN_BUDGET), 1);
         store.set_epoch_deadline(deadline);
+        let limits = Limits {
+            cpu_budget: self.limits.cpu_budget.max(SETUP_MIN_BUDGET),
+            ..self.limits
+        };
         router
             .call_init(&mut *store, &self.config_json)
             .map_err(|e| {
                 anyhow!(
                     "plugin init trapped: {}",
-                    trap_reason(&e, store, self.limits)
+                    trap_reason(&e, store, limits, "for init")
                 )
             })?
             .map_err(|e| anyhow!("plugin refused its route config: {e}"))?;
@@ -703,7 +711,7 @@ impl Plugin {
                 let reason = format!(
                     "plugin {} {}",
                     self.info.name,
-                    trap_reason(&e, &inst.store, self.limits)
+                    trap_reason(&e, &inst.store, self.limits, "per event")
                 );
                 match inst.store.data().breach() {
                     Some(limit) => Answer::Breach { limit, reason },
@@ -754,7 +762,13 @@ impl Plugin {
 }
 
 /// A clear, specific reason for a failed call.
-fn trap_reason(err: &wasmtime::Error, store: &Store<HostState>, limits: Limits) -> String {
+/// `during`: what the budget was for ("per event", "for init", …).
+fn trap_reason(
+    err: &wasmtime::Error,
+    store: &Store<HostState>,
+    limits: Limits,
+    during: &str,
+) -> String {
     let state = store.data();
     let stderr = String::from_utf8_lossy(&state.stderr.contents())
         .trim()
@@ -767,7 +781,7 @@ fn trap_reason(err: &wasmtime::Error, store: &Store<HostState>, limits: Limits) 
     match state.breach() {
         Some(Limit::CpuBudget) => {
             return format!(
-                "exceeded its CPU budget ({} ms of CPU time per event, routes[].cpu_budget) and was stopped",
+                "exceeded its CPU budget ({} ms of CPU time {during}, routes[].cpu_budget) and was stopped",
                 limits.cpu_budget.as_millis()
             );
         }
@@ -894,9 +908,12 @@ pub fn inspect(runtime: &Runtime, path: &Path) -> Result<Inspection> {
     let deadline = store.data_mut().begin_call(limits.cpu_budget, 1);
     store.set_epoch_deadline(deadline);
     let router = compiled.pre.instantiate(&mut store)?;
-    let info = router
-        .call_describe(&mut store)
-        .map_err(|e| anyhow!("describe failed: {}", trap_reason(&e, &store, limits)))?;
+    let info = router.call_describe(&mut store).map_err(|e| {
+        anyhow!(
+            "describe failed: {}",
+            trap_reason(&e, &store, limits, "for describe")
+        )
+    })?;
     Ok(Inspection {
         file: path.display().to_string(),
         sha256: hash,

@@ -102,6 +102,7 @@ pub fn new(
             write("sample-event.json", SAMPLE.to_string())?;
             vec![
                 "cargo test".to_string(),
+                "rustup target add wasm32-wasip2   # once".to_string(),
                 "cargo build --release --target wasm32-wasip2".to_string(),
                 format!(
                     "outroute plugin test target/wasm32-wasip2/release/{krate}.wasm --event sample-event.json"

@@ -711,7 +711,10 @@ async fn queue_entries_of_rows_deleted_or_failed_by_hand_are_removed() -> anyhow
         (todo, after) = walk.more.into_iter().unzip();
         assert!(rounds <= 10, "a walk of ~300 entries per lane ends");
     }
-    assert!(rounds >= 4, "64 entries per lane per round: {rounds} rounds");
+    assert!(
+        rounds >= 4,
+        "64 entries per lane per round: {rounds} rounds"
+    );
     assert_eq!(dropped, 210);
     assert_eq!(
         db.count(

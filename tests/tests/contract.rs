@@ -259,6 +259,10 @@ fn plugin_test_shows_counts_and_counter_rules_fail_the_event() -> Result<()> {
         assert_eq!(code, 3, "{mode}: the event is refused: {out}{err}");
         assert!(out.contains(needle), "{mode}: {out}{err}");
         assert!(
+            err.contains("1 of 1 events rejected (exit status 3)"),
+            "{mode}: stderr says why the status is 3: {err}"
+        );
+        assert!(
             !err.contains("counted:"),
             "{mode}: a failed call's counts are not kept: {err}"
         );
@@ -291,7 +295,11 @@ fn plugin_test_shows_the_plugins_log_lines() -> Result<()> {
         .lines()
         .filter(|l| l.contains("routing to file `t.{event_type}`"))
         .collect();
-    assert_eq!(init_lines.len(), 1, "init runs once, as in the relay: {err}");
+    assert_eq!(
+        init_lines.len(),
+        1,
+        "init runs once, as in the relay: {err}"
+    );
     assert!(init_lines[0].contains("plugin=\"order-router\""), "{err}");
     // Not a terminal: no colour codes in the log.
     assert!(!err.contains('\u{1b}'), "{err}");

@@ -145,7 +145,8 @@ fn the_typescript_scaffold_builds_and_passes_its_test() -> Result<()> {
 }
 
 /// `outroute plugin try`: a candidate run on the route's newest published
-/// events, compared with the active plugin, nothing published.
+/// events, compared with the active plugin, nothing published; a message
+/// the route may not send shows as the rejection the relay would make.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_candidate_is_tried_on_recent_real_events() -> Result<()> {
     let db = TestDb::new().await?;
@@ -160,7 +161,7 @@ async fn a_candidate_is_tried_on_recent_real_events() -> Result<()> {
             &[TestSink::File(&out)],
             "order-router",
             "orders",
-            "aggregate_types = [\"order\"]\nconfig = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }",
+            "aggregate_types = [\"order\"]\nconfig = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\", \"v2.*\"] }",
         ),
     )?;
     db.migrate(&config)?;
@@ -197,6 +198,26 @@ async fn a_candidate_is_tried_on_recent_real_events() -> Result<()> {
     );
     assert!(
         o.contains("file/orders.order-updated → file/v2.order-updated"),
+        "{o}"
+    );
+    // A topic outside the route's allow-list: refused, as live.
+    let (code, o, e) = cli(&[
+        "plugin",
+        "try",
+        &wasm,
+        "-c",
+        &c,
+        "--route",
+        "orders",
+        "--candidate-config",
+        "{\"sink\": \"file\", \"topic\": \"audit.{event_type}\"}",
+    ])?;
+    assert_eq!(code, 0, "{o}{e}");
+    assert!(o.contains("different  12"), "{o}");
+    assert!(
+        o.contains(
+            "now refused: route `orders` may not publish to `audit.order-updated` on sink `file`"
+        ),
         "{o}"
     );
     assert!(!out.exists(), "nothing was published");

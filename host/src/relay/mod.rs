@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::config::{Loaded, RelayConfig};
-use crate::event::{Message, Rejection};
+use crate::event::{Message, Outcome, Rejection};
 use crate::failpoint;
 use crate::metrics::{self as m, Health};
 use crate::pipeline::{Fate, LeaseGuard, LeaseView, Pipeline, Plan, attempts_so_far, jitter};
@@ -1027,13 +1027,18 @@ impl Relay {
         let Some(candidate) = candidate else {
             return;
         };
+        let route = &self.routes.0[route_idx];
         let mut compared = Vec::with_capacity(ids.len());
         for ((id, was), would) in ids.iter().zip(answers).zip(candidate) {
             let Answer::Outcome(was) = was else {
                 continue;
             };
+            // Both as the route would take them: a candidate's message the
+            // route may not send shows as the rejection it would be.
             let differences = match would {
-                Answer::Outcome(would) => crate::shadow::differences(was, &would),
+                Answer::Outcome(would) => {
+                    crate::shadow::differences(&checked(route, was.clone()), &checked(route, would))
+                }
                 Answer::Breach { reason, .. } => vec![format!("candidate broke a limit: {reason}")],
                 Answer::Later => continue,
             };
@@ -1179,6 +1184,16 @@ impl Relay {
 
 /// The route's limits and allow-list, checked before anything is sent.
 /// A broken limit (not a refused name) is also returned, for the quarantine.
+/// A plugin's outcome as the route takes it: messages that fail
+/// [`check_messages`] make it that rejection (for comparing a shadow or a
+/// `plugin try` candidate with the active plugin).
+pub(crate) fn checked(route: &Route, outcome: Outcome) -> Outcome {
+    outcome.and_then(|messages| check_messages(route, messages).map_err(|(r, _)| r))
+}
+
+/// What the relay checks of a plugin's messages before anything of the
+/// event is sent: the route's per-event caps, then each message against
+/// the route's allow-list and the sink's naming rules.
 fn check_messages(
     route: &Route,
     messages: Vec<Message>,
