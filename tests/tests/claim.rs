@@ -731,6 +731,61 @@ async fn queue_entries_of_rows_deleted_or_failed_by_hand_are_removed() -> anyhow
     Ok(())
 }
 
+/// The orphan sweep reads only the entries it walks and deletes by ctid,
+/// on a never-analysed queue of 400,000 entries in 64 lanes (the size at
+/// which the walk's earlier form, run from psql, read each lane whole and
+/// sorted it; see `PgStore::orphan_sql`).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_orphan_sweep_reads_only_its_walk_on_a_never_analysed_queue() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("claim-queue-orphan-cost");
+    let config = write_config(&dir, &db.url, "lanes = 64", &file_body(&dir, ""))?;
+    db.migrate(&config)?;
+    let store = open_store(&config, "orphan-cost").await?;
+    let lanes = store.lease_round().await?.lanes;
+    assert_eq!(lanes.len(), 64);
+    sqlx::query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'order', 'o-' || g, 'order-created', '{}' \
+         FROM generate_series(1, 400000) g",
+    )
+    .execute(&db.pool)
+    .await?;
+    sqlx::query("DELETE FROM outbox WHERE seq % 1000 = 7")
+        .execute(&db.pool)
+        .await?;
+    let pg = store
+        .postgres()
+        .ok_or_else(|| anyhow::anyhow!("not PostgreSQL"))?;
+    let scans = pg.orphan_cost(&lanes, &vec![i64::MIN; lanes.len()]).await?;
+    let walked: f64 = scans
+        .iter()
+        .filter(|(n, _)| n.starts_with("Index"))
+        .map(|(_, r)| r)
+        .sum();
+    assert!(
+        scans
+            .iter()
+            .all(|(n, _)| n.starts_with("Index") || n == "Tid Scan" || n == "ModifyTable"),
+        "only index walks and the delete by ctid: {scans:?}"
+    );
+    assert!(
+        walked <= 64.0 * 64.0,
+        "{walked} entries read for a walk of 64 per lane: {scans:?}"
+    );
+    // The round itself finds the orphans among the entries it walked.
+    let walk = store
+        .drop_orphans(&lanes, &vec![i64::MIN; lanes.len()])
+        .await?;
+    assert!(
+        walk.dropped > 0,
+        "some of the first 4,096 entries are orphans"
+    );
+    assert_eq!(walk.more.len(), 64);
+    db.drop_db().await;
+    Ok(())
+}
+
 /// Failed rows at the bottom of a queue-marked table, many rounds' worth,
 /// do not hold retention back: rounds step over them to the published
 /// rows above, and the next pass starts from the bottom again.
