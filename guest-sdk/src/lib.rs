@@ -279,7 +279,8 @@ pub enum Level {
     Error,
 }
 
-/// Write a line to the relay's log, tagged with the plugin's name. Lines
+/// Write a line to the relay's log, tagged with the plugin's name (and,
+/// when routing one event, its id). Lines
 /// are cut at 4,096 characters; at most 100 lines and 64 KiB per event by
 /// default (the route's `max_log_lines_per_event`, `max_log_bytes_per_event`):
 /// one more stops the call as a breach of the route's limits. Natively (in

@@ -698,6 +698,7 @@ impl Plugin {
             Err(e) => return self.not_instantiated(1, &e).remove(0),
         };
         let deadline = inst.store.data_mut().begin_call(self.limits.cpu_budget, 1);
+        inst.store.data_mut().call.event_id = Some(event.id.clone());
         inst.store.set_epoch_deadline(deadline);
         match inst.router.call_route(&mut inst.store, event) {
             Ok(outcome) => {

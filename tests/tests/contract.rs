@@ -307,5 +307,26 @@ fn plugin_test_shows_the_plugins_log_lines() -> Result<()> {
         out.contains("\"topic\": \"t.order-created\""),
         "the outcome stays on stdout: {out}"
     );
+    // Lines a plugin logs while routing one event carry the event's id.
+    let named = dir.join("named.json");
+    std::fs::write(
+        &named,
+        r#"{"id": "ev-logged", "aggregate_type": "order", "aggregate_id": "o1", "event_type": "order-created", "payload": {}}"#,
+    )?;
+    let (code, out, err) = cli(&[
+        "plugin",
+        "test",
+        &plugin("hostile").display().to_string(),
+        "--config",
+        r#"{"mode": "log-flood"}"#,
+        "--event",
+        named.to_str().unwrap_or_default(),
+    ])?;
+    assert_eq!(code, 3, "100 lines, then the flood is stopped: {out}{err}");
+    let first = err
+        .lines()
+        .find(|l| l.contains("hostile log line 0"))
+        .unwrap_or_default();
+    assert!(first.contains("event_id=\"ev-logged\""), "{err}");
     Ok(())
 }

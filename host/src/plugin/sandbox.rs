@@ -114,6 +114,9 @@ pub struct CallState {
     /// `host.count` increments made during the call, by name; the plugin
     /// keeps them only if the call succeeds.
     pub counts: Vec<(String, u64)>,
+    /// The event of a one-event call (`route`), which tags its log lines;
+    /// `None` for batch calls and set-up.
+    pub event_id: Option<String>,
 }
 
 impl CallState {
@@ -126,6 +129,7 @@ impl CallState {
             log_bytes_left: u64::MAX,
             breach: None,
             counts: Vec::new(),
+            event_id: None,
         }
     }
 }
@@ -189,6 +193,7 @@ impl HostState {
             log_bytes_left: self.caps.log_bytes_per_event.saturating_mul(events),
             breach: None,
             counts: Vec::new(),
+            event_id: None,
         };
         self.limiter.breach = None;
         self.stderr.clear();
@@ -272,12 +277,15 @@ impl Host for HostState {
         call.log_bytes_left -= bytes;
         let message: String = message.chars().take(4096).collect();
         let plugin = self.plugin.as_str();
+        // Recorded for one-event calls only (a batch call or set-up has no
+        // one event).
+        let event_id = call.event_id.as_deref();
         match level {
-            Level::Trace => tracing::trace!(plugin, "{message}"),
-            Level::Debug => tracing::debug!(plugin, "{message}"),
-            Level::Info => tracing::info!(plugin, "{message}"),
-            Level::Warn => tracing::warn!(plugin, "{message}"),
-            Level::Error => tracing::error!(plugin, "{message}"),
+            Level::Trace => tracing::trace!(plugin, event_id, "{message}"),
+            Level::Debug => tracing::debug!(plugin, event_id, "{message}"),
+            Level::Info => tracing::info!(plugin, event_id, "{message}"),
+            Level::Warn => tracing::warn!(plugin, event_id, "{message}"),
+            Level::Error => tracing::error!(plugin, event_id, "{message}"),
         }
         Ok(())
     }
