@@ -180,18 +180,24 @@ async fn a_candidate_is_tried_on_recent_real_events() -> Result<()> {
         o.contains("5 recent events") && o.contains("same       5") && o.contains("different  0"),
         "{o}"
     );
-    let (code, o, e) = cli(&[
-        "plugin",
-        "try",
-        &wasm,
-        "-c",
-        &c,
-        "--route",
-        "orders",
-        "--candidate-config",
-        "{\"sink\": \"file\", \"topic\": \"v2.{event_type}\"}",
-    ])?;
-    assert_eq!(code, 0, "{o}{e}");
+    // The candidate with another topic template in its route config.
+    let try_topic = |topic: &str| -> Result<String> {
+        let candidate = format!("{{\"sink\": \"file\", \"topic\": \"{topic}\"}}");
+        let (code, o, e) = cli(&[
+            "plugin",
+            "try",
+            &wasm,
+            "-c",
+            &c,
+            "--route",
+            "orders",
+            "--candidate-config",
+            &candidate,
+        ])?;
+        assert_eq!(code, 0, "{o}{e}");
+        Ok(o)
+    };
+    let o = try_topic("v2.{event_type}")?;
     assert!(
         o.contains("12 recent events") && o.contains("different  12"),
         "{o}"
@@ -201,18 +207,7 @@ async fn a_candidate_is_tried_on_recent_real_events() -> Result<()> {
         "{o}"
     );
     // A topic outside the route's allow-list: refused, as live.
-    let (code, o, e) = cli(&[
-        "plugin",
-        "try",
-        &wasm,
-        "-c",
-        &c,
-        "--route",
-        "orders",
-        "--candidate-config",
-        "{\"sink\": \"file\", \"topic\": \"audit.{event_type}\"}",
-    ])?;
-    assert_eq!(code, 0, "{o}{e}");
+    let o = try_topic("audit.{event_type}")?;
     assert!(o.contains("different  12"), "{o}");
     assert!(
         o.contains(
