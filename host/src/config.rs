@@ -1031,7 +1031,7 @@ pub fn load(file: &Path) -> Result<Loaded, ConfigErrors> {
                         key: if e.path.is_empty() {
                             "-".into()
                         } else {
-                            e.path.join(".")
+                            key_of(&e.path)
                         },
                         reason: e.kind.to_string(),
                     }
@@ -1134,9 +1134,36 @@ pub fn schema() -> serde_json::Value {
     serde_json::to_value(schemars::schema_for!(Config)).unwrap_or_default()
 }
 
+/// A key path as the other messages spell it: `routes[0].plugin`, not
+/// `routes.0.plugin`.
+fn key_of(path: &[String]) -> String {
+    let mut key = String::new();
+    for part in path {
+        if !key.is_empty() && part.parse::<usize>().is_ok() {
+            key.push_str(&format!("[{part}]"));
+        } else {
+            if !key.is_empty() {
+                key.push('.');
+            }
+            key.push_str(part);
+        }
+    }
+    key
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn key_paths_are_spelled_as_in_the_other_messages() {
+        let path = |p: &[&str]| p.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            super::key_of(&path(&["routes", "0", "aggregate_types"])),
+            "routes[0].aggregate_types"
+        );
+        assert_eq!(super::key_of(&path(&["relay", "lanes"])), "relay.lanes");
+    }
 
     fn write(dir: &Path, body: &str) -> PathBuf {
         let f = dir.join("outroute.toml");
@@ -1335,6 +1362,50 @@ allow = { kafka = ["payments.*"] }
         assert!(
             text.contains("outroute.toml:routes[0].allow.kafak: no sink named `kafak`"),
             "{text}"
+        );
+    }
+
+    /// Values that load and parse but would start a relay that publishes
+    /// nothing, logs nothing, or fails every event: refused by name.
+    #[test]
+    fn values_that_would_start_a_broken_relay_are_refused() {
+        let d = tmp();
+        let body = GOOD
+            .replace(
+                "[store]",
+                "[log]\nlevel = \"verbose\"\n[relay]\nmax_batch_bytes = 0\npublish_timeout = \"0s\"\n[store]",
+            )
+            .replace(
+                "[plugins.p]",
+                "[sinks.nats]\nkind = \"nats\"\nurl = \"nats:/127.0.0.1:4222\"\n[plugins.p]",
+            )
+            .replace(
+                "allow = { kafka = [\"orders.*\"] }",
+                "allow = { kafka = [\"orders/*\", \"orders.{a,b}-?\"], nats = [\"orders.>\"] }\nmax_messages_per_event = 0",
+            );
+        let text = load(&write(&d, &body)).unwrap_err().to_string();
+        for expected in [
+            "outroute.toml:relay.max_batch_bytes: must be positive",
+            "outroute.toml:relay.publish_timeout: must be positive",
+            "outroute.toml:log.level: `verbose`: `verbose` is not a level",
+            "outroute.toml:sinks.nats.url: `nats:/127.0.0.1:4222` is not a NATS server address",
+            "outroute.toml:routes[0].allow.kafka: pattern `orders/*` can never match: Kafka topics have no `/`",
+            "outroute.toml:routes[0].allow.nats: pattern `orders.>`: `>` is a NATS wildcard",
+            "outroute.toml:routes[0].max_messages_per_event: must be at least 1",
+        ] {
+            assert!(text.contains(expected), "{expected}\n---\n{text}");
+        }
+        // Glob syntax in a Kafka pattern is not a bad character.
+        assert!(!text.contains("orders.{a,b}-?"), "{text}");
+        // Directives and plain levels stay accepted.
+        assert_eq!(
+            super::validate::check_log_level("info,outroute::plugin=debug"),
+            Ok(())
+        );
+        assert_eq!(super::validate::check_log_level("WARN"), Ok(()));
+        assert_eq!(
+            super::validate::check_nats_url("nats://a:4222, tls://b:4223,c:4222"),
+            Ok(())
         );
     }
 

@@ -87,7 +87,9 @@ enum Command {
 
 #[derive(Subcommand)]
 enum ConfigAction {
-    /// Validate a file; prints `file:key: reason` for every problem.
+    /// Validate a file; prints `file:key: reason` for every problem. Also
+    /// loads every route's plugin as `run` does (compiled, `init` with the
+    /// route's config).
     Check {
         #[command(flatten)]
         config: ConfigArg,

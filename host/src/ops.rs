@@ -1220,6 +1220,37 @@ pub async fn config_check(arg: &ConfigArg, store: bool) -> Result<ExitCode> {
         return Ok(ExitCode::FAILURE);
     }
     let l = arg.load()?;
+    // Every route's plugin (and shadow) as `run` loads it: compiled, and
+    // `init` with the route's config, so a file that is no component or a
+    // config the plugin refuses fails here, not at start-up.
+    let runtime = Runtime::new(l.cache_dir())?;
+    let mut refused = false;
+    for (i, r) in l.config.routes.iter().enumerate() {
+        let Some(pc) = l.config.plugins.get(&r.plugin) else {
+            continue; // refused by the load above
+        };
+        let limits = Limits::of(r);
+        let mut plugins = vec![("plugin", pc.path.clone(), r.config.clone())];
+        if let Some(shadow) = &pc.shadow {
+            let cfg = pc.shadow_config.clone().unwrap_or_else(|| r.config.clone());
+            plugins.push(("shadow plugin", shadow.clone(), cfg));
+        }
+        for (what, file, cfg) in plugins {
+            if let Err(e) = crate::relay::load_plugin(&runtime, l.resolve(&file), cfg, limits).await
+            {
+                eprintln!(
+                    "{}:routes[{i}] (route `{}`): {what} {}: {e:#}",
+                    path.display(),
+                    r.name,
+                    l.resolve(&file).display()
+                );
+                refused = true;
+            }
+        }
+    }
+    if refused {
+        return Ok(ExitCode::FAILURE);
+    }
     println!(
         "{}: ok ({} sources, {} routes, {} sinks, {} plugins{})",
         path.display(),

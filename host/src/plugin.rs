@@ -209,6 +209,9 @@ impl Runtime {
         let (component, from_cache) = match self.load_cached(&key) {
             Some(c) => (c, true),
             None => {
+                if let Some(why) = not_a_component(&bytes) {
+                    anyhow::bail!("{} {why}", path.display());
+                }
                 let started = Instant::now();
                 let artifact = self
                     .engine
@@ -760,6 +763,25 @@ impl Plugin {
         self.cost_ns
             .store((old.saturating_mul(7) + sample) / 8, Ordering::Relaxed);
     }
+}
+
+/// Why a file plainly is no component, from its first bytes (a clearer
+/// reason than the parser's); `None` leaves the judgement to the parser.
+fn not_a_component(bytes: &[u8]) -> Option<&'static str> {
+    if bytes.len() < 8 || &bytes[..4] != b"\0asm" {
+        return Some(
+            "is not a WebAssembly file (it does not start with the `\\0asm` header): \
+             give the `.wasm` a plugin build wrote (target wasm32-wasip2)",
+        );
+    }
+    // Bytes 6-7: the layer, 0 for a core module, 1 for a component.
+    if bytes[6..8] == [0, 0] {
+        return Some(
+            "is a core WebAssembly module, not a component: build the plugin for the \
+             wasm32-wasip2 target (or wrap the module with `wasm-tools component new`)",
+        );
+    }
+    None
 }
 
 /// A clear, specific reason for a failed call.

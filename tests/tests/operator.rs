@@ -235,3 +235,54 @@ async fn events_published_without_messages_are_counted_per_route_in_status() -> 
     db.drop_db().await;
     Ok(())
 }
+
+/// `config check` loads every route's plugin as `run` would: a route config
+/// the plugin's `init` refuses, a core module and a file that is no
+/// WebAssembly at all each fail the check, naming the route and the file.
+#[test]
+fn config_check_loads_every_plugin_as_run_does() -> anyhow::Result<()> {
+    let dir = test_dir("check-plugins");
+    let core = dir.join("core.wasm");
+    std::fs::write(&core, b"\0asm\x01\0\0\0")?;
+    let text = dir.join("text.wasm");
+    std::fs::write(&text, "not a plugin\n")?;
+    let gate = plugin("schema-gate").display().to_string();
+    let write = |name: &str, path: &str, config: &str| -> anyhow::Result<String> {
+        let f = dir.join(name);
+        std::fs::write(
+            &f,
+            format!(
+                "[store]\nurl = \"sqlite://{db}\"\n[sinks.file]\nkind = \"file\"\npath = \"{out}\"\n\
+                 [plugins.p]\npath = \"{path}\"\n[[routes]]\nname = \"gated\"\nplugin = \"p\"\n\
+                 config = {config}\nallow = {{ file = [\"orders.*\"] }}\n",
+                db = dir.join("outbox.db").display(),
+                out = dir.join("out.jsonl").display(),
+            ),
+        )?;
+        Ok(f.display().to_string())
+    };
+    let refused = write("refused.toml", &gate, "{ topik = 1 }")?;
+    let (code, out, err) = cli(&["config", "check", "-c", &refused])?;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("routes[0] (route `gated`): plugin")
+            && err.contains("refused its route config")
+            && err.contains("topik"),
+        "{err}"
+    );
+    for (name, path, why) in [
+        (
+            "core.toml",
+            &core,
+            "is a core WebAssembly module, not a component",
+        ),
+        ("text.toml", &text, "is not a WebAssembly file"),
+    ] {
+        let c = write(name, &path.display().to_string(), "{ sink = \"file\" }")?;
+        let (code, out, err) = cli(&["config", "check", "-c", &c])?;
+        assert_eq!(code, 1, "{name}: {out}{err}");
+        assert!(err.contains(why), "{name}: {err}");
+        assert!(!err.contains("0x61"), "{name}: no parser dump: {err}");
+    }
+    Ok(())
+}

@@ -162,6 +162,18 @@ impl Loaded {
         if c.relay.lease_ttl < Duration::from_secs(1) {
             err("relay.lease_ttl".into(), "must be at least 1s".into());
         }
+        if c.relay.max_batch_bytes == 0 {
+            err(
+                "relay.max_batch_bytes".into(),
+                "must be positive (0 would hold every event)".into(),
+            );
+        }
+        if c.relay.publish_timeout.is_zero() {
+            err("relay.publish_timeout".into(), "must be positive".into());
+        }
+        if let Err(e) = check_log_level(&c.log.level) {
+            err("log.level".into(), e);
+        }
         if c.relay.poll_min > c.relay.poll_max {
             err(
                 "relay.poll_min".into(),
@@ -246,14 +258,9 @@ impl Loaded {
                 }
             }
             if let SinkConfig::Nats(n) = sink
-                && !n.url.starts_with("nats://")
-                && !n.url.starts_with("tls://")
-                && !n.url.contains(':')
+                && let Err(e) = check_nats_url(&n.url)
             {
-                err(
-                    format!("sinks.{name}.url"),
-                    format!("`{}` is not a NATS URL", n.url),
-                );
+                err(format!("sinks.{name}.url"), e);
             }
         }
         for (name, plugin) in &c.plugins {
@@ -319,6 +326,10 @@ impl Loaded {
                 for pat in patterns {
                     if let Err(e) = crate::routing::topic_matcher(pat) {
                         err(key(&format!("allow.{sink}")), e);
+                    } else if let Some(Err(e)) =
+                        c.sinks.get(sink).map(|s| check_pattern_for(s, pat))
+                    {
+                        err(key(&format!("allow.{sink}")), e);
                     }
                 }
             }
@@ -329,6 +340,15 @@ impl Loaded {
             }
             if r.max_attempts == 0 {
                 err(key("max_attempts"), "must be at least 1".into());
+            }
+            if r.max_messages_per_event == 0 {
+                err(
+                    key("max_messages_per_event"),
+                    "must be at least 1 (an event with no messages needs none)".into(),
+                );
+            }
+            if r.max_bytes_per_event == 0 {
+                err(key("max_bytes_per_event"), "must be positive".into());
             }
             if r.memory_mib < 1 || r.memory_mib > 4096 {
                 err(key("memory_mib"), "must be between 1 and 4096".into());
@@ -345,4 +365,101 @@ impl Loaded {
         }
         p
     }
+}
+
+/// `log.level`: a level, or `tracing` filter directives whose bare words
+/// are levels (a bare word is also a target name to `tracing`, so a typo
+/// such as `verbose` would silently turn every log line off).
+pub(super) fn check_log_level(level: &str) -> Result<(), String> {
+    const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
+    for directive in level.split(',').map(str::trim) {
+        let lvl = directive.rsplit_once('=').map_or(directive, |(_, l)| l);
+        if !LEVELS.contains(&lvl.to_ascii_lowercase().as_str()) {
+            return Err(format!(
+                "`{level}`: `{lvl}` is not a level (trace, debug, info, warn, error, off; \
+                 or directives such as `info,outroute::plugin=debug`)"
+            ));
+        }
+    }
+    tracing_subscriber::EnvFilter::try_new(level)
+        .map(|_| ())
+        .map_err(|e| format!("`{level}`: {e}"))
+}
+
+/// A NATS server list: `nats://`, `tls://`, `ws://` or `wss://` URLs, or
+/// `host:port`, comma-separated; each with a host.
+pub(super) fn check_nats_url(urls: &str) -> Result<(), String> {
+    for one in urls.split(',').map(str::trim) {
+        let bad = |why: &str| Err(format!("`{one}` is not a NATS server address: {why}"));
+        if let Some((scheme, _)) = one.split_once("://") {
+            if !["nats", "tls", "ws", "wss"].contains(&scheme) {
+                return bad("the scheme must be nats://, tls://, ws:// or wss://");
+            }
+            match url::Url::parse(one) {
+                Ok(u) if u.host_str().is_some_and(|h| !h.is_empty()) => {}
+                Ok(_) => return bad("no host"),
+                Err(e) => return bad(&e.to_string()),
+            }
+        } else {
+            let Some((host, port)) = one.rsplit_once(':') else {
+                return bad("expected nats://host:port or host:port");
+            };
+            if host.is_empty() || host.contains('/') || port.parse::<u16>().is_err() {
+                return bad("expected nats://host:port or host:port");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// An allow-list pattern that no name the sink accepts could match: a
+/// Kafka pattern with a character topics cannot have, a NATS pattern with
+/// whitespace or a NATS wildcard (`>`; patterns use `*` and `**`).
+fn check_pattern_for(sink: &SinkConfig, pattern: &str) -> Result<(), String> {
+    match sink {
+        SinkConfig::Kafka(_) => {
+            if let Some(ch) = pattern
+                .chars()
+                // Names: letters, digits, `.`, `_`, `-`; the rest: glob syntax.
+                .find(|ch| {
+                    !(ch.is_ascii_alphanumeric()
+                        || matches!(
+                            ch,
+                            '.' | '_'
+                                | '-'
+                                | '*'
+                                | '?'
+                                | '['
+                                | ']'
+                                | '{'
+                                | '}'
+                                | ','
+                                | '!'
+                                | '^'
+                                | '\\'
+                        ))
+                })
+            {
+                return Err(format!(
+                    "pattern `{pattern}` can never match: Kafka topics have no `{ch}` \
+                     (letters, digits, `.`, `_`, `-`)"
+                ));
+            }
+        }
+        SinkConfig::Nats(_) => {
+            if pattern.chars().any(char::is_whitespace) {
+                return Err(format!(
+                    "pattern `{pattern}` can never match: NATS subjects have no whitespace"
+                ));
+            }
+            if pattern.split('.').any(|t| t == ">") {
+                return Err(format!(
+                    "pattern `{pattern}`: `>` is a NATS wildcard, which allow patterns do not use \
+                     (`*` is one token, `**` any number of them)"
+                ));
+            }
+        }
+        _ => {}
+    }
+    Ok(())
 }

@@ -197,7 +197,7 @@ pub struct Shadow {
 /// Compile (or take from the cache) and `init` a plugin. Both run guest
 /// code that may block (a WASI write): off the async workers, like every
 /// other plugin call.
-async fn load_plugin(
+pub(crate) async fn load_plugin(
     runtime: &Runtime,
     path: std::path::PathBuf,
     config: serde_json::Value,
