@@ -1377,11 +1377,16 @@ allow = { kafka = ["payments.*"] }
             )
             .replace(
                 "[plugins.p]",
-                "[sinks.nats]\nkind = \"nats\"\nurl = \"nats:/127.0.0.1:4222\"\n[plugins.p]",
+                "[sinks.nats]\nkind = \"nats\"\nurl = \"nats:/127.0.0.1:4222\"\nmax_in_flight = 0\n\
+                 create_stream = { name = \"S\", subjects = [\"orders..x\"] }\n[plugins.p]",
             )
             .replace(
                 "allow = { kafka = [\"orders.*\"] }",
                 "allow = { kafka = [\"orders/*\", \"orders.{a,b}-?\"], nats = [\"orders.>\"] }\nmax_messages_per_event = 0",
+            )
+            .replace(
+                "url = \"postgres://root@127.0.0.1/test\"",
+                "url = \"postgres://root@127.0.0.1/test\"\nmax_connections = 0",
             );
         let text = load(&write(&d, &body)).unwrap_err().to_string();
         for expected in [
@@ -1392,6 +1397,9 @@ allow = { kafka = ["payments.*"] }
             "outroute.toml:routes[0].allow.kafka: pattern `orders/*` can never match: Kafka topics have no `/`",
             "outroute.toml:routes[0].allow.nats: pattern `orders.>`: `>` is a NATS wildcard",
             "outroute.toml:routes[0].max_messages_per_event: must be at least 1",
+            "outroute.toml:sinks.nats.max_in_flight: must be at least 1",
+            "outroute.toml:store.max_connections: must be at least 1",
+            "outroute.toml:sinks.nats.create_stream.subjects: `orders..x` is not a NATS subject",
         ] {
             assert!(text.contains(expected), "{expected}\n---\n{text}");
         }

@@ -17,6 +17,12 @@ impl Loaded {
 
     /// The checks of one source (`key`: `store` or `sources.<name>`).
     fn validate_source(&self, key: &str, sc: &StoreConfig, err: &mut impl FnMut(String, String)) {
+        if sc.max_connections == 0 {
+            err(
+                format!("{key}.max_connections"),
+                "must be at least 1".into(),
+            );
+        }
         if !(sc.url.starts_with("postgres://")
             || sc.url.starts_with("postgresql://")
             || sc.url.starts_with("sqlite:"))
@@ -257,10 +263,45 @@ impl Loaded {
                     }
                 }
             }
-            if let SinkConfig::Nats(n) = sink
-                && let Err(e) = check_nats_url(&n.url)
+            if let SinkConfig::Nats(n) = sink {
+                if let Err(e) = check_nats_url(&n.url) {
+                    err(format!("sinks.{name}.url"), e);
+                }
+                if n.max_in_flight == 0 {
+                    err(
+                        format!("sinks.{name}.max_in_flight"),
+                        "must be at least 1".into(),
+                    );
+                }
+                if let Some(cs) = &n.create_stream {
+                    if cs.subjects.is_empty() {
+                        err(
+                            format!("sinks.{name}.create_stream.subjects"),
+                            "lists no subject: the stream would capture nothing".into(),
+                        );
+                    }
+                    for subject in &cs.subjects {
+                        if subject.is_empty()
+                            || subject.chars().any(char::is_whitespace)
+                            || subject.split('.').any(str::is_empty)
+                        {
+                            err(
+                                format!("sinks.{name}.create_stream.subjects"),
+                                format!(
+                                    "`{subject}` is not a NATS subject (tokens separated by `.`, none empty, no whitespace; `*` and `>` as wildcards)"
+                                ),
+                            );
+                        }
+                    }
+                }
+            }
+            if let SinkConfig::Kafka(k) = sink
+                && k.max_in_flight == 0
             {
-                err(format!("sinks.{name}.url"), e);
+                err(
+                    format!("sinks.{name}.max_in_flight"),
+                    "must be at least 1".into(),
+                );
             }
         }
         for (name, plugin) in &c.plugins {

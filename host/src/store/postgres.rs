@@ -635,7 +635,9 @@ fn connect_error(key: &str, sc: &crate::config::StoreConfig, e: sqlx::Error) -> 
             ),
         },
         sqlx::Error::Database(d) if d.code().as_deref() == Some("28P01") => {
-            format!(" (wrong password: check {key}.password / {key}.password_file)")
+            format!(
+                " (wrong password, or not the server meant: check {key}.password / {key}.password_file, and the host and port)"
+            )
         }
         sqlx::Error::Database(d) if d.code().as_deref() == Some("28000") => {
             format!(
