@@ -1033,7 +1033,18 @@ pub fn load(file: &Path) -> Result<Loaded, ConfigErrors> {
                         } else {
                             key_of(&e.path)
                         },
-                        reason: e.kind.to_string(),
+                        reason: {
+                            let reason = e.kind.to_string();
+                            // `OUTROUTE_ROUTES__0__…` makes a map, never a list.
+                            if from_env && reason.contains("expected a sequence") {
+                                format!(
+                                    "{reason}: lists (such as `routes`) cannot be set or changed \
+                                     from the environment, only in the file"
+                                )
+                            } else {
+                                reason
+                            }
+                        },
                     }
                 })
                 .collect(),

@@ -399,9 +399,9 @@ pub enum Answer {
     /// The call was stopped by a limit (a retryable failure of this event,
     /// counted towards the route's quarantine).
     Breach { limit: Limit, reason: String },
-    /// Not routed in this batch: an earlier event of the route used up its
-    /// CPU budget, so the rest wait for the next batch.
-    Later,
+    /// Not routed in this batch: an earlier event of the route (`after`,
+    /// its id) used up its CPU budget, so the rest wait for the next batch.
+    Later { after: String },
 }
 
 impl Answer {
@@ -410,9 +410,9 @@ impl Answer {
         match self {
             Answer::Outcome(o) => o,
             Answer::Breach { reason, .. } => Err(Rejection::Retryable(reason)),
-            Answer::Later => Err(Rejection::Retryable(
-                "not routed: an earlier event of the batch used up its CPU budget".into(),
-            )),
+            Answer::Later { after } => Err(Rejection::Retryable(format!(
+                "not routed: event {after}, earlier in the batch, used up the CPU budget"
+            ))),
         }
     }
 }
@@ -679,16 +679,20 @@ impl Plugin {
     }
 
     fn one_at_a_time(&self, events: &[wit::Event]) -> Vec<Answer> {
-        let mut stopped = false;
+        let mut stopped: Option<&str> = None;
         events
             .iter()
             .map(|e| {
-                if stopped {
-                    return Answer::Later;
+                if let Some(after) = stopped {
+                    return Answer::Later {
+                        after: after.to_string(),
+                    };
                 }
                 let a = self.route_one(e);
-                if let Answer::Breach { limit, .. } = &a {
-                    stopped = limit.costs_time();
+                if let Answer::Breach { limit, .. } = &a
+                    && limit.costs_time()
+                {
+                    stopped = Some(&e.id);
                 }
                 a
             })

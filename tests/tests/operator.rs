@@ -286,3 +286,34 @@ fn config_check_loads_every_plugin_as_run_does() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// An environment override of a list entry (`OUTROUTE_ROUTES__0__…`) is
+/// refused with a reason that says lists live in the file.
+#[test]
+fn a_list_cannot_be_overridden_from_the_environment() -> anyhow::Result<()> {
+    let dir = test_dir("env-list");
+    let f = dir.join("outroute.toml");
+    std::fs::write(
+        &f,
+        format!(
+            "[store]\nurl = \"sqlite://{db}\"\n[sinks.file]\nkind = \"file\"\npath = \"{out}\"\n\
+             [plugins.p]\npath = \"{p}\"\n[[routes]]\nname = \"orders\"\nplugin = \"p\"\n\
+             config = {{ sink = \"file\", topic = \"orders.{{event_type}}\" }}\nallow = {{ file = [\"orders.*\"] }}\n",
+            db = dir.join("outbox.db").display(),
+            out = dir.join("out.jsonl").display(),
+            p = plugin("order-router").display(),
+        ),
+    )?;
+    let out = Command::new(bin())
+        .args(["config", "check", "-c", &f.display().to_string()])
+        .env("OUTROUTE_ROUTES__0__MAX_ATTEMPTS", "3")
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("environment:routes:")
+            && err.contains("cannot be set or changed from the environment"),
+        "{err}"
+    );
+    Ok(())
+}

@@ -447,7 +447,10 @@ fn a_loop_in_a_batch_costs_one_budget_and_the_rest_wait() -> anyhow::Result<()> 
         answers[3]
     );
     for a in &answers[4..] {
-        assert!(matches!(a, Answer::Later), "{a:?}");
+        assert!(
+            matches!(a, Answer::Later { after } if after == "e3"),
+            "{a:?}"
+        );
     }
     // The next batch (the loop gone) routes normally on a fresh instance.
     let answers = p.route_batch(&events[4..]);

@@ -890,7 +890,7 @@ impl Relay {
                 // 4. Plugin messages → checked against the route's limits and
                 //    allow-list.
                 let checked = match answer {
-                    Answer::Later => {
+                    Answer::Later { .. } => {
                         events[i].1 = Plan::Held;
                         continue;
                     }
@@ -1040,7 +1040,7 @@ impl Relay {
                     crate::shadow::differences(&checked(route, was.clone()), &checked(route, would))
                 }
                 Answer::Breach { reason, .. } => vec![format!("candidate broke a limit: {reason}")],
-                Answer::Later => continue,
+                Answer::Later { .. } => continue,
             };
             compared.push((id.clone(), differences));
         }
