@@ -1384,7 +1384,7 @@ allow = { kafka = ["payments.*"] }
         let body = GOOD
             .replace(
                 "[store]",
-                "[log]\nlevel = \"verbose\"\n[relay]\nmax_batch_bytes = 0\npublish_timeout = \"0s\"\n[store]",
+                "[http]\nlisten = \":99999\"\n[log]\nlevel = \"verbose\"\n[relay]\nmax_batch_bytes = 0\npublish_timeout = \"0s\"\n[store]",
             )
             .replace(
                 "[plugins.p]",
@@ -1410,6 +1410,7 @@ allow = { kafka = ["payments.*"] }
             "outroute.toml:routes[0].max_messages_per_event: must be at least 1",
             "outroute.toml:sinks.nats.max_in_flight: must be at least 1",
             "outroute.toml:store.max_connections: must be at least 1",
+            "outroute.toml:http.listen: `:99999` is not host:port",
             "outroute.toml:sinks.nats.create_stream.subjects: `orders..x` is not a NATS subject",
         ] {
             assert!(text.contains(expected), "{expected}\n---\n{text}");

@@ -180,6 +180,17 @@ impl Loaded {
         if let Err(e) = check_log_level(&c.log.level) {
             err("log.level".into(), e);
         }
+        let listen = &c.http.listen;
+        if !listen.is_empty()
+            && !listen
+                .rsplit_once(':')
+                .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok())
+        {
+            err(
+                "http.listen".into(),
+                format!("`{listen}` is not host:port (e.g. 127.0.0.1:9464; empty: no HTTP server)"),
+            );
+        }
         if c.relay.poll_min > c.relay.poll_max {
             err(
                 "relay.poll_min".into(),
