@@ -734,7 +734,9 @@ async fn queue_entries_of_rows_deleted_or_failed_by_hand_are_removed() -> anyhow
 /// The orphan sweep reads only the entries it walks and deletes by ctid,
 /// on a never-analysed queue of 400,000 entries in 64 lanes (the size at
 /// which the walk's earlier form, run from psql, read each lane whole and
-/// sorted it; see `PgStore::orphan_sql`).
+/// sorted it; see `PgStore::orphan_sql`). The store's connections turn
+/// bitmap scans and sorts off, as the relay's do, so this guards the plan
+/// the relay gets rather than reproducing the psql one.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_orphan_sweep_reads_only_its_walk_on_a_never_analysed_queue() -> anyhow::Result<()> {
     let db = TestDb::new().await?;

@@ -317,3 +317,24 @@ fn a_list_cannot_be_overridden_from_the_environment() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// A database nobody listens on is named with the operating system's
+/// reason, not only "pool timed out".
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unreachable_database_says_why() -> anyhow::Result<()> {
+    let dir = test_dir("db-refused");
+    let config = write_config(
+        &dir,
+        "postgres://root@127.0.0.1:1/test",
+        "",
+        &body(&dir, "", false),
+    )?;
+    let (code, _, err) = cli(&["migrate", "-c", &config.to_string_lossy()])?;
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("cannot connect to postgres://root@127.0.0.1:1/test")
+            && err.to_lowercase().contains("connection refused"),
+        "{err}"
+    );
+    Ok(())
+}

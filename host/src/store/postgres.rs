@@ -668,12 +668,30 @@ impl PgStore {
             .options([("enable_bitmapscan", "off"), ("enable_sort", "off")])
             .log_statements(tracing::log::LevelFilter::Trace)
             .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(2));
-        let pool = PgPoolOptions::new()
+        let pool = match PgPoolOptions::new()
             .max_connections(sc.max_connections.max(2))
             .acquire_timeout(Duration::from_secs(5))
-            .connect_with(opts)
+            .connect_with(opts.clone())
             .await
-            .map_err(|e| connect_error(key, sc, e))?;
+        {
+            Ok(pool) => pool,
+            // The pool only says it timed out; one direct attempt says why
+            // (connection refused, no such host, …).
+            Err(sqlx::Error::PoolTimedOut) => {
+                use sqlx::Connection;
+                let why = match tokio::time::timeout(
+                    Duration::from_secs(5),
+                    sqlx::PgConnection::connect_with(&opts),
+                )
+                .await
+                {
+                    Ok(Err(e)) => e,
+                    _ => sqlx::Error::PoolTimedOut,
+                };
+                return Err(connect_error(key, sc, why));
+            }
+            Err(e) => return Err(connect_error(key, sc, e)),
+        };
         let source_name = key
             .strip_prefix("sources.")
             .unwrap_or(crate::config::DEFAULT_SOURCE);
@@ -1176,10 +1194,11 @@ impl PgStore {
     /// cheap-looking plan: with it outside, the same statement run from
     /// psql on a never-analysed queue of 400,000 entries read each lane
     /// whole through a bitmap scan and sorted it to keep 64 entries (258 ms
-    /// a round instead of 10; through sqlx's bound parameters the planner
-    /// happened to choose the index walk). The delete goes by ctid alone (a
-    /// TID scan; with the source beside it, a planner without statistics
-    /// may read the source's whole queue). Entries are never updated, so a ctid seen by the
+    /// a round instead of 10). The relay's own connections turn bitmap
+    /// scans and sorts off (see `connect`), which hid that; the shape must
+    /// not depend on it (a pooler may drop those settings). The delete goes
+    /// by ctid alone (a TID scan; with the source beside it, a planner
+    /// without statistics may read the source's whole queue). Entries are never updated, so a ctid seen by the
     /// statement's snapshot names that entry (or one deleted since, which
     /// the delete then skips).
     fn orphan_sql(&self) -> Result<String> {
