@@ -541,14 +541,12 @@ impl Plugin {
     /// Hand the route config to a new instance's `init`.
     fn init(&self, inst: &mut Instance) -> Result<()> {
         let Instance { store, router } = inst;
-        let deadline = store
-            .data_mut()
-            .begin_call(self.limits.cpu_budget.max(SETUP_MIN_BUDGET), 1);
-        store.set_epoch_deadline(deadline);
         let limits = Limits {
             cpu_budget: self.limits.cpu_budget.max(SETUP_MIN_BUDGET),
             ..self.limits
         };
+        let deadline = store.data_mut().begin_call(limits.cpu_budget, 1);
+        store.set_epoch_deadline(deadline);
         router
             .call_init(&mut *store, &self.config_json)
             .map_err(|e| {

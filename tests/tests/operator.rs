@@ -109,6 +109,21 @@ async fn migrate_needs_only_the_store_and_errors_say_things_once() -> anyhow::Re
         1,
         "{err}"
     );
+    // A database nobody listens on is named with the operating system's
+    // reason, not only "pool timed out".
+    let refused = write_config(
+        &dir,
+        "postgres://root@127.0.0.1:1/test",
+        "",
+        &body(&dir, "", false),
+    )?;
+    let (code, _, err) = cli(&["migrate", "-c", &refused.to_string_lossy()])?;
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("cannot connect to postgres://root@127.0.0.1:1/test")
+            && err.to_lowercase().contains("connection refused"),
+        "{err}"
+    );
     db.drop_db().await;
     Ok(())
 }
@@ -236,6 +251,28 @@ async fn events_published_without_messages_are_counted_per_route_in_status() -> 
     Ok(())
 }
 
+/// A config file `name` in `dir`: an embedded (SQLite) outbox, a file sink
+/// and one route `orders` through the plugin at `plugin` with `config`.
+fn sqlite_config(
+    dir: &std::path::Path,
+    name: &str,
+    plugin: &str,
+    config: &str,
+) -> anyhow::Result<String> {
+    let f = dir.join(name);
+    std::fs::write(
+        &f,
+        format!(
+            "[store]\nurl = \"sqlite://{db}\"\n[sinks.file]\nkind = \"file\"\npath = \"{out}\"\n\
+             [plugins.p]\npath = \"{plugin}\"\n[[routes]]\nname = \"orders\"\nplugin = \"p\"\n\
+             config = {config}\nallow = {{ file = [\"orders.*\"] }}\n",
+            db = dir.join("outbox.db").display(),
+            out = dir.join("out.jsonl").display(),
+        ),
+    )?;
+    Ok(f.display().to_string())
+}
+
 /// `config check` loads every route's plugin as `run` would: a route config
 /// the plugin's `init` refuses, a core module and a file that is no
 /// WebAssembly at all each fail the check, naming the route and the file.
@@ -247,25 +284,11 @@ fn config_check_loads_every_plugin_as_run_does() -> anyhow::Result<()> {
     let text = dir.join("text.wasm");
     std::fs::write(&text, "not a plugin\n")?;
     let gate = plugin("schema-gate").display().to_string();
-    let write = |name: &str, path: &str, config: &str| -> anyhow::Result<String> {
-        let f = dir.join(name);
-        std::fs::write(
-            &f,
-            format!(
-                "[store]\nurl = \"sqlite://{db}\"\n[sinks.file]\nkind = \"file\"\npath = \"{out}\"\n\
-                 [plugins.p]\npath = \"{path}\"\n[[routes]]\nname = \"gated\"\nplugin = \"p\"\n\
-                 config = {config}\nallow = {{ file = [\"orders.*\"] }}\n",
-                db = dir.join("outbox.db").display(),
-                out = dir.join("out.jsonl").display(),
-            ),
-        )?;
-        Ok(f.display().to_string())
-    };
-    let refused = write("refused.toml", &gate, "{ topik = 1 }")?;
+    let refused = sqlite_config(&dir, "refused.toml", &gate, "{ topik = 1 }")?;
     let (code, out, err) = cli(&["config", "check", "-c", &refused])?;
     assert_eq!(code, 1, "{out}{err}");
     assert!(
-        err.contains("routes[0] (route `gated`): plugin")
+        err.contains("routes[0] (route `orders`): plugin")
             && err.contains("refused its route config")
             && err.contains("topik"),
         "{err}"
@@ -278,7 +301,12 @@ fn config_check_loads_every_plugin_as_run_does() -> anyhow::Result<()> {
         ),
         ("text.toml", &text, "is not a WebAssembly file"),
     ] {
-        let c = write(name, &path.display().to_string(), "{ sink = \"file\" }")?;
+        let c = sqlite_config(
+            &dir,
+            name,
+            &path.display().to_string(),
+            "{ sink = \"file\" }",
+        )?;
         let (code, out, err) = cli(&["config", "check", "-c", &c])?;
         assert_eq!(code, 1, "{name}: {out}{err}");
         assert!(err.contains(why), "{name}: {err}");
@@ -292,20 +320,14 @@ fn config_check_loads_every_plugin_as_run_does() -> anyhow::Result<()> {
 #[test]
 fn a_list_cannot_be_overridden_from_the_environment() -> anyhow::Result<()> {
     let dir = test_dir("env-list");
-    let f = dir.join("outroute.toml");
-    std::fs::write(
-        &f,
-        format!(
-            "[store]\nurl = \"sqlite://{db}\"\n[sinks.file]\nkind = \"file\"\npath = \"{out}\"\n\
-             [plugins.p]\npath = \"{p}\"\n[[routes]]\nname = \"orders\"\nplugin = \"p\"\n\
-             config = {{ sink = \"file\", topic = \"orders.{{event_type}}\" }}\nallow = {{ file = [\"orders.*\"] }}\n",
-            db = dir.join("outbox.db").display(),
-            out = dir.join("out.jsonl").display(),
-            p = plugin("order-router").display(),
-        ),
+    let f = sqlite_config(
+        &dir,
+        "outroute.toml",
+        &plugin("order-router").display().to_string(),
+        "{ sink = \"file\", topic = \"orders.{event_type}\" }",
     )?;
     let out = Command::new(bin())
-        .args(["config", "check", "-c", &f.display().to_string()])
+        .args(["config", "check", "-c", &f])
         .env("OUTROUTE_ROUTES__0__MAX_ATTEMPTS", "3")
         .output()?;
     let err = String::from_utf8_lossy(&out.stderr);
@@ -313,27 +335,6 @@ fn a_list_cannot_be_overridden_from_the_environment() -> anyhow::Result<()> {
     assert!(
         err.contains("environment:routes:")
             && err.contains("cannot be set or changed from the environment"),
-        "{err}"
-    );
-    Ok(())
-}
-
-/// A database nobody listens on is named with the operating system's
-/// reason, not only "pool timed out".
-#[tokio::test(flavor = "multi_thread")]
-async fn an_unreachable_database_says_why() -> anyhow::Result<()> {
-    let dir = test_dir("db-refused");
-    let config = write_config(
-        &dir,
-        "postgres://root@127.0.0.1:1/test",
-        "",
-        &body(&dir, "", false),
-    )?;
-    let (code, _, err) = cli(&["migrate", "-c", &config.to_string_lossy()])?;
-    assert_ne!(code, 0);
-    assert!(
-        err.contains("cannot connect to postgres://root@127.0.0.1:1/test")
-            && err.to_lowercase().contains("connection refused"),
         "{err}"
     );
     Ok(())
