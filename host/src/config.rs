@@ -1093,6 +1093,15 @@ pub fn load(file: &Path) -> Result<Loaded, ConfigErrors> {
         .collect();
     for (key, reason) in problems {
         let (file, key) = origins.locate(&shown, &key);
+        // A value an `OUTROUTE_…` variable set is the environment's fault,
+        // not the file's.
+        let (file, reason) = match env_var_of(&figment, &key) {
+            Some(var) if file == shown => (
+                "environment".to_string(),
+                format!("{reason} (set by {var})"),
+            ),
+            _ => (file, reason),
+        };
         if !errors.iter().any(|e| e.file == file && e.key == key) {
             errors.push(ConfigError { file, key, reason });
         }
@@ -1147,6 +1156,16 @@ pub fn schema() -> serde_json::Value {
 
 /// A key path as the other messages spell it: `routes[0].plugin`, not
 /// `routes.0.plugin`.
+/// The `OUTROUTE_…` variable that set config `key` (`store.url`,
+/// `routes[0].x`), if the environment set it.
+fn env_var_of(figment: &Figment, key: &str) -> Option<String> {
+    let dotted = key.replace('[', ".").replace(']', "");
+    let from_env = figment
+        .find_metadata(&dotted)
+        .is_some_and(|m| m.name.contains("environment"));
+    from_env.then(|| format!("OUTROUTE_{}", dotted.to_uppercase().replace('.', "__")))
+}
+
 fn key_of(path: &[String]) -> String {
     let mut key = String::new();
     for part in path {

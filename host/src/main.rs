@@ -97,6 +97,12 @@ enum ConfigAction {
         /// lane index the claim needs (printing the CREATE INDEX if missing).
         #[arg(long)]
         store: bool,
+        /// Also reach every sink as `run` would, publishing and creating
+        /// nothing: Kafka brokers answer, the NATS server takes the
+        /// credentials and a JetStream stream captures every subject the
+        /// routes allow. A broker that is down fails the check.
+        #[arg(long)]
+        sinks: bool,
     },
     /// What a reload from OLD to NEW would change: sources, sinks, plugins
     /// and routes added, removed or changed, and settings that need a restart.
@@ -150,8 +156,13 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Replay(args) => ops::replay(args).await,
         Command::Plugin { action } => ops::plugin(action).await,
         Command::Config {
-            action: ConfigAction::Check { config, store },
-        } => ops::config_check(&config, store).await,
+            action:
+                ConfigAction::Check {
+                    config,
+                    store,
+                    sinks,
+                },
+        } => ops::config_check(&config, store, sinks).await,
         Command::Config {
             action: ConfigAction::Diff { old, new },
         } => ops::config_diff(&old, &new),

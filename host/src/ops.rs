@@ -1206,7 +1206,7 @@ pub async fn plugin(action: PluginAction) -> Result<ExitCode> {
     }
 }
 
-pub async fn config_check(arg: &ConfigArg, store: bool) -> Result<ExitCode> {
+pub async fn config_check(arg: &ConfigArg, store: bool, sinks: bool) -> Result<ExitCode> {
     let path = arg.config.as_path();
     let l = match config::load(path) {
         Ok(l) => l,
@@ -1308,6 +1308,29 @@ pub async fn config_check(arg: &ConfigArg, store: bool) -> Result<ExitCode> {
                     path.display()
                 ),
             }
+        }
+    }
+    if sinks {
+        let routes = crate::routing::Routes::compile(&l.config).map_err(anyhow::Error::msg)?;
+        let mut failed = false;
+        for found in crate::sink::check_all(
+            &l.config.sinks,
+            &routes,
+            &l.base_dir,
+            l.config.relay.publish_timeout,
+        )
+        .await
+        {
+            match found {
+                Ok(line) => println!("{line}"),
+                Err(e) => {
+                    eprintln!("{}:{e:#}", path.display());
+                    failed = true;
+                }
+            }
+        }
+        if failed {
+            return Ok(ExitCode::FAILURE);
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -233,3 +233,94 @@ async fn a_batch_larger_than_the_in_flight_limit_does_not_wait_on_itself() -> an
     db.drop_db().await;
     Ok(())
 }
+
+/// `config check --sinks` reaches every sink as `run` would and changes
+/// nothing: a NATS subject no stream captures fails the check (naming the
+/// pattern), a `create_stream` not made yet is reported and left uncreated,
+/// Kafka brokers that answer pass and an address nobody listens on fails.
+#[tokio::test(flavor = "multi_thread")]
+async fn config_check_reaches_the_sinks_and_creates_nothing() -> anyhow::Result<()> {
+    let t = tag();
+    let dir = test_dir("check-sinks");
+    let stream = format!("CHK{t}");
+    let write = |nats_extra: &str, brokers: &str| -> anyhow::Result<String> {
+        let f = dir.join("outroute.toml");
+        std::fs::write(
+            &f,
+            format!(
+                "[store]\nurl = \"sqlite://{db}\"\n\
+                 [sinks.kafka]\nkind = \"kafka\"\nbrokers = \"{brokers}\"\n\
+                 [sinks.nats]\nkind = \"nats\"\nurl = \"{NATS}\"\n{nats_extra}\n\
+                 [plugins.p]\npath = \"{plugin}\"\n[[routes]]\nname = \"orders\"\nplugin = \"p\"\n\
+                 config = {{ sink = \"nats\", topic = \"c{t}.{{event_type}}\" }}\n\
+                 allow = {{ nats = [\"c{t}.*\"], kafka = [\"c{t}.*\"] }}\n",
+                db = dir.join("outbox.db").display(),
+                plugin = plugin("order-router").display(),
+            ),
+        )?;
+        Ok(f.display().to_string())
+    };
+
+    // No stream captures c<t>.*: refused, naming the sink and the pattern.
+    let f = write("", KAFKA)?;
+    let (code, out, err) = cli(&["config", "check", "--sinks", "-c", &f])?;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains(&format!(
+            "{f}:sinks.nats: no JetStream stream captures subject `c{t}.x` (allowed pattern `c{t}.*`)"
+        )),
+        "{err}"
+    );
+    assert!(
+        out.contains(&format!("sinks.kafka: reached {KAFKA}")),
+        "{out}"
+    );
+    // Without --sinks nothing is reached and the file passes.
+    let (code, _, err) = cli(&["config", "check", "-c", &f])?;
+    assert_eq!(code, 0, "{err}");
+
+    // create_stream would capture it: reported, and still not created.
+    let f = write(
+        &format!("create_stream = {{ name = \"{stream}\", subjects = [\"c{t}.>\"] }}"),
+        KAFKA,
+    )?;
+    let (code, out, err) = cli(&["config", "check", "--sinks", "-c", &f])?;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains(&format!(
+            "stream `{stream}` does not exist yet; `run` creates it"
+        )) && out.contains(&format!(
+            "`c{t}.*` will go to stream `{stream}` (created by `run`)"
+        )),
+        "{out}"
+    );
+    let js = async_nats::jetstream::new(async_nats::connect(NATS).await?);
+    assert!(
+        js.get_stream(&stream).await.is_err(),
+        "the check created the stream"
+    );
+
+    // An existing stream is found by subject.
+    let _js = nats_stream(&stream, vec![format!("c{t}.>")]).await?;
+    let f = write("", KAFKA)?;
+    let (code, out, err) = cli(&["config", "check", "--sinks", "-c", &f])?;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains(&format!("sinks.nats: `c{t}.*` goes to stream `{stream}`")),
+        "{out}"
+    );
+
+    // Kafka brokers nobody runs: refused (at start-up this is an outage the
+    // relay waits out; a check says so).
+    let f = write("", "127.0.0.1:1")?;
+    let (code, out, err) = cli(&["config", "check", "--sinks", "-c", &f])?;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains(&format!(
+            "{f}:sinks.kafka: no Kafka broker at 127.0.0.1:1 answered"
+        )),
+        "{err}"
+    );
+    let _ = js.delete_stream(&stream).await;
+    Ok(())
+}

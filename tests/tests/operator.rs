@@ -339,3 +339,36 @@ fn a_list_cannot_be_overridden_from_the_environment() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// A bad value from an `OUTROUTE_…` variable is blamed on the variable, not
+/// on the file (whose own value was fine).
+#[test]
+fn a_bad_value_from_the_environment_names_the_variable() -> anyhow::Result<()> {
+    let dir = test_dir("env-blame");
+    let f = sqlite_config(
+        &dir,
+        "outroute.toml",
+        &plugin("order-router").display().to_string(),
+        "{ sink = \"file\", topic = \"orders.{event_type}\" }",
+    )?;
+    let ok = Command::new(bin())
+        .args(["config", "check", "-c", &f])
+        .output()?;
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    let out = Command::new(bin())
+        .args(["config", "check", "-c", &f])
+        .env("OUTROUTE_STORE__URL", "")
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("environment:store.url:") && err.contains("(set by OUTROUTE_STORE__URL)"),
+        "{err}"
+    );
+    assert!(!err.contains(&format!("{f}:store.url")), "{err}");
+    Ok(())
+}

@@ -58,6 +58,27 @@ impl Output {
     }
 }
 
+/// `outroute config check --sinks`: where the sink writes; an existing
+/// file must open for appending (nothing is written).
+pub fn check(name: &str, c: &FileSinkConfig, base_dir: &Path) -> Result<String> {
+    if c.path == "-" {
+        return Ok(format!("sinks.{name}: writes to standard output"));
+    }
+    let path = base_dir.join(&c.path);
+    if path.exists() {
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("sinks.{name}.path: cannot open {}", path.display()))?;
+        Ok(format!("sinks.{name}: appends to {}", path.display()))
+    } else {
+        Ok(format!(
+            "sinks.{name}: {} does not exist yet; `run` creates it",
+            path.display()
+        ))
+    }
+}
+
 impl FileSink {
     pub fn build(name: &str, c: &FileSinkConfig, base_dir: &Path) -> Result<Self> {
         let out = if c.path == "-" {

@@ -164,6 +164,14 @@ fn is_config_error(code: Option<RDKafkaErrorCode>, reason: &str) -> bool {
         || reason.contains("Authentication")
 }
 
+/// Why [`KafkaSink::reach`] got no metadata.
+enum Unreached {
+    /// The brokers refused this client's configuration (TLS, SASL).
+    Refused(String),
+    /// No broker answered (down, unreachable, wrong address).
+    Down(String),
+}
+
 pub struct KafkaSink {
     name: String,
     /// Replaced when librdkafka reports a fatal error (e.g. the idempotent
@@ -323,35 +331,70 @@ impl KafkaSink {
     /// speak SASL) is an error naming the sink; brokers that are merely down
     /// are an outage — the relay starts and waits for them.
     pub async fn verify(&self) -> Result<()> {
+        match self.reach(Duration::from_secs(5)).await {
+            Ok(_) => Ok(()),
+            Err(Unreached::Refused(reason)) => anyhow::bail!(
+                "sinks.{}: cannot use the Kafka brokers: {reason} (check sinks.{0}.tls and sinks.{0}.sasl)",
+                self.name
+            ),
+            Err(Unreached::Down(why)) => {
+                tracing::warn!(sink = %self.name, "Kafka brokers not reachable yet ({why}); publishing waits for them");
+                Ok(())
+            }
+        }
+    }
+
+    /// `outroute config check --sinks`: reach the brokers as [`Self::verify`]
+    /// does, but brokers that are down are an error too. Returns what was
+    /// found.
+    pub async fn check(&self, brokers: &str) -> Result<String> {
+        match self.reach(Duration::from_secs(5)).await {
+            Ok(n) => Ok(format!(
+                "sinks.{}: reached {brokers} ({n} broker{} in the cluster)",
+                self.name,
+                if n == 1 { "" } else { "s" }
+            )),
+            Err(Unreached::Refused(reason)) => anyhow::bail!(
+                "sinks.{}: cannot use the Kafka brokers: {reason} (check sinks.{0}.tls and sinks.{0}.sasl)",
+                self.name
+            ),
+            Err(Unreached::Down(why)) => anyhow::bail!(
+                "sinks.{}: no Kafka broker at {brokers} answered within 5 s ({why})",
+                self.name
+            ),
+        }
+    }
+
+    /// Fetch the cluster's metadata, trying for up to `within`: the number
+    /// of brokers in it, or why not.
+    async fn reach(&self, within: Duration) -> Result<usize, Unreached> {
         let started = std::time::Instant::now();
-        while started.elapsed() < Duration::from_secs(5) {
+        while started.elapsed() < within {
             let p = self.healthy_producer();
-            let reached = tokio::task::spawn_blocking(move || {
+            let brokers = tokio::task::spawn_blocking(move || {
                 p.client()
                     .fetch_metadata(None, Duration::from_millis(500))
-                    .is_ok()
+                    .map(|m| m.brokers().len())
+                    .ok()
             })
             .await
-            .unwrap_or(false);
-            if reached {
-                return Ok(());
+            .ok()
+            .flatten();
+            if let Some(n) = brokers {
+                return Ok(n);
             }
             if let Some((code, reason)) = self.context.last_error()
                 && is_config_error(code, &reason)
             {
-                anyhow::bail!(
-                    "sinks.{}: cannot use the Kafka brokers: {reason} (check sinks.{0}.tls and sinks.{0}.sasl)",
-                    self.name
-                );
+                return Err(Unreached::Refused(reason));
             }
         }
-        let why = self
-            .context
-            .last_error()
-            .map(|(_, r)| r)
-            .unwrap_or_else(|| "no answer".into());
-        tracing::warn!(sink = %self.name, "Kafka brokers not reachable yet ({why}); publishing waits for them");
-        Ok(())
+        Err(Unreached::Down(
+            self.context
+                .last_error()
+                .map(|(_, r)| r)
+                .unwrap_or_else(|| "no answer".into()),
+        ))
     }
 
     /// The current producer, replaced first if librdkafka declared it dead.

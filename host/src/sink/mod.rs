@@ -192,3 +192,30 @@ pub async fn build_all(
     }
     Ok(Arc::new(sinks))
 }
+
+/// `outroute config check --sinks`: reach every configured sink as `run`
+/// would, publishing and creating nothing. What was found, one line each,
+/// or a problem. Unlike start-up, a broker that is down is a problem here.
+pub async fn check_all(
+    configs: &BTreeMap<String, SinkConfig>,
+    routes: &Routes,
+    base_dir: &std::path::Path,
+    publish_timeout: std::time::Duration,
+) -> Vec<Result<String>> {
+    let mut out = Vec::new();
+    for (name, cfg) in configs {
+        match cfg {
+            SinkConfig::Kafka(k) => {
+                out.push(match kafka::KafkaSink::build(name, k, publish_timeout) {
+                    Ok(sink) => sink.check(&k.brokers).await,
+                    Err(e) => Err(e),
+                })
+            }
+            SinkConfig::Nats(n) => out.extend(
+                nats::check(name, n, &routes.patterns_for_sink(name), publish_timeout).await,
+            ),
+            SinkConfig::File(f) => out.push(file::check(name, f, base_dir)),
+        }
+    }
+    out
+}

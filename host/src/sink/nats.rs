@@ -404,6 +404,102 @@ impl Sink for NatsSink {
     }
 }
 
+/// `outroute config check --sinks`: connect as `run` does, once (a server
+/// that is down is a problem here, not an outage to wait out), and find the
+/// JetStream stream each allowed pattern's subjects go to. Changes
+/// nothing: a `create_stream` that does not exist yet is reported (with the
+/// patterns it would capture), not created. One finding or problem each.
+pub async fn check(
+    name: &str,
+    c: &NatsSinkConfig,
+    patterns: &[String],
+    publish_timeout: Duration,
+) -> Vec<Result<String>> {
+    let client = match connect_options(name, c, publish_timeout).await {
+        Ok(o) => o.connect(&c.url).await.map_err(|e| {
+            anyhow::anyhow!(
+                "sinks.{name}: cannot connect to {}: {e}{}",
+                c.url,
+                config_hint(name, c, &e)
+            )
+        }),
+        Err(e) => Err(e),
+    };
+    let client = match client {
+        Ok(client) => client,
+        Err(e) => return vec![Err(e)],
+    };
+    let mut found = vec![Ok(format!("sinks.{name}: connected to {}", c.url))];
+    if c.mode == NatsMode::Core {
+        return found;
+    }
+    let mut ctx = jetstream::new(client);
+    ctx.set_timeout(publish_timeout);
+    let mut to_create = None;
+    if let Some(s) = &c.create_stream {
+        use jetstream::context::GetStreamErrorKind as K;
+        match ctx.get_stream(&s.name).await {
+            Ok(_) => {}
+            Err(e) if matches!(e.kind(), K::JetStream(j) if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND) =>
+            {
+                found.push(Ok(format!(
+                    "sinks.{name}.create_stream: stream `{}` does not exist yet; `run` creates it",
+                    s.name
+                )));
+                to_create = Some(s);
+            }
+            Err(e) => found.push(Err(anyhow::anyhow!(
+                "sinks.{name}.create_stream: cannot look up stream `{}`: {e}",
+                s.name
+            ))),
+        }
+    }
+    for p in patterns {
+        let sample = sample_subject(p);
+        let stream = tokio::time::timeout(
+            Duration::from_secs(5),
+            ctx.stream_by_subject(sample.clone()),
+        )
+        .await;
+        found.push(match stream {
+            Err(_) => Err(anyhow::anyhow!(
+                "sinks.{name}: the server did not answer which stream captures `{sample}`"
+            )),
+            Ok(Ok(stream)) => Ok(format!("sinks.{name}: `{p}` goes to stream `{stream}`")),
+            Ok(Err(_))
+                if to_create
+                    .is_some_and(|s| s.subjects.iter().any(|f| subject_matches(f, &sample))) =>
+            {
+                Ok(format!(
+                    "sinks.{name}: `{p}` will go to stream `{}` (created by `run`)",
+                    to_create.map(|s| s.name.as_str()).unwrap_or_default()
+                ))
+            }
+            Ok(Err(e)) => Err(anyhow::anyhow!(
+                "sinks.{name}: no JetStream stream captures subject `{sample}` (allowed pattern `{p}`): {e}; \
+                 create the stream or set sinks.{name}.create_stream"
+            )),
+        });
+    }
+    found
+}
+
+/// Whether NATS subject filter `filter` (`*` one token, `>` the rest)
+/// matches the concrete `subject`.
+fn subject_matches(filter: &str, subject: &str) -> bool {
+    let mut want = filter.split('.');
+    let mut have = subject.split('.');
+    loop {
+        match (want.next(), have.next()) {
+            (Some(">"), Some(_)) => return true,
+            (Some("*"), Some(_)) => {}
+            (Some(w), Some(h)) if w == h => {}
+            (None, None) => return true,
+            _ => return false,
+        }
+    }
+}
+
 /// A concrete subject matching an allow-list pattern (`*`/`**` → `x`).
 fn sample_subject(pattern: &str) -> String {
     pattern
@@ -422,5 +518,16 @@ mod tests {
             "orders.x.created"
         );
         assert_eq!(super::sample_subject("orders.**"), "orders.x");
+    }
+
+    #[test]
+    fn subject_filters() {
+        use super::subject_matches as m;
+        assert!(m("orders.>", "orders.x.created"));
+        assert!(m("orders.*", "orders.x"));
+        assert!(!m("orders.*", "orders.x.created"));
+        assert!(!m("orders.>", "orders"));
+        assert!(m("orders.created", "orders.created"));
+        assert!(!m("audit.*", "orders.x"));
     }
 }
