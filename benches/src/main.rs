@@ -96,6 +96,12 @@ struct Args {
     /// The Kafka sink's `linger_ms` in every run (unset: the relay's default).
     #[arg(long)]
     linger_ms: Option<u32>,
+    /// Where the latency and history runs publish: `kafka` (tansu) or
+    /// `nats` (JetStream). Pickup waits for a free worker, and a worker's
+    /// batch waits for the broker's acknowledgement, so the broker shows in
+    /// pickup too.
+    #[arg(long, default_value = "kafka", value_parser = ["kafka", "nats"])]
+    latency_sink: String,
 }
 
 /// How pre-filled tables are made (see `--aggregates`, `--analyse`).
@@ -111,6 +117,8 @@ static FILL: std::sync::OnceLock<Fill> = std::sync::OnceLock::new();
 static SSLMODE: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
 /// `--linger-ms`, for every Kafka sink the runs configure.
 static LINGER_MS: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+/// `--latency-sink`.
+static LATENCY_SINK: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 /// Which PostgreSQL and which capture the drain, latency and wake-up runs
 /// use: 0 the shared cluster (lease), 1 the `wal_level = logical` cluster
@@ -190,6 +198,7 @@ async fn main() -> Result<()> {
     });
     let _ = SSLMODE.set(args.pg_sslmode.clone());
     let _ = LINGER_MS.set(args.linger_ms);
+    let _ = LATENCY_SINK.set(args.latency_sink.clone());
     match args.marking.as_str() {
         "queue" => {}
         "published_at" => STAMP.store(true, Ordering::Relaxed),
@@ -363,7 +372,10 @@ async fn main() -> Result<()> {
         eprintln!("== steady-state latency");
         let l = latency(args.latency_secs, args.rate, 0, 0, args.concurrency).await?;
         table.push((
-            format!("latency @{}/s commit→consumer", args.rate),
+            format!(
+                "latency @{}/s → {} commit→consumer",
+                args.rate, args.latency_sink
+            ),
             format!(
                 "p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
                 l["commit_to_consumer_ms"]["p50"].as_f64().unwrap_or(0.0),
@@ -1298,6 +1310,14 @@ fn push_claim_figures(table: &mut Vec<(String, String)>, label: &str, l: &Value)
             format!("p50 ≤ {} ms, p99 ≤ {} ms", l[key]["p50"], l[key]["p99"]),
         ));
     }
+    table.push((
+        format!("latency @{rate}/s producer transaction (BEGIN→COMMIT){label}"),
+        format!(
+            "p50 {:.1} ms, p99 {:.1} ms (inside lease mode's pickup: created_at is the start)",
+            l["producer_tx_ms"]["p50"].as_f64().unwrap_or(0.0),
+            l["producer_tx_ms"]["p99"].as_f64().unwrap_or(0.0)
+        ),
+    ));
 }
 
 /// A deep backlog drained to Kafka: is the last 100k as fast as the
@@ -1435,7 +1455,12 @@ async fn latency(
     let db = bench_db().await?;
     let t = tag();
     let topic = format!("b{t}.order-created");
-    create_topic(&topic, 3).await?;
+    let sink = LATENCY_SINK.get().map_or("kafka", String::as_str);
+    if sink == "nats" {
+        nats_stream(&format!("B{t}"), vec![format!("b{t}.>")]).await?;
+    } else {
+        create_topic(&topic, 3).await?;
+    }
     let dir = test_dir("latency");
     let http = outroute_e2e::free_addr();
     let config = write_config_with(
@@ -1446,7 +1471,7 @@ async fn latency(
         &format!(
             "{}{}",
             canonical().mapping(),
-            relay_body("kafka", &t, &http)
+            relay_body(sink, &t, &http)
         ),
     )?;
     db.migrate(&config)?;
@@ -1486,10 +1511,35 @@ async fn latency(
     // Consumer thread: id → receive instant.
     let stop = Arc::new(AtomicBool::new(false));
     let (tx, rx) = std::sync::mpsc::channel::<(String, Instant)>();
+    // JetStream: a core subscription sees each message as the stream
+    // stores it.
+    let nats_consumer = if sink == "nats" {
+        let sub = async_nats::connect(NATS)
+            .await?
+            .subscribe(format!("b{t}.>"))
+            .await?;
+        let tx = tx.clone();
+        Some(tokio::spawn(async move {
+            use futures::StreamExt;
+            let mut sub = sub;
+            while let Some(m) = sub.next().await {
+                let now = Instant::now();
+                if let Some(id) = m.headers.as_ref().and_then(|h| h.get("ce_id")) {
+                    let _ = tx.send((id.to_string(), now));
+                }
+            }
+        }))
+    } else {
+        None
+    };
     let consumer = {
         let stop = stop.clone();
         let topic = topic.clone();
+        let kafka = sink == "kafka";
         std::thread::spawn(move || -> Result<()> {
+            if !kafka {
+                return Ok(());
+            }
             use rdkafka::consumer::{BaseConsumer, Consumer};
             use rdkafka::message::{Headers, Message};
             let c: BaseConsumer = rdkafka::ClientConfig::new()
@@ -1530,10 +1580,12 @@ async fn latency(
         let pool = db.pool.clone();
         writers.push(tokio::spawn(async move {
             let mut committed: Vec<(String, Instant)> = Vec::new();
+            let mut tx_ms: Vec<f64> = Vec::new();
             let mut next = Instant::now();
             let mut i = 0usize;
             while Instant::now() < end {
                 let id = uuid::Uuid::new_v4();
+                let began = Instant::now();
                 let mut tx = pool.begin().await?;
                 sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'order', $2, 'order-created', $3)")
                     .bind(id)
@@ -1542,23 +1594,35 @@ async fn latency(
                     .execute(&mut *tx)
                     .await?;
                 tx.commit().await?;
-                committed.push((id.to_string(), Instant::now()));
+                let done = Instant::now();
+                committed.push((id.to_string(), done));
+                tx_ms.push(done.duration_since(began).as_secs_f64() * 1000.0);
                 i += 1;
                 next += per_writer;
                 tokio::time::sleep_until(next.into()).await;
             }
-            anyhow::Ok(committed)
+            anyhow::Ok((committed, tx_ms))
         }));
     }
     let mut committed: HashMap<String, Instant> = HashMap::new();
+    // BEGIN to COMMIT acknowledged, per producer transaction: lease mode's
+    // pickup starts at `created_at` (the transaction's start), so it
+    // includes this.
+    let mut tx_ms: Vec<f64> = Vec::new();
     for w in writers {
-        committed.extend(w.await??);
+        let (c, t) = w.await??;
+        committed.extend(c);
+        tx_ms.extend(t);
     }
+    tx_ms.sort_by(f64::total_cmp);
     tokio::time::sleep(Duration::from_secs(2)).await;
     // The relay's CPU over the steady window and the 2 s tail after it.
     let relay_cores = (proc_stats(pid).0 - cpu0) / t0.elapsed().as_secs_f64().max(1e-3);
     stop.store(true, Ordering::Relaxed);
     let _ = consumer.join();
+    if let Some(c) = nats_consumer {
+        c.abort();
+    }
     let mut lat: Vec<f64> = Vec::new();
     for (id, at) in rx.try_iter() {
         if let Some(c) = committed.get(&id) {
@@ -1573,6 +1637,8 @@ async fn latency(
     relay.terminate(Duration::from_secs(15));
     db.drop_db().await;
     Ok(json!({
+        "sink": sink,
+        "producer_tx_ms": {"p50": percentile(&tx_ms, 0.5), "p99": percentile(&tx_ms, 0.99)},
         "relay_cores": relay_cores,
         "committed": committed.len(),
         "received": lat.len(),
