@@ -315,35 +315,12 @@ fn config_check_loads_every_plugin_as_run_does() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// An environment override of a list entry (`OUTROUTE_ROUTES__0__…`) is
-/// refused with a reason that says lists live in the file.
+/// Problems an `OUTROUTE_…` variable caused are the environment's, not the
+/// file's: an override of a list entry (`OUTROUTE_ROUTES__0__…`) is refused
+/// with a reason that says lists live in the file, and a bad value names
+/// the variable that set it (the file's own value was fine).
 #[test]
-fn a_list_cannot_be_overridden_from_the_environment() -> anyhow::Result<()> {
-    let dir = test_dir("env-list");
-    let f = sqlite_config(
-        &dir,
-        "outroute.toml",
-        &plugin("order-router").display().to_string(),
-        "{ sink = \"file\", topic = \"orders.{event_type}\" }",
-    )?;
-    let out = Command::new(bin())
-        .args(["config", "check", "-c", &f])
-        .env("OUTROUTE_ROUTES__0__MAX_ATTEMPTS", "3")
-        .output()?;
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(
-        err.contains("environment:routes:")
-            && err.contains("cannot be set or changed from the environment"),
-        "{err}"
-    );
-    Ok(())
-}
-
-/// A bad value from an `OUTROUTE_…` variable is blamed on the variable, not
-/// on the file (whose own value was fine).
-#[test]
-fn a_bad_value_from_the_environment_names_the_variable() -> anyhow::Result<()> {
+fn problems_from_the_environment_are_blamed_on_it() -> anyhow::Result<()> {
     let dir = test_dir("env-blame");
     let f = sqlite_config(
         &dir,
@@ -351,20 +328,31 @@ fn a_bad_value_from_the_environment_names_the_variable() -> anyhow::Result<()> {
         &plugin("order-router").display().to_string(),
         "{ sink = \"file\", topic = \"orders.{event_type}\" }",
     )?;
-    let ok = Command::new(bin())
-        .args(["config", "check", "-c", &f])
-        .output()?;
+    let check = |var: &str, value: &str| -> anyhow::Result<(Option<i32>, String)> {
+        let mut c = Command::new(bin());
+        c.args(["config", "check", "-c", &f]);
+        if !var.is_empty() {
+            c.env(var, value);
+        }
+        let out = c.output()?;
+        Ok((
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        ))
+    };
+    let (code, err) = check("", "")?;
+    assert_eq!(code, Some(0), "{err}");
+
+    let (code, err) = check("OUTROUTE_ROUTES__0__MAX_ATTEMPTS", "3")?;
+    assert_eq!(code, Some(1), "{err}");
     assert!(
-        ok.status.success(),
-        "{}",
-        String::from_utf8_lossy(&ok.stderr)
+        err.contains("environment:routes:")
+            && err.contains("cannot be set or changed from the environment"),
+        "{err}"
     );
-    let out = Command::new(bin())
-        .args(["config", "check", "-c", &f])
-        .env("OUTROUTE_STORE__URL", "")
-        .output()?;
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+
+    let (code, err) = check("OUTROUTE_STORE__URL", "")?;
+    assert_eq!(code, Some(1), "{err}");
     assert!(
         err.contains("environment:store.url:") && err.contains("(set by OUTROUTE_STORE__URL)"),
         "{err}"
