@@ -1154,8 +1154,6 @@ pub fn schema() -> serde_json::Value {
     serde_json::to_value(schemars::schema_for!(Config)).unwrap_or_default()
 }
 
-/// A key path as the other messages spell it: `routes[0].plugin`, not
-/// `routes.0.plugin`.
 /// The `OUTROUTE_…` variable that set config `key` (`store.url`,
 /// `routes[0].x`), if the environment set it.
 fn env_var_of(figment: &Figment, key: &str) -> Option<String> {
@@ -1166,6 +1164,8 @@ fn env_var_of(figment: &Figment, key: &str) -> Option<String> {
     from_env.then(|| format!("OUTROUTE_{}", dotted.to_uppercase().replace('.', "__")))
 }
 
+/// A key path as the other messages spell it: `routes[0].plugin`, not
+/// `routes.0.plugin`.
 fn key_of(path: &[String]) -> String {
     let mut key = String::new();
     for part in path {
