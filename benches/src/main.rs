@@ -1417,7 +1417,6 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
-/// Upper bound (ms) of the histogram bucket holding quantile `q`.
 /// The share of histogram `name`'s observations above bucket bound `le`
 /// (seconds; must be one of its bounds): "p99 ≤ 2 ms" holds when the share
 /// above 0.002 is at most 1 %.
@@ -1434,6 +1433,7 @@ fn bucket_share_above(metrics: &str, name: &str, le: f64) -> Option<f64> {
     (total > 0.0).then(|| 1.0 - count(&le.to_string()) / total)
 }
 
+/// Upper bound (ms) of the histogram bucket holding quantile `q`.
 fn bucket_quantile(metrics: &str, name: &str, q: f64) -> Value {
     let mut buckets: Vec<(f64, f64)> = metrics
         .lines()
@@ -1531,8 +1531,9 @@ async fn latency(
     // Consumer thread: id → receive instant.
     let stop = Arc::new(AtomicBool::new(false));
     let (tx, rx) = std::sync::mpsc::channel::<(String, Instant)>();
-    // JetStream: a core subscription sees each message as the stream
-    // stores it.
+    // JetStream: a core subscription on the stream's subjects gets each
+    // message as the server routes it to the stream (microseconds apart
+    // from the store; the stream's PubAck is what the relay waits for).
     let nats_consumer = if sink == "nats" {
         let sub = async_nats::connect(NATS)
             .await?
@@ -1605,8 +1606,10 @@ async fn latency(
             let mut i = 0usize;
             while Instant::now() < end {
                 let id = uuid::Uuid::new_v4();
+                let mut conn = pool.acquire().await?;
+                // After the pool's acquire (and its ping): from BEGIN on.
                 let began = Instant::now();
-                let mut tx = pool.begin().await?;
+                let mut tx = sqlx::Connection::begin(&mut *conn).await?;
                 sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'order', $2, 'order-created', $3)")
                     .bind(id)
                     .bind(format!("w{w}-{}", i % 100))
@@ -1644,7 +1647,12 @@ async fn latency(
         c.abort();
     }
     let mut lat: Vec<f64> = Vec::new();
+    // The first receipt of each event (a re-sent duplicate would count again).
+    let mut seen = std::collections::HashSet::new();
     for (id, at) in rx.try_iter() {
+        if !seen.insert(id.clone()) {
+            continue;
+        }
         if let Some(c) = committed.get(&id) {
             lat.push(at.saturating_duration_since(*c).as_secs_f64() * 1000.0);
         }

@@ -1158,9 +1158,16 @@ pub fn schema() -> serde_json::Value {
 /// `routes[0].x`), if the environment set it.
 fn env_var_of(figment: &Figment, key: &str) -> Option<String> {
     let dotted = key.replace('[', ".").replace(']', "");
-    let from_env = figment
-        .find_metadata(&dotted)
-        .is_some_and(|m| m.name.contains("environment"));
+    // Only a value, not a table: a table the file and a variable both set
+    // keys of carries the variable's tag, though the file wrote the table.
+    let is_table = matches!(
+        figment.find_value(&dotted),
+        Ok(figment::value::Value::Dict(..))
+    );
+    let from_env = !is_table
+        && figment
+            .find_metadata(&dotted)
+            .is_some_and(|m| m.name.contains("environment"));
     from_env.then(|| format!("OUTROUTE_{}", dotted.to_uppercase().replace('.', "__")))
 }
 

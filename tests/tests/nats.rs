@@ -309,6 +309,20 @@ async fn config_check_reaches_the_sinks_and_creates_nothing() -> anyhow::Result<
         out.contains(&format!("sinks.nats: `c{t}.*` goes to stream `{stream}`")),
         "{out}"
     );
+    // A create_stream whose subjects that stream already captures: the
+    // server would refuse to create it, so the check refuses it too.
+    let f = write(
+        &format!("create_stream = {{ name = \"{stream}B\", subjects = [\"c{t}.>\"] }}"),
+        KAFKA,
+    )?;
+    let (code, out, err) = cli(&["config", "check", "--sinks", "-c", &f])?;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains(&format!(
+            "sinks.nats.create_stream: cannot create stream `{stream}B`: subject `c{t}.>` is already captured by stream `{stream}`"
+        )),
+        "{err}"
+    );
 
     // Kafka brokers nobody runs: refused (at start-up this is an outage the
     // relay waits out; a check says so).

@@ -358,5 +358,24 @@ fn problems_from_the_environment_are_blamed_on_it() -> anyhow::Result<()> {
         "{err}"
     );
     assert!(!err.contains(&format!("{f}:store.url")), "{err}");
+
+    // A table the file wrote stays the file's, even when a variable sets a
+    // key inside it: `[store]` beside `[sources.…]` is the file's mistake.
+    let mut text = std::fs::read_to_string(&f)?;
+    text.push_str(&format!(
+        "[sources.other]\nurl = \"sqlite://{}\"\n",
+        dir.join("other.db").display()
+    ));
+    std::fs::write(&f, text)?;
+    let (code, err) = check(
+        "OUTROUTE_STORE__URL",
+        &format!("sqlite://{}", dir.join("env.db").display()),
+    )?;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains(&format!("{f}:store: use either [store]"))
+            && !err.contains("environment:store"),
+        "{err}"
+    );
     Ok(())
 }

@@ -58,24 +58,44 @@ impl Output {
     }
 }
 
-/// `outroute config check --sinks`: where the sink writes; an existing
-/// file must open for appending (nothing is written).
+/// `outroute config check --sinks`: where the sink writes. Opens nothing
+/// (a FIFO would block, or end its reader's input): an existing path must
+/// not be a directory or read-only, and a missing one needs a directory
+/// nearest above it for `run` to create it in.
 pub fn check(name: &str, c: &FileSinkConfig, base_dir: &Path) -> Result<String> {
     if c.path == "-" {
         return Ok(format!("sinks.{name}: writes to standard output"));
     }
     let path = base_dir.join(&c.path);
-    if path.exists() {
-        std::fs::OpenOptions::new()
-            .append(true)
-            .open(&path)
-            .with_context(|| format!("sinks.{name}.path: cannot open {}", path.display()))?;
-        Ok(format!("sinks.{name}: appends to {}", path.display()))
-    } else {
-        Ok(format!(
-            "sinks.{name}: {} does not exist yet; `run` creates it",
+    let key = format!("sinks.{name}.path");
+    match std::fs::metadata(&path) {
+        Ok(m) if m.is_dir() => anyhow::bail!("{key}: {} is a directory", path.display()),
+        Ok(m) if m.permissions().readonly() => {
+            anyhow::bail!("{key}: {} is read-only", path.display())
+        }
+        Ok(_) => Ok(format!("sinks.{name}: appends to {}", path.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let above = path
+                .ancestors()
+                .skip(1)
+                .find(|a| a.exists())
+                .unwrap_or(Path::new("/"));
+            if !above.is_dir() {
+                anyhow::bail!(
+                    "{key}: cannot create {}: {} is not a directory",
+                    path.display(),
+                    above.display()
+                );
+            }
+            Ok(format!(
+                "sinks.{name}: {} does not exist yet; `run` creates it",
+                path.display()
+            ))
+        }
+        Err(e) => Err(anyhow::anyhow!(
+            "{key}: cannot look at {}: {e}",
             path.display()
-        ))
+        )),
     }
 }
 

@@ -415,6 +415,7 @@ pub async fn check(
     patterns: &[String],
     publish_timeout: Duration,
 ) -> Vec<Result<String>> {
+    use jetstream::context::GetStreamByNameErrorKind as StreamByName;
     let client = match connect_options(name, c, publish_timeout).await {
         Ok(o) => o.connect(&c.url).await.map_err(|e| {
             anyhow::anyhow!(
@@ -442,11 +443,38 @@ pub async fn check(
             Ok(_) => {}
             Err(e) if matches!(e.kind(), K::JetStream(j) if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND) =>
             {
-                found.push(Ok(format!(
-                    "sinks.{name}.create_stream: stream `{}` does not exist yet; `run` creates it",
-                    s.name
-                )));
-                to_create = Some(s);
+                // The server refuses a stream whose subjects overlap
+                // another's: `run` would fail to create it.
+                let mut overlap = None;
+                for subject in &s.subjects {
+                    match ctx.stream_by_subject(subject.clone()).await {
+                        Ok(other) => {
+                            overlap = Some(format!(
+                                "sinks.{name}.create_stream: cannot create stream `{}`: subject `{subject}` \
+                                 is already captured by stream `{other}`",
+                                s.name
+                            ));
+                            break;
+                        }
+                        Err(e) if e.kind() == StreamByName::NotFound => {}
+                        Err(e) => {
+                            overlap = Some(format!(
+                                "sinks.{name}.create_stream: cannot look up subject `{subject}`: {e}"
+                            ));
+                            break;
+                        }
+                    }
+                }
+                match overlap {
+                    Some(problem) => found.push(Err(anyhow::anyhow!(problem))),
+                    None => {
+                        found.push(Ok(format!(
+                            "sinks.{name}.create_stream: stream `{}` does not exist yet; `run` creates it",
+                            s.name
+                        )));
+                        to_create = Some(s);
+                    }
+                }
             }
             Err(e) => found.push(Err(anyhow::anyhow!(
                 "sinks.{name}.create_stream: cannot look up stream `{}`: {e}",
@@ -466,9 +494,10 @@ pub async fn check(
                 "sinks.{name}: the server did not answer which stream captures `{sample}`"
             )),
             Ok(Ok(stream)) => Ok(format!("sinks.{name}: `{p}` goes to stream `{stream}`")),
-            Ok(Err(_))
-                if to_create
-                    .is_some_and(|s| s.subjects.iter().any(|f| subject_matches(f, &sample))) =>
+            Ok(Err(e))
+                if e.kind() == StreamByName::NotFound
+                    && to_create
+                        .is_some_and(|s| s.subjects.iter().any(|f| subject_matches(f, &sample))) =>
             {
                 Ok(format!(
                     "sinks.{name}: `{p}` will go to stream `{}` (created by `run`)",

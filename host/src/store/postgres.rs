@@ -679,9 +679,14 @@ impl PgStore {
             // the last half second has just proven itself (sqlx also pings
             // it when it comes back); only one idle longer is pinged, so a
             // connection that died with a server restart is still replaced
-            // before use. One that dies inside the window fails its next
-            // statement once, as a restart mid-statement does (a claim is
-            // retried, an unmarked batch goes out again). Measured
+            // before use. One the server closes inside the window (a
+            // restart) fails its next statement once, as a restart
+            // mid-statement does (a claim is retried, an unmarked batch
+            // goes out again). One cut silently inside the window (a
+            // network partition) hangs that statement as one cut
+            // mid-statement always could: there is no client-side statement
+            // timeout, and the relay's lanes lapse to other relays after
+            // `relay.lease_ttl` (its late marks are then fenced). Measured
             // (`scripts/bench --only latency`, 1,000 events/s to Kafka,
             // alternated): claims over 2 ms 1.05–1.49 % → 0.50–0.84 %,
             // relay 0.13–0.14 → 0.12–0.13 cores.
