@@ -333,10 +333,7 @@ impl KafkaSink {
     pub async fn verify(&self) -> Result<()> {
         match self.reach(Duration::from_secs(5)).await {
             Ok(_) => Ok(()),
-            Err(Unreached::Refused(reason)) => anyhow::bail!(
-                "sinks.{}: cannot use the Kafka brokers: {reason} (check sinks.{0}.tls and sinks.{0}.sasl)",
-                self.name
-            ),
+            Err(Unreached::Refused(reason)) => Err(self.refused(&reason)),
             Err(Unreached::Down(why)) => {
                 tracing::warn!(sink = %self.name, "Kafka brokers not reachable yet ({why}); publishing waits for them");
                 Ok(())
@@ -354,15 +351,20 @@ impl KafkaSink {
                 self.name,
                 if n == 1 { "" } else { "s" }
             )),
-            Err(Unreached::Refused(reason)) => anyhow::bail!(
-                "sinks.{}: cannot use the Kafka brokers: {reason} (check sinks.{0}.tls and sinks.{0}.sasl)",
-                self.name
-            ),
+            Err(Unreached::Refused(reason)) => Err(self.refused(&reason)),
             Err(Unreached::Down(why)) => anyhow::bail!(
                 "sinks.{}: no Kafka broker at {brokers} answered within 5 s ({why})",
                 self.name
             ),
         }
+    }
+
+    /// The brokers refused this client's TLS or SASL settings.
+    fn refused(&self, reason: &str) -> anyhow::Error {
+        anyhow::anyhow!(
+            "sinks.{}: cannot use the Kafka brokers: {reason} (check sinks.{0}.tls and sinks.{0}.sasl)",
+            self.name
+        )
     }
 
     /// Fetch the cluster's metadata, trying for up to `within`: the number
