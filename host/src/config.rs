@@ -205,6 +205,17 @@ pub struct StoreConfig {
     /// Pool size.
     #[serde(default = "default_max_connections")]
     pub max_connections: u32,
+    /// Longest the relay waits for the database to answer one of its
+    /// statements (a claim, a mark, a lease round, a failure record, a
+    /// capture step). Past it the relay gives the statement up, drops its
+    /// connection and retries on a fresh one: a connection cut silently (a
+    /// network partition, a failover that left the old address dark) would
+    /// otherwise hang it for good. Raise it if a claim legitimately takes
+    /// longer (a deep backlog in a table without its lane index). Enforced
+    /// by the relay; the role's own `statement_timeout` is left as it is.
+    #[serde(default = "default_statement_timeout", with = "humantime_serde")]
+    #[schemars(with = "String")]
+    pub statement_timeout: Duration,
     /// The outbox table and how its columns map. Unset: the canonical table
     /// created by `outroute migrate`, marked through the pending queue
     /// (`marking = queue`) on PostgreSQL in lease mode, by `published_at`
@@ -407,6 +418,10 @@ impl StoreConfig {
 
 fn default_max_connections() -> u32 {
     8
+}
+
+fn default_statement_timeout() -> Duration {
+    Duration::from_secs(30)
 }
 
 /// How a row is marked published.

@@ -42,6 +42,9 @@ pub const PLUGIN_RELOADS: &str = "outroute_plugin_reloads_total";
 pub const PURGED: &str = "outroute_purged_events_total";
 /// One claim statement (rows or none): what a poll costs the database.
 pub const CLAIM_SECONDS: &str = "outroute_claim_seconds";
+/// Statements the relay gave up on after `store.statement_timeout` (the
+/// database did not answer; the connection was replaced).
+pub const STATEMENTS_ABANDONED: &str = "outroute_statements_abandoned_total";
 /// Pending rows a sweep found below a lane's claim floor (a producer
 /// transaction that committed long after it took its sequence number):
 /// each lowered the floor, nothing was lost, but the row went out late.

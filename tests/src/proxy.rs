@@ -1,8 +1,11 @@
-//! A TCP fault proxy between the relay and a real broker: it forwards bytes
-//! both ways and, on command, cuts every connection after some bytes,
-//! delays, black-holes (stops forwarding, connections stay open) or refuses
-//! (closes every connection and every new one). The broker is real; only
-//! the network between is made to misbehave.
+//! A TCP fault proxy between the relay and a real broker or database: it
+//! forwards bytes both ways and, on command, cuts every connection after
+//! some bytes, delays, black-holes (stops forwarding, connections stay
+//! open), refuses (closes every connection and every new one) or strands
+//! the connections open now (they forward nothing, ever, and stay open;
+//! new ones work: a partition that dropped one path, or a failover that
+//! left the old address dark). The peer is real; only the network between
+//! is made to misbehave.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -37,6 +40,8 @@ pub struct FaultProxy {
     forwarded: Arc<AtomicU64>,
     /// Bumped to close every open connection.
     kill: Arc<watch::Sender<u64>>,
+    /// Bumped to strand every open connection (see [`FaultProxy::strand`]).
+    strand: Arc<watch::Sender<u64>>,
     accept: tokio::task::JoinHandle<()>,
 }
 
@@ -47,7 +52,8 @@ impl FaultProxy {
         let addr = listener.local_addr()?.to_string();
         let (fault, fault_rx) = watch::channel(Fault::None);
         let (kill, kill_rx) = watch::channel(0u64);
-        let (fault, kill) = (Arc::new(fault), Arc::new(kill));
+        let (strand, strand_rx) = watch::channel(0u64);
+        let (fault, kill, strand) = (Arc::new(fault), Arc::new(kill), Arc::new(strand));
         let forwarded = Arc::new(AtomicU64::new(0));
         let upstream = upstream.to_string();
         let fwd = forwarded.clone();
@@ -66,6 +72,7 @@ impl FaultProxy {
                 };
                 let _ = client.set_nodelay(true);
                 let _ = server.set_nodelay(true);
+                let born = *strand_rx.borrow();
                 let (cr, cw) = client.into_split();
                 let (sr, sw) = server.into_split();
                 for (r, w) in [
@@ -78,6 +85,8 @@ impl FaultProxy {
                     let pipe = Pipe {
                         fault: fault_rx.clone(),
                         kill: kill_rx.clone(),
+                        strand: strand_rx.clone(),
+                        born,
                         forwarded: fwd.clone(),
                         cut: (fault_tx.clone(), kill_tx.clone()),
                     };
@@ -90,6 +99,7 @@ impl FaultProxy {
             fault,
             forwarded,
             kill,
+            strand,
             accept,
         })
     }
@@ -117,6 +127,13 @@ impl FaultProxy {
     pub fn cut_all(&self) {
         self.kill.send_modify(|g| *g += 1);
     }
+
+    /// Strand every connection open now: from here on it forwards nothing
+    /// and is never closed (no FIN, no RST: the peers wait for good).
+    /// Connections opened later are forwarded as usual.
+    pub fn strand(&self) {
+        self.strand.send_modify(|g| *g += 1);
+    }
 }
 
 impl Drop for FaultProxy {
@@ -130,6 +147,9 @@ impl Drop for FaultProxy {
 struct Pipe {
     fault: watch::Receiver<Fault>,
     kill: watch::Receiver<u64>,
+    strand: watch::Receiver<u64>,
+    /// The strand generation when the connection was accepted.
+    born: u64,
     forwarded: Arc<AtomicU64>,
     /// To end a cut: back to no fault, every connection closed.
     cut: (Arc<watch::Sender<Fault>>, Arc<watch::Sender<u64>>),
@@ -146,6 +166,11 @@ impl Pipe {
         let mut buf = vec![0u8; 64 * 1024];
         self.kill.mark_unchanged();
         loop {
+            if *self.strand.borrow_and_update() > self.born {
+                // Stranded: forward nothing until the proxy goes away.
+                let _ = self.kill.changed().await;
+                return;
+            }
             // Black hole: read nothing until the fault changes or we are killed.
             while *self.fault.borrow_and_update() == Fault::BlackHole {
                 tokio::select! {
@@ -155,6 +180,7 @@ impl Pipe {
             }
             let n = tokio::select! {
                 _ = self.kill.changed() => return,
+                _ = self.strand.changed() => continue,
                 n = r.read(&mut buf) => match n {
                     Ok(0) | Err(_) => return,
                     Ok(n) => n,

@@ -200,3 +200,68 @@ async fn jetstream_through_random_network_faults_loses_nothing_and_keeps_order()
     db.drop_db().await;
     Ok(())
 }
+
+/// The relay's database connections go silent for good (stranded: open, no
+/// answer, no FIN or RST; new connections work, as after a partition that
+/// dropped one path or a failover that left the old address dark), three
+/// times while producers commit. The relay gives its statements up after
+/// `store.statement_timeout`, drops those connections, carries on over
+/// fresh ones and delivers everything once, in order.
+#[tokio::test(flavor = "multi_thread")]
+async fn store_connections_that_go_silent_are_given_up_and_replaced() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let server = db
+        .url
+        .split_once('@')
+        .and_then(|(_, rest)| rest.split('/').next())
+        .ok_or_else(|| anyhow::anyhow!("no host in {}", db.url))?
+        .to_string();
+    let proxy = FaultProxy::start("127.0.0.1:0", &server).await?;
+    let url = db.url.replacen(&server, &proxy.addr, 1);
+    let t = tag();
+    let stream = format!("SIL{t}");
+    let js = nats_stream(&stream, vec![format!("sil{t}.>")]).await?;
+    let dir = test_dir("silent-store");
+    let route = format!(
+        "config = {{ sink = \"nats\", topic = \"sil{t}.{{event_type}}\" }}\nallow = {{ nats = [\"sil{t}.*\"] }}"
+    );
+    let body = relay_body("", &[TestSink::Nats], "order-router", "orders", &route);
+    let config = write_config_with(
+        &dir,
+        &url,
+        "statement_timeout = \"2s\"",
+        "lanes = 16\nbatch_size = 100\npoll_max = \"20ms\"",
+        &body,
+    )?;
+    db.migrate(&config)?;
+    let mut relay = Relay::start(&config, &[])?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let producing = keep_producing(db.pool.clone(), stop.clone());
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        proxy.strand();
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    stop.store(true, Ordering::SeqCst);
+    let w = producing.await??;
+    let drained = eventually(Duration::from_secs(60), || async {
+        db.unpublished("").await == 0
+    })
+    .await;
+    let log = relay.log_text();
+    assert!(drained, "rows left pending:\n{log}");
+    // The relay really met silent connections and gave statements up.
+    assert!(
+        log.contains("store.statement_timeout"),
+        "no statement was given up:\n{log}"
+    );
+    let delivered = consume_nats(&js, &stream, w.committed.len(), Duration::from_secs(30)).await?;
+    let report = check(&w, &delivered);
+    println!("silent store connections: {report}");
+    report.assert_clean();
+    relay.terminate(Duration::from_secs(15));
+    drop(proxy);
+    db.drop_db().await;
+    Ok(())
+}

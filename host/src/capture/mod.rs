@@ -878,11 +878,23 @@ impl Relay {
             if stop.is_cancelled() || !lease.held() {
                 return Ok(false);
             }
-            let Some(claims) = pg.backfill_batch(self.config.batch_size).await? else {
+            let Some(claims) = pg
+                .bounded(
+                    "reading the backfill",
+                    pg.backfill_batch(self.config.batch_size),
+                )
+                .await?
+            else {
                 return Ok(true);
             };
             let Some(last) = claims.last().map(|c| (c.sequence(), c.id().to_string())) else {
-                if !pg.backfill_progress(None, epoch).await? {
+                if !pg
+                    .bounded(
+                        "recording backfill progress",
+                        pg.backfill_progress(None, epoch),
+                    )
+                    .await?
+                {
                     return Ok(false);
                 }
                 tracing::info!(
@@ -902,7 +914,9 @@ impl Relay {
             for c in &claims {
                 rows.push(c.sequence(), by_id.then_some(c.id()));
             }
-            let held = pg.held_aggregates().await?;
+            let held = pg
+                .bounded("reading held aggregates", pg.held_aggregates())
+                .await?;
             let Some((report, _)) = self
                 .hand_on(claims, &held, &mut lease, stop, &mut outage_backoff)
                 .await?
@@ -911,8 +925,15 @@ impl Relay {
             };
             published += report.published;
             failpoint::hit("mid-mark");
-            pg.delete_captured(&rows).await?;
-            if !pg.backfill_progress(Some((last.0, &last.1)), epoch).await? {
+            pg.bounded("deleting captured rows", pg.delete_captured(&rows))
+                .await?;
+            if !pg
+                .bounded(
+                    "recording backfill progress",
+                    pg.backfill_progress(Some((last.0, &last.1)), epoch),
+                )
+                .await?
+            {
                 return Ok(false);
             }
         }
@@ -990,7 +1011,10 @@ impl Relay {
         // This partition's parked queues as the database has them: every
         // relay that owned the slot before wrote its parked events there.
         let mut w = Worker {
-            held: part.own(pg.held_aggregates().await?),
+            held: part.own(
+                pg.bounded("reading held aggregates", pg.held_aggregates())
+                    .await?,
+            ),
             outage_backoff: Duration::from_millis(100),
             out: Default::default(),
             part,
@@ -1012,7 +1036,10 @@ impl Relay {
             // Operators' `failed retry|discard` and earlier owners' records
             // reach this partition's view of the parked queues.
             if last_parked.elapsed() >= PARKED_EVERY {
-                w.held = part.own(pg.held_aggregates().await?);
+                w.held = part.own(
+                    pg.bounded("reading held aggregates", pg.held_aggregates())
+                        .await?,
+                );
                 last_parked = Instant::now();
                 parked_due |= !w.held.is_empty();
             }
@@ -1034,7 +1061,10 @@ impl Relay {
                 };
                 parked_moving = moved > 0;
                 if parked_moving {
-                    w.held = part.own(pg.held_aggregates().await?);
+                    w.held = part.own(
+                        pg.bounded("reading held aggregates", pg.held_aggregates())
+                            .await?,
+                    );
                 }
             }
             let wait = if parked_moving {
@@ -1164,7 +1194,10 @@ impl Relay {
                 return Ok(false);
             };
             if report.failed + report.retried + report.held + report.deferred > 0 {
-                w.held = w.part.own(pg.held_aggregates().await?);
+                w.held = w.part.own(
+                    pg.bounded("reading held aggregates", pg.held_aggregates())
+                        .await?,
+                );
             }
             w.held.extend(queued);
         }
@@ -1204,7 +1237,10 @@ impl Relay {
             .is_some_and(|l| l.input == LogicalInput::Table);
         while let Some(job) = work.recv().await {
             if table && !job.rows.is_empty() {
-                match pg.delete_captured(&job.rows).await {
+                match pg
+                    .bounded("deleting captured rows", pg.delete_captured(&job.rows))
+                    .await
+                {
                     Ok(n) if n > 0 => {
                         metrics::counter!(m::PURGED, "source" => self.source.clone()).increment(n)
                     }
@@ -1249,7 +1285,9 @@ impl Relay {
                         if attempt == 0 || attempt % 5 == 4 {
                             tracing::info!(slot = %l.slot, "the slot is still held by a previous owner's session: ending it");
                         }
-                        let _ = pg.take_over_slot().await;
+                        let _ = pg
+                            .bounded("taking over the slot", pg.take_over_slot())
+                            .await;
                         tokio::time::sleep(Duration::from_millis(100)).await;
                         last = Some(text);
                         continue;
@@ -1330,7 +1368,12 @@ impl Relay {
         aggregates: &HashSet<(String, String)>,
         lease: &mut LeaseGuard,
     ) -> Result<u64> {
-        let mut claims = pg.parked_heads(aggregates, self.config.batch_size).await?;
+        let mut claims = pg
+            .bounded(
+                "reading parked events",
+                pg.parked_heads(aggregates, self.config.batch_size),
+            )
+            .await?;
         if claims.is_empty() {
             return Ok(0);
         }

@@ -23,6 +23,12 @@ impl Loaded {
                 "must be at least 1".into(),
             );
         }
+        if sc.statement_timeout.is_zero() {
+            err(
+                format!("{key}.statement_timeout"),
+                "must be positive (0 would give up every statement)".into(),
+            );
+        }
         if !(sc.url.starts_with("postgres://")
             || sc.url.starts_with("postgresql://")
             || sc.url.starts_with("sqlite:"))

@@ -125,6 +125,10 @@ impl Relay {
         let every = ttl / 3;
         loop {
             let round_started = Instant::now();
+            // After a failed round, try again soon: the lease is still
+            // valid for a while, and a round lost to a dead connection
+            // succeeds on another one.
+            let mut pause = every;
             match self.store.lease_round().await {
                 Ok(l) => {
                     self.health.set_store_ok(true);
@@ -153,11 +157,12 @@ impl Relay {
                 Err(e) => {
                     self.health.set_store_ok(false);
                     tracing::warn!("lease renewal failed: {e:#}");
+                    pause = every.min(Duration::from_millis(500));
                 }
             }
             tokio::select! {
                 _ = stop.cancelled() => break,
-                _ = tokio::time::sleep(every) => {},
+                _ = tokio::time::sleep(pause) => {},
             }
         }
     }

@@ -1062,7 +1062,8 @@ impl Relay {
             let unparked = if parked.is_empty() {
                 0
             } else {
-                pg.unpark(&parked).await?
+                pg.bounded("marking parked events published", pg.unpark(&parked))
+                    .await?
             };
             return Ok(streamed.len() as u64 + unparked);
         }

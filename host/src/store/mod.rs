@@ -381,6 +381,18 @@ macro_rules! dispatch {
     };
 }
 
+/// A statement of the relay's: on PostgreSQL given up after
+/// `store.statement_timeout` ([`postgres::PgStore::bounded`]; `$what` names
+/// it in the error). SQLite is a local file: nothing to wait for.
+macro_rules! bounded {
+    ($self:ident, $what:expr, $s:ident => $e:expr) => {
+        match $self {
+            Store::Postgres($s) => $s.bounded($what, $e).await,
+            Store::Sqlite($s) => $e.await,
+        }
+    };
+}
+
 impl Store {
     /// Connect to source `source` of `config` (`config.sources`).
     pub async fn connect(config: &Config, source: &str, relay_id: &str) -> anyhow::Result<Store> {
@@ -441,24 +453,39 @@ impl Store {
     }
 
     /// Renew/acquire/release lane leases; returns the lanes to claim from.
+    /// On PostgreSQL given up after a quarter of `relay.lease_ttl` at most,
+    /// so a round lost to a dead connection is retried on another one
+    /// before the lease lapses.
     pub async fn lease_round(&self) -> anyhow::Result<Leases> {
-        dispatch!(self, s => s.lease_round().await)
+        match self {
+            Store::Postgres(s) => {
+                s.bounded_by(s.lease_ttl() / 4, "renewing lane leases", s.lease_round())
+                    .await
+            }
+            Store::Sqlite(s) => s.lease_round().await,
+        }
     }
 
     /// Give all lanes back (graceful shutdown).
     pub async fn release_all(&self) -> anyhow::Result<()> {
-        dispatch!(self, s => s.release_all().await)
+        bounded!(self, "releasing the lanes", s => s.release_all())
     }
 
     pub async fn claim(&self, lanes: &[i32], limit: u32) -> anyhow::Result<Vec<Claim>> {
-        dispatch!(self, s => s.claim(lanes, limit).await)
+        bounded!(self, "claiming events", s => s.claim(lanes, limit))
     }
 
     /// Move the lanes' claim floors up past what they published (PostgreSQL
     /// tables with a sequence column; see `postgres/floor.rs`).
     pub async fn raise_floors(&self, lanes: &[i32]) {
         if let Store::Postgres(s) = self {
-            s.raise_floors(lanes).await;
+            let raise = async {
+                s.raise_floors(lanes).await;
+                Ok(())
+            };
+            if let Err(e) = s.bounded("raising claim floors", raise).await {
+                tracing::warn!("{e:#}");
+            }
         }
     }
 
@@ -471,7 +498,13 @@ impl Store {
         after: &[i64],
     ) -> anyhow::Result<postgres::OrphanWalk> {
         match self {
-            Store::Postgres(s) => s.drop_orphans(lanes, after).await,
+            Store::Postgres(s) => {
+                s.bounded(
+                    "removing orphaned queue entries",
+                    s.drop_orphans(lanes, after),
+                )
+                .await
+            }
             Store::Sqlite(_) => Ok(postgres::OrphanWalk::default()),
         }
     }
@@ -479,33 +512,33 @@ impl Store {
     /// Mark these claimed events published; returns how many were marked
     /// (rows in lanes this relay no longer owns are not).
     pub async fn mark_published(&self, claims: &[&Claim]) -> anyhow::Result<u64> {
-        dispatch!(self, s => s.mark_published(claims).await)
+        bounded!(self, "marking events published", s => s.mark_published(claims))
     }
 
     /// Add to the per-route counts of events published without messages.
     pub async fn count_without_messages(&self, by_route: &[(String, u64)]) -> anyhow::Result<()> {
-        dispatch!(self, s => s.count_without_messages(by_route).await)
+        bounded!(self, "counting events published without messages", s => s.count_without_messages(by_route))
     }
 
     /// Record that `route` is quarantined (every relay follows the record).
     pub async fn quarantine_route(&self, route: &str, reason: &str) -> anyhow::Result<()> {
-        dispatch!(self, s => s.quarantine_route(route, reason).await)
+        bounded!(self, "recording a quarantine", s => s.quarantine_route(route, reason))
     }
 
     /// Clear `route`'s quarantine and make its waiting events due now;
     /// returns whether it was quarantined and how many events were made due.
     pub async fn resume_route(&self, route: &str) -> anyhow::Result<(bool, u64)> {
-        dispatch!(self, s => s.resume_route(route).await)
+        bounded!(self, "resuming a route", s => s.resume_route(route))
     }
 
     /// The quarantined routes.
     pub async fn quarantined_routes(&self) -> anyhow::Result<Vec<QuarantinedRoute>> {
-        dispatch!(self, s => s.quarantined_routes().await)
+        bounded!(self, "reading quarantined routes", s => s.quarantined_routes())
     }
 
     /// Record retries and failures; returns how many were recorded.
     pub async fn record_failures(&self, failures: &[Failure]) -> anyhow::Result<u64> {
-        dispatch!(self, s => s.record_failures(failures).await)
+        bounded!(self, "recording failed and retried events", s => s.record_failures(failures))
     }
 
     pub async fn status(&self) -> anyhow::Result<Status> {
@@ -514,7 +547,7 @@ impl Store {
 
     /// Pending events and the age of the oldest (for metrics).
     pub async fn backlog(&self) -> anyhow::Result<(i64, Option<f64>)> {
-        dispatch!(self, s => s.backlog().await)
+        bounded!(self, "counting the backlog", s => s.backlog())
     }
 
     pub async fn failed_list(&self, f: &Filter) -> anyhow::Result<Vec<FailedEvent>> {
@@ -565,7 +598,7 @@ impl Store {
         older_than: std::time::Duration,
         batch: i64,
     ) -> anyhow::Result<Purged> {
-        dispatch!(self, s => s.purge_published(older_than, batch).await)
+        bounded!(self, "deleting published events (retention)", s => s.purge_published(older_than, batch))
     }
 
     /// The relay id this store leases under.
@@ -586,6 +619,12 @@ impl Store {
 
     /// Is the database reachable?
     pub async fn ping(&self) -> bool {
-        dispatch!(self, s => s.ping().await)
+        match self {
+            Store::Postgres(s) => s
+                .bounded("ping", async { Ok(s.ping().await) })
+                .await
+                .unwrap_or(false),
+            Store::Sqlite(s) => s.ping().await,
+        }
     }
 }

@@ -550,8 +550,33 @@ impl TableSql {
 /// (HikariCP's "alive bypass window" is the same idea, at 500 ms too).
 const IDLE_BEFORE_PING: Duration = Duration::from_millis(500);
 
+/// A connection given back within this long of a statement the relay gave
+/// up on ([`PgStore::bounded`]) is pinged with this deadline before it
+/// rejoins the pool, and dropped if the ping does not answer in time.
+const ABANDONED_CHECK: Duration = Duration::from_secs(2);
+
+/// When the relay last gave up on a statement (see [`PgStore::bounded`]).
+#[derive(Debug, Default)]
+struct Abandoned(std::sync::Mutex<Option<std::time::Instant>>);
+
+impl Abandoned {
+    fn now(&self) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::time::Instant::now());
+    }
+
+    fn recent(&self) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some_and(|at| at.elapsed() < ABANDONED_CHECK)
+    }
+}
+
 pub struct PgStore {
     pool: PgPool,
+    /// `store.statement_timeout`: see [`PgStore::bounded`].
+    statement_timeout: Duration,
+    abandoned: std::sync::Arc<Abandoned>,
     /// The source's config key (`store` or `sources.<name>`), for errors.
     key: String,
     source: String,
@@ -672,6 +697,7 @@ impl PgStore {
             .options([("enable_bitmapscan", "off"), ("enable_sort", "off")])
             .log_statements(tracing::log::LevelFilter::Trace)
             .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(2));
+        let abandoned = std::sync::Arc::new(Abandoned::default());
         let pool = match PgPoolOptions::new()
             .max_connections(sc.max_connections.max(2))
             // sqlx pings every connection it hands out (a round trip
@@ -683,10 +709,9 @@ impl PgStore {
             // restart) fails its next statement once, as a restart
             // mid-statement does (a claim is retried, an unmarked batch
             // goes out again). One cut silently inside the window (a
-            // network partition) hangs that statement as one cut
-            // mid-statement always could: there is no client-side statement
-            // timeout, and the relay's lanes lapse to other relays after
-            // `relay.lease_ttl` (its late marks are then fenced). Measured
+            // network partition) hangs that statement, as one cut
+            // mid-statement always could, until `store.statement_timeout`
+            // gives it up (`bounded`). Measured
             // (`scripts/bench --only latency`, 1,000 events/s to Kafka,
             // alternated): claims over 2 ms 1.05–1.49 % → 0.50–0.84 %,
             // relay 0.13–0.14 → 0.12–0.13 cores.
@@ -699,6 +724,33 @@ impl PgStore {
                     }
                     Ok(true)
                 })
+            })
+            // sqlx pings a connection given back, with no deadline: one
+            // whose statement `bounded` gave up on (the server does not
+            // answer) would hang there for good, holding its place in the
+            // pool. Right after such a statement, connections given back
+            // are pinged here first, with a deadline, and dropped when it
+            // passes; otherwise this costs nothing.
+            .after_release({
+                let abandoned = abandoned.clone();
+                move |conn, _| {
+                    let check = abandoned.recent();
+                    Box::pin(async move {
+                        if check {
+                            use sqlx::Connection;
+                            match tokio::time::timeout(ABANDONED_CHECK, conn.ping()).await {
+                                Ok(r) => r?,
+                                Err(_) => {
+                                    return Err(sqlx::Error::Io(std::io::Error::new(
+                                        std::io::ErrorKind::TimedOut,
+                                        "no answer to a ping after a statement was given up",
+                                    )));
+                                }
+                            }
+                        }
+                        Ok(true)
+                    })
+                }
             })
             .acquire_timeout(Duration::from_secs(5))
             .connect_with(opts.clone())
@@ -728,6 +780,8 @@ impl PgStore {
         let logical = sc.logical(source_name);
         Ok(PgStore {
             pool,
+            statement_timeout: sc.statement_timeout,
+            abandoned,
             key: key.to_string(),
             // The key of this source's coordination rows: the table, or for
             // tableless capture the message prefix.
@@ -757,6 +811,59 @@ impl PgStore {
 
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// How long a lane lease lasts without renewal (`relay.lease_ttl`).
+    pub fn lease_ttl(&self) -> Duration {
+        self.lease_ttl
+    }
+
+    /// Run one of the relay's statements (`what` names it in the error)
+    /// under `store.statement_timeout`. Past it the statement is given up:
+    /// its connection goes back to the pool, is pinged with a deadline (see
+    /// `after_release` in [`PgStore::connect`]) and dropped when the server
+    /// does not answer, and the caller retries on another connection.
+    /// Giving up is safe wherever the relay runs a statement: nothing is
+    /// marked, recorded or confirmed unless its statement returned.
+    pub async fn bounded<T>(
+        &self,
+        what: &str,
+        statement: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        self.bounded_by(self.statement_timeout, what, statement)
+            .await
+    }
+
+    /// [`PgStore::bounded`] with a shorter deadline (`limit`, at most
+    /// `store.statement_timeout`).
+    pub async fn bounded_by<T>(
+        &self,
+        limit: Duration,
+        what: &str,
+        statement: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        let limit = limit.min(self.statement_timeout);
+        let mut statement = Box::pin(statement);
+        match tokio::time::timeout(limit, &mut statement).await {
+            Ok(r) => r,
+            Err(_) => {
+                // Before the connection is given back: its release must see it.
+                self.abandoned.now();
+                drop(statement);
+                let source = self
+                    .key
+                    .strip_prefix("sources.")
+                    .unwrap_or(crate::config::DEFAULT_SOURCE)
+                    .to_string();
+                metrics::counter!(crate::metrics::STATEMENTS_ABANDONED, "source" => source)
+                    .increment(1);
+                bail!(
+                    "{what}: the database did not answer within {} ({}.statement_timeout); gave the statement up, retrying on another connection",
+                    humantime::format_duration(limit),
+                    self.key
+                )
+            }
+        }
     }
 
     fn sql(&self) -> Result<&TableSql> {
