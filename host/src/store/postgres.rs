@@ -614,6 +614,13 @@ pub struct PgStore {
     purge_from: std::sync::atomic::AtomicI64,
 }
 
+/// The source's name from its config key (`store` → `default`,
+/// `sources.<name>` → `<name>`): the `source` label of its metrics.
+fn source_name(key: &str) -> &str {
+    key.strip_prefix("sources.")
+        .unwrap_or(crate::config::DEFAULT_SOURCE)
+}
+
 /// The URL's options with `store.password` and `store.tls` applied.
 pub(crate) fn connect_options(
     key: &str,
@@ -774,10 +781,7 @@ impl PgStore {
             }
             Err(e) => return Err(connect_error(key, sc, e)),
         };
-        let source_name = key
-            .strip_prefix("sources.")
-            .unwrap_or(crate::config::DEFAULT_SOURCE);
-        let logical = sc.logical(source_name);
+        let logical = sc.logical(source_name(key));
         Ok(PgStore {
             pool,
             statement_timeout: sc.statement_timeout,
@@ -843,19 +847,14 @@ impl PgStore {
         statement: impl std::future::Future<Output = Result<T>>,
     ) -> Result<T> {
         let limit = limit.min(self.statement_timeout);
-        let mut statement = Box::pin(statement);
-        match tokio::time::timeout(limit, &mut statement).await {
+        // Pinned here, so a given-up statement (and its connection) is
+        // dropped on return, after `abandoned` is set: its release sees it.
+        let mut statement = std::pin::pin!(statement);
+        match tokio::time::timeout(limit, statement.as_mut()).await {
             Ok(r) => r,
             Err(_) => {
-                // Before the connection is given back: its release must see it.
                 self.abandoned.now();
-                drop(statement);
-                let source = self
-                    .key
-                    .strip_prefix("sources.")
-                    .unwrap_or(crate::config::DEFAULT_SOURCE)
-                    .to_string();
-                metrics::counter!(crate::metrics::STATEMENTS_ABANDONED, "source" => source)
+                metrics::counter!(crate::metrics::STATEMENTS_ABANDONED, "source" => source_name(&self.key).to_string())
                     .increment(1);
                 bail!(
                     "{what}: the database did not answer within {} ({}.statement_timeout); gave the statement up, retrying on another connection",
@@ -1712,12 +1711,8 @@ impl PgStore {
             .floors_mut()
             .apply(lanes, &round, std::time::Instant::now());
         for (lane, seq) in lowered {
-            let source = self
-                .key
-                .strip_prefix("sources.")
-                .unwrap_or(crate::config::DEFAULT_SOURCE)
-                .to_string();
-            metrics::counter!(crate::metrics::FLOOR_LOWERED, "source" => source).increment(1);
+            metrics::counter!(crate::metrics::FLOOR_LOWERED, "source" => source_name(&self.key).to_string())
+                .increment(1);
             tracing::warn!(
                 lane,
                 seq,
