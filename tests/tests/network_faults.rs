@@ -265,3 +265,107 @@ async fn store_connections_that_go_silent_are_given_up_and_replaced() -> anyhow:
     db.drop_db().await;
     Ok(())
 }
+
+/// `relay.notify_channel`: a LISTEN connection that goes silent is given up
+/// and replaced, so wake-ups resume. Polling alone would find the event
+/// late: an idle worker's pause doubles up to `relay.poll_max` (60 s
+/// here), and after 16 s of quiet it is 16 s or more.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_listen_connection_that_goes_silent_is_replaced() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let server = db
+        .url
+        .split_once('@')
+        .and_then(|(_, rest)| rest.split('/').next())
+        .ok_or_else(|| anyhow::anyhow!("no host in {}", db.url))?
+        .to_string();
+    let proxy = FaultProxy::start("127.0.0.1:0", &server).await?;
+    let url = db.url.replacen(&server, &proxy.addr, 1);
+    let t = tag();
+    let channel = format!("wake_{t}");
+    let dir = test_dir("silent-listen");
+    let out = dir.join("out.jsonl");
+    let route = format!(
+        "config = {{ sink = \"file\", topic = \"w{t}.{{event_type}}\" }}\nallow = {{ file = [\"w{t}.*\"] }}"
+    );
+    let body = relay_body(
+        "",
+        &[TestSink::File(&out)],
+        "order-router",
+        "orders",
+        &route,
+    );
+    let config = write_config_with(
+        &dir,
+        &url,
+        "statement_timeout = \"1s\"",
+        &format!("poll_max = \"60s\"\nnotify_channel = \"{channel}\""),
+        &body,
+    )?;
+    db.migrate(&config)?;
+    let mut relay = Relay::start(&config, &[])?;
+    let produce_and_notify = |n: i64| {
+        let (pool, channel) = (db.pool.clone(), channel.clone());
+        async move {
+            let mut tx = pool.begin().await?;
+            sqlx::query(
+                "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+                 VALUES (gen_random_uuid(), 'order', $1, 'order-created', '{}')",
+            )
+            .bind(format!("o-{n}"))
+            .execute(&mut *tx)
+            .await?;
+            sqlx::query(&format!("NOTIFY {channel}"))
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            anyhow::Ok(())
+        }
+    };
+    // Leases first: a NOTIFY before the relay owns lanes wakes nobody.
+    let leased = eventually(Duration::from_secs(30), || async {
+        db.count("SELECT count(*) FROM outroute_lanes WHERE lease_until > now()")
+            .await
+            > 0
+    })
+    .await;
+    assert!(leased, "no lane leased:\n{}", relay.log_text());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // A NOTIFY wakes the relay (nothing else would for a minute).
+    produce_and_notify(1).await?;
+    let woken = eventually(Duration::from_secs(10), || async {
+        db.unpublished("").await == 0
+    })
+    .await;
+    assert!(
+        woken,
+        "NOTIFY did not wake the relay:\n{}",
+        relay.log_text()
+    );
+
+    // Quiet long enough for the workers' pause to grow, then cut.
+    tokio::time::sleep(Duration::from_secs(16)).await;
+    proxy.strand();
+    let replaced = eventually(Duration::from_secs(20), || async {
+        relay.log_text().contains("opening a new LISTEN connection")
+    })
+    .await;
+    let log = relay.log_text();
+    assert!(replaced, "the silent LISTEN connection was kept:\n{log}");
+    assert!(log.contains("store.statement_timeout"), "{log}");
+    produce_and_notify(2).await?;
+    let woken = eventually(Duration::from_secs(8), || async {
+        db.unpublished("").await == 0
+    })
+    .await;
+    assert!(
+        woken,
+        "no wake-up after the LISTEN connection was replaced:\n{}",
+        relay.log_text()
+    );
+    assert_eq!(file_sink_deliveries(&out).len(), 2);
+    relay.terminate(Duration::from_secs(15));
+    drop(proxy);
+    db.drop_db().await;
+    Ok(())
+}

@@ -274,7 +274,13 @@ impl Relay {
         }
     }
 
-    /// Opt-in LISTEN wake-up (PostgreSQL only).
+    /// Opt-in LISTEN wake-up (PostgreSQL only), on a connection of its
+    /// own. A LISTEN connection that goes silent (a partition, a failover
+    /// that leaves the old address dark) would stop wake-ups with no error,
+    /// leaving pickup to `relay.poll_max`: after `store.statement_timeout`
+    /// with no notification it is asked a `SELECT 1`, and one that does not
+    /// answer within that long is given up and replaced. Workers are woken
+    /// whenever a LISTEN starts, in case a notification was missed.
     pub(super) async fn listen(
         self: Arc<Self>,
         channel: String,
@@ -284,8 +290,17 @@ impl Relay {
         let Store::Postgres(pg) = self.store.as_ref() else {
             return;
         };
+        let quiet = pg.statement_timeout();
         while !shutdown.is_cancelled() {
-            let mut listener = match sqlx::postgres::PgListener::connect_with(pg.pool()).await {
+            // Its own one-connection pool: sqlx's `PgListener` sends
+            // `UNLISTEN *` when dropped, with no deadline, so a listener
+            // given up on a dead connection would hold that connection's
+            // pool slot until the kernel gives up on the socket.
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(1)
+                .acquire_timeout(quiet)
+                .connect_lazy_with((*pg.pool().connect_options()).clone());
+            let mut listener = match sqlx::postgres::PgListener::connect_with(&pool).await {
                 Ok(l) => l,
                 Err(e) => {
                     tracing::warn!("LISTEN connection failed: {e:#}");
@@ -293,17 +308,43 @@ impl Relay {
                     continue;
                 }
             };
-            if let Err(e) = listener.listen(&channel).await {
-                tracing::warn!("LISTEN {channel} failed: {e:#}");
+            if let Err(e) = pg
+                .bounded(&format!("LISTEN {channel}"), async {
+                    Ok(listener.listen(&channel).await?)
+                })
+                .await
+            {
+                tracing::warn!("{e:#}");
                 sleep_or_cancel(Duration::from_secs(1), &shutdown).await;
                 continue;
             }
+            wake.notify_waiters();
             loop {
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
-                    n = listener.recv() => match n {
-                        Ok(_) => wake.notify_waiters(),
-                        Err(_) => break,
+                    n = tokio::time::timeout(quiet, listener.try_recv()) => match n {
+                        Ok(Ok(Some(_))) => wake.notify_waiters(),
+                        // The connection closed; sqlx reconnects and listens
+                        // again. Notifications meanwhile were missed.
+                        Ok(Ok(None)) => {
+                            tracing::warn!("LISTEN connection closed; listening again on a new one");
+                            wake.notify_waiters();
+                        }
+                        Ok(Err(e)) => {
+                            tracing::warn!("LISTEN connection lost, reconnecting: {e:#}");
+                            break;
+                        }
+                        // Quiet for a while: is anyone still there?
+                        Err(_) => {
+                            let probe = pg.bounded("checking the LISTEN connection", async {
+                                sqlx::query("SELECT 1").execute(&mut listener).await?;
+                                Ok(())
+                            });
+                            if let Err(e) = probe.await {
+                                tracing::warn!("{e:#}; opening a new LISTEN connection");
+                                break;
+                            }
+                        }
                     }
                 }
             }

@@ -568,6 +568,11 @@ impl Relay {
                 sleep_or_cancel(self.config.poll_min, &shutdown).await;
                 continue;
             }
+            // Listen for wake-ups from before the claim: a NOTIFY for a
+            // commit the claim's snapshot missed still ends the idle wait.
+            let notified = wake.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
             let claim_started = Instant::now();
             let claims = match self.store.claim(&lanes, size).await {
                 Ok(c) => {
@@ -607,7 +612,7 @@ impl Relay {
                 drop(reserved);
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
-                    _ = wake.notified() => idle = self.config.poll_min,
+                    _ = notified => idle = self.config.poll_min,
                     _ = tokio::time::sleep(idle) => idle = (idle * 2).min(self.config.poll_max),
                 }
                 continue;

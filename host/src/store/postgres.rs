@@ -822,6 +822,11 @@ impl PgStore {
         self.lease_ttl
     }
 
+    /// How long a statement may go unanswered (`store.statement_timeout`).
+    pub fn statement_timeout(&self) -> Duration {
+        self.statement_timeout
+    }
+
     /// Run one of the relay's statements (`what` names it in the error)
     /// under `store.statement_timeout`. Past it the statement is given up:
     /// its connection goes back to the pool, is pinged with a deadline (see
