@@ -201,6 +201,19 @@ async fn jetstream_through_random_network_faults_loses_nothing_and_keeps_order()
     Ok(())
 }
 
+/// The fault proxy in front of `db`'s server, and `db`'s URL through it.
+async fn behind_proxy(db: &TestDb) -> anyhow::Result<(FaultProxy, String)> {
+    let server = db
+        .url
+        .split_once('@')
+        .and_then(|(_, rest)| rest.split('/').next())
+        .ok_or_else(|| anyhow::anyhow!("no host in {}", db.url))?
+        .to_string();
+    let proxy = FaultProxy::start("127.0.0.1:0", &server).await?;
+    let url = db.url.replacen(&server, &proxy.addr, 1);
+    Ok((proxy, url))
+}
+
 /// The relay's database connections go silent for good (stranded: open, no
 /// answer, no FIN or RST; new connections work, as after a partition that
 /// dropped one path or a failover that left the old address dark), three
@@ -210,14 +223,7 @@ async fn jetstream_through_random_network_faults_loses_nothing_and_keeps_order()
 #[tokio::test(flavor = "multi_thread")]
 async fn store_connections_that_go_silent_are_given_up_and_replaced() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
-    let server = db
-        .url
-        .split_once('@')
-        .and_then(|(_, rest)| rest.split('/').next())
-        .ok_or_else(|| anyhow::anyhow!("no host in {}", db.url))?
-        .to_string();
-    let proxy = FaultProxy::start("127.0.0.1:0", &server).await?;
-    let url = db.url.replacen(&server, &proxy.addr, 1);
+    let (proxy, url) = behind_proxy(&db).await?;
     let t = tag();
     let stream = format!("SIL{t}");
     let js = nats_stream(&stream, vec![format!("sil{t}.>")]).await?;
@@ -273,14 +279,7 @@ async fn store_connections_that_go_silent_are_given_up_and_replaced() -> anyhow:
 #[tokio::test(flavor = "multi_thread")]
 async fn a_listen_connection_that_goes_silent_is_replaced() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
-    let server = db
-        .url
-        .split_once('@')
-        .and_then(|(_, rest)| rest.split('/').next())
-        .ok_or_else(|| anyhow::anyhow!("no host in {}", db.url))?
-        .to_string();
-    let proxy = FaultProxy::start("127.0.0.1:0", &server).await?;
-    let url = db.url.replacen(&server, &proxy.addr, 1);
+    let (proxy, url) = behind_proxy(&db).await?;
     let t = tag();
     let channel = format!("wake_{t}");
     let dir = test_dir("silent-listen");
