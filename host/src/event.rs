@@ -220,8 +220,25 @@ pub mod ce {
     pub const TRACESTATE: &str = "tracestate";
 }
 
-/// The envelope headers for every message routed from `event`, followed by
-/// the plugin's own headers (a plugin cannot override the envelope).
+/// The headers every message carries, first and in this order (see
+/// [`envelope`]); a sink may rely on the order to build its header block
+/// from a template (`sink/nats.rs`).
+pub const ENVELOPE: [&str; 10] = [
+    ce::ID,
+    ce::TYPE,
+    ce::SOURCE,
+    ce::SPEC_VERSION,
+    ce::TIME,
+    ce::SUBJECT,
+    ce::AGGREGATE_TYPE,
+    ce::AGGREGATE_ID,
+    ce::EVENT_VERSION,
+    ce::SEQUENCE,
+];
+
+/// The envelope headers for every message routed from `event` (the
+/// [`ENVELOPE`] names, then the event's trace context), followed by the
+/// plugin's own headers (a plugin cannot override the envelope).
 pub fn envelope<'a>(
     event: &'a Event,
     source: &'a str,
@@ -334,5 +351,8 @@ mod tests {
         assert!(get("traceparent").is_some());
         assert_eq!(get("x"), Some("1"));
         assert_eq!(h.iter().filter(|(k, _)| *k == "ce_id").count(), 1);
+        // Sinks rely on the fixed names coming first, in ENVELOPE's order.
+        let first: Vec<&str> = h.iter().take(ENVELOPE.len()).map(|(k, _)| *k).collect();
+        assert_eq!(first, ENVELOPE);
     }
 }

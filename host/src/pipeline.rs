@@ -601,17 +601,21 @@ impl Pipeline {
         if lapsed() {
             self.abandon(&sinks).await;
         }
-        let waits = pending.into_iter().map(|(i, sink, leg, ack)| async move {
-            let r = match tokio::time::timeout_at(deadline.into(), ack.wait()).await {
-                Ok(r) => r,
-                Err(_) => Err(PublishError::Unavailable(
+        // Every message is already on its way: awaiting the acks one after
+        // the other takes as long as the slowest, with one timer for the
+        // batch (a timer and a task slot per ack cost ~3k instructions per
+        // event). An ack that is ready is taken even past the deadline.
+        let expired = tokio::time::sleep_until(deadline.into());
+        tokio::pin!(expired);
+        for (i, sink, leg, ack) in pending {
+            let r = tokio::select! {
+                biased;
+                r = ack.wait() => r,
+                () = &mut expired => Err(PublishError::Unavailable(
                     "no acknowledgement before the publish deadline (publish_timeout, or the lane lease's end)"
                         .into(),
                 )),
             };
-            (i, sink, leg, r)
-        });
-        for (i, sink, leg, r) in futures::future::join_all(waits).await {
             match r {
                 Ok(()) => s.acked_legs.entry(i).or_default().push(leg),
                 Err(e) => s.record(i, sink, e),
@@ -748,6 +752,8 @@ mod tests {
     enum Script {
         FailSend(PublishError),
         FailAck(PublishError),
+        /// The broker never answers.
+        NoAck,
     }
 
     /// A sink that stores what it acknowledges, in acknowledgement order,
@@ -788,17 +794,26 @@ mod tests {
             if self.reconnect_after == Some(n) {
                 self.session.fetch_add(1, AtomicOrdering::SeqCst);
             }
-            let stored = self.stored.clone();
-            Ok(Ack::new(async move {
-                // Acks resolve later than sends, all together (as brokers do).
-                tokio::task::yield_now().await;
-                match script {
-                    Some(Script::FailAck(e)) => Err(e),
-                    _ => {
-                        stored.lock().unwrap().push(payload);
-                        Ok(())
-                    }
+            // The broker stores in send order and answers on its own, later,
+            // whether or not anyone is waiting yet (as brokers and their
+            // clients' I/O tasks do).
+            let r = match script {
+                Some(Script::FailAck(e)) => Err(e),
+                Some(Script::NoAck) => return Ok(Ack::new(std::future::pending())),
+                _ => {
+                    self.stored.lock().unwrap().push(payload);
+                    Ok(())
                 }
+            };
+            let (answer, answered) = tokio::sync::oneshot::channel();
+            tokio::spawn(async move {
+                tokio::task::yield_now().await;
+                let _ = answer.send(r);
+            });
+            Ok(Ack::new(async move {
+                answered
+                    .await
+                    .unwrap_or_else(|_| Err(PublishError::Unavailable("no answer".into())))
             }))
         }
         fn session(&self) -> u64 {
@@ -921,6 +936,37 @@ mod tests {
 
     fn failed(f: &Fate) -> bool {
         matches!(f, Fate::Fail { .. })
+    }
+
+    /// An ack that never comes fails its event as "broker unavailable" at
+    /// the batch's deadline; acks of the other messages count as ever.
+    #[tokio::test(start_paused = true)]
+    async fn a_missing_ack_fails_its_event_at_the_deadline() {
+        let started = tokio::time::Instant::now();
+        let r = run(Ordering::None, ("X2", Script::NoAck), None).await;
+        let waited = started.elapsed();
+        assert_eq!(r.fates[0], Fate::Publish);
+        assert_eq!(r.fates[2], Fate::Publish);
+        match &r.fates[1] {
+            Fate::Fail {
+                rejection,
+                broker_retry,
+                ..
+            } => {
+                assert!(broker_retry, "an unanswered publish waits for the broker");
+                assert!(
+                    rejection.reason().contains("publish deadline"),
+                    "{rejection:?}"
+                );
+            }
+            other => panic!("X2: {other:?}"),
+        }
+        assert_eq!(r.stored, ["X1", "X3"]);
+        // publish_timeout (5 s in `pipeline`) plus the 5 s grace.
+        assert!(
+            waited >= Duration::from_secs(10) && waited < Duration::from_secs(11),
+            "{waited:?}"
+        );
     }
 
     #[tokio::test]
