@@ -603,7 +603,7 @@ impl Pipeline {
         }
         // Every message is already on its way: awaiting the acks one after
         // the other takes as long as the slowest, with one timer for the
-        // batch (a timer and a task slot per ack cost ~3k instructions per
+        // batch (a timer and a task slot per ack cost 1–3k instructions per
         // event). An ack that is ready is taken even past the deadline.
         let expired = tokio::time::sleep_until(deadline.into());
         tokio::pin!(expired);
@@ -756,8 +756,8 @@ mod tests {
         NoAck,
     }
 
-    /// A sink that stores what it acknowledges, in acknowledgement order,
-    /// and fails the messages it is told to.
+    /// A sink that stores, in send order, what it will acknowledge, and
+    /// fails the messages it is told to.
     #[derive(Default)]
     struct ScriptedSink {
         script: Mutex<HashMap<String, Script>>,

@@ -103,12 +103,12 @@ impl Barrier {
 
 /// Where every message's header block starts. async-nats keeps headers in
 /// a SipHash map that starts empty and has no `with_capacity`: filled from
-/// scratch for every message (each name parsed and copied, the map grown
-/// three times) it cost ~7k instructions per event, 7 % of the relay's work
-/// on a NATS drain (callgrind). The template holds the envelope's names
-/// (and `Nats-Msg-Id` under JetStream) with empty values: a clone has room
-/// for a message's headers, its names are static, and every value is
-/// overwritten before the message goes out.
+/// scratch for every message, each name was parsed and copied and the map
+/// grew three times. The template holds the envelope's names (and
+/// `Nats-Msg-Id` under JetStream) with empty values: a clone has room for a
+/// message's headers, its names are static, and every value is overwritten
+/// before the message goes out (3.4 % fewer instructions on a NATS drain,
+/// callgrind).
 struct HeaderTemplate {
     map: HeaderMap,
     names: [HeaderName; ENVELOPE.len()],
