@@ -605,6 +605,22 @@ async fn the_pending_queue_is_filled_by_its_trigger_and_claims_read_only_the_bat
     let claims = store.claim(&lanes, 100).await?;
     assert_eq!(claims.len(), 100);
     let refs: Vec<&Claim> = claims.iter().collect();
+    // The mark goes to each entry by the ctid its claim saw: one TID fetch
+    // per entry, no index walk, on a never-analysed queue.
+    let pg = store
+        .postgres()
+        .ok_or_else(|| anyhow::anyhow!("not PostgreSQL"))?;
+    let scans: Vec<(String, f64)> = pg
+        .mark_cost(&refs)
+        .await?
+        .into_iter()
+        .filter(|(node, _)| node.ends_with("Scan"))
+        .collect();
+    let read: f64 = scans.iter().map(|(_, r)| r).sum();
+    assert!(
+        !scans.is_empty() && scans.iter().all(|(node, _)| node == "Tid Scan") && read <= 100.0,
+        "marking 100 claims read {read} queue entries of 50,000: {scans:?}"
+    );
     assert_eq!(store.mark_published(&refs).await?, 100);
     assert_eq!(store.mark_published(&refs).await?, 0);
     let mut seen: std::collections::HashSet<String> =
@@ -677,6 +693,66 @@ async fn publish_pending(store: &Store, lanes: &[i32]) -> anyhow::Result<u64> {
     let marked = store.mark_published(&refs).await?;
     assert_eq!(marked, claims.len() as u64, "every claimed event is marked");
     Ok(marked)
+}
+
+/// The mark finds each queue entry by the ctid its claim saw, so it must
+/// delete it only while that slot still holds the same entry: once VACUUM
+/// has freed the slot, another event's entry may sit there, and that event
+/// stays pending.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_queue_mark_never_deletes_another_events_entry_from_a_reused_slot() -> anyhow::Result<()>
+{
+    let db = TestDb::new().await?;
+    let dir = test_dir("claim-queue-reused-slot");
+    let config = write_config(&dir, &db.url, "lanes = 2", &file_body(&dir, ""))?;
+    db.migrate(&config)?;
+    let store = open_store(&config, "reuse").await?;
+    let lanes = store.lease_round().await?.lanes;
+    fill(&db, 1, 100).await?;
+    let old = store.claim(&lanes, 100).await?;
+    assert_eq!(old.len(), 100);
+    let tids: Vec<String> = old.iter().filter_map(|c| c.tid.clone()).collect();
+    assert_eq!(
+        tids.len(),
+        100,
+        "every queue claim carries its entry's ctid"
+    );
+    // The entries leave the queue behind the claim's back (as a failure
+    // recorded by another relay would take them), VACUUM frees their slots
+    // and new events' entries take them.
+    sqlx::query("DELETE FROM outroute_queue")
+        .execute(&db.pool)
+        .await?;
+    sqlx::query("VACUUM outroute_queue")
+        .execute(&db.pool)
+        .await?;
+    fill(&db, 101, 200).await?;
+    let reused: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outroute_queue WHERE ctid = ANY($1::text[]::tid[])",
+    )
+    .bind(&tids)
+    .fetch_one(&db.pool)
+    .await?;
+    assert!(
+        reused >= 50,
+        "the test needs reused slots: {reused} of the old ctids hold new entries"
+    );
+    let refs: Vec<&Claim> = old.iter().collect();
+    assert_eq!(
+        store.mark_published(&refs).await?,
+        0,
+        "a stale claim marked the entry now in its slot"
+    );
+    assert_eq!(db.count("SELECT count(*) FROM outroute_queue").await, 100);
+    // The new events are claimed and marked as usual.
+    let new = store.claim(&lanes, 1000).await?;
+    assert_eq!(new.len(), 100);
+    assert!(new.iter().all(|c| c.sequence() > 100));
+    let refs: Vec<&Claim> = new.iter().collect();
+    assert_eq!(store.mark_published(&refs).await?, 100);
+    assert_eq!(db.count("SELECT count(*) FROM outroute_queue").await, 0);
+    db.drop_db().await;
+    Ok(())
 }
 
 /// Queue entries whose row was deleted or failed by hand are removed by
