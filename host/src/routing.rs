@@ -37,7 +37,8 @@ pub fn name_matcher(pattern: &str) -> Result<GlobMatcher, String> {
         .map_err(|e| format!("bad pattern `{pattern}`: {e}"))
 }
 
-fn topic_key(topic: &str) -> String {
+/// A topic as [`topic_matcher`]'s matchers see it.
+pub fn topic_key(topic: &str) -> String {
     topic.replace('/', "\u{1}").replace('.', "/")
 }
 

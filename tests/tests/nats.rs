@@ -275,6 +275,14 @@ async fn config_check_reaches_the_sinks_and_creates_nothing() -> anyhow::Result<
         out.contains(&format!("sinks.kafka: reached {KAFKA}")),
         "{out}"
     );
+    // No Kafka topic matches c<t>.* yet: said (a cluster may create topics
+    // on first use), not refused.
+    assert!(
+        out.contains(&format!(
+            "sinks.kafka: no topic matches `c{t}.*` yet: create the topics first"
+        )),
+        "{out}"
+    );
     // Without --sinks nothing is reached and the file passes.
     let (code, _, err) = cli(&["config", "check", "-c", &f])?;
     assert_eq!(code, 0, "{err}");
@@ -300,13 +308,22 @@ async fn config_check_reaches_the_sinks_and_creates_nothing() -> anyhow::Result<
         "the check created the stream"
     );
 
-    // An existing stream is found by subject.
+    // An existing stream is found by subject; existing Kafka topics by
+    // pattern (`*` stops at a dot).
     let _js = nats_stream(&stream, vec![format!("c{t}.>")]).await?;
+    create_topic(&format!("c{t}.order-created"), 1).await?;
+    create_topic(&format!("c{t}.order.deep"), 1).await?;
     let f = write("", KAFKA)?;
     let (code, out, err) = cli(&["config", "check", "--sinks", "-c", &f])?;
     assert_eq!(code, 0, "{out}{err}");
     assert!(
         out.contains(&format!("sinks.nats: `c{t}.*` goes to stream `{stream}`")),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "sinks.kafka: `c{t}.*` matches 1 topic (c{t}.order-created)"
+        )),
         "{out}"
     );
     // A create_stream whose subjects that stream already captures: the

@@ -342,21 +342,89 @@ impl KafkaSink {
     }
 
     /// `outroute config check --sinks`: reach the brokers as [`Self::verify`]
-    /// does, but brokers that are down are an error too. Returns what was
-    /// found.
-    pub async fn check(&self, brokers: &str) -> Result<String> {
-        match self.reach(Duration::from_secs(5)).await {
-            Ok(n) => Ok(format!(
-                "sinks.{}: reached {brokers} ({n} broker{} in the cluster)",
-                self.name,
-                if n == 1 { "" } else { "s" }
-            )),
-            Err(Unreached::Refused(reason)) => Err(self.refused(&reason)),
-            Err(Unreached::Down(why)) => anyhow::bail!(
-                "sinks.{}: no Kafka broker at {brokers} answered within 5 s ({why})",
-                self.name
-            ),
+    /// does, but brokers that are down are an error too; then, for each
+    /// topic pattern the routes allow on this sink, which existing topics
+    /// it matches (a message to a topic that does not exist fails its event,
+    /// unless the cluster creates topics on first use). What was found, one
+    /// line each, or a problem.
+    pub async fn check(&self, brokers: &str, patterns: &[String]) -> Vec<Result<String>> {
+        let n = match self.reach(Duration::from_secs(5)).await {
+            Ok(n) => n,
+            Err(Unreached::Refused(reason)) => return vec![Err(self.refused(&reason))],
+            Err(Unreached::Down(why)) => {
+                return vec![Err(anyhow::anyhow!(
+                    "sinks.{}: no Kafka broker at {brokers} answered within 5 s ({why})",
+                    self.name
+                ))];
+            }
+        };
+        let mut found = vec![Ok(format!(
+            "sinks.{}: reached {brokers} ({n} broker{} in the cluster)",
+            self.name,
+            if n == 1 { "" } else { "s" }
+        ))];
+        if patterns.is_empty() {
+            return found;
         }
+        let p = self.healthy_producer();
+        let topics = tokio::task::spawn_blocking(move || {
+            p.client()
+                .fetch_metadata(None, Duration::from_secs(5))
+                .map(|m| {
+                    m.topics()
+                        .iter()
+                        .map(|t| t.name().to_string())
+                        .collect::<Vec<_>>()
+                })
+        })
+        .await;
+        let topics = match topics {
+            Ok(Ok(t)) => t,
+            Ok(Err(e)) => {
+                found.push(Err(anyhow::anyhow!(
+                    "sinks.{}: cannot list the cluster's topics: {e}",
+                    self.name
+                )));
+                return found;
+            }
+            Err(e) => {
+                found.push(Err(anyhow::anyhow!(
+                    "sinks.{}: listing the cluster's topics failed: {e}",
+                    self.name
+                )));
+                return found;
+            }
+        };
+        let patterns: std::collections::BTreeSet<&String> = patterns.iter().collect();
+        for pattern in patterns {
+            let matcher = match crate::routing::topic_matcher(pattern) {
+                Ok(m) => m,
+                Err(e) => {
+                    found.push(Err(anyhow::anyhow!("sinks.{}: {e}", self.name)));
+                    continue;
+                }
+            };
+            let matching: Vec<&str> = topics
+                .iter()
+                .filter(|t| matcher.is_match(crate::routing::topic_key(t)))
+                .map(String::as_str)
+                .collect();
+            found.push(Ok(match matching.len() {
+                0 => format!(
+                    "sinks.{}: no topic matches `{pattern}` yet: create the topics first, or messages \
+                     to them fail their events (unless the cluster creates topics on first use)",
+                    self.name
+                ),
+                k => format!(
+                    "sinks.{}: `{pattern}` matches {k} topic{} ({}{})",
+                    self.name,
+                    if k == 1 { "" } else { "s" },
+                    matching[..k.min(3)].join(", "),
+                    if k > 3 { ", …" } else { "" }
+                ),
+            }));
+        }
+        found
     }
 
     /// The brokers refused this client's TLS or SASL settings.

@@ -205,12 +205,13 @@ pub async fn check_all(
     let mut out = Vec::new();
     for (name, cfg) in configs {
         match cfg {
-            SinkConfig::Kafka(k) => {
-                out.push(match kafka::KafkaSink::build(name, k, publish_timeout) {
-                    Ok(sink) => sink.check(&k.brokers).await,
-                    Err(e) => Err(e),
-                })
-            }
+            SinkConfig::Kafka(k) => match kafka::KafkaSink::build(name, k, publish_timeout) {
+                Ok(sink) => out.extend(
+                    sink.check(&k.brokers, &routes.patterns_for_sink(name))
+                        .await,
+                ),
+                Err(e) => out.push(Err(e)),
+            },
             SinkConfig::Nats(n) => out.extend(
                 nats::check(name, n, &routes.patterns_for_sink(name), publish_timeout).await,
             ),
