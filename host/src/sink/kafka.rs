@@ -164,6 +164,12 @@ fn is_config_error(code: Option<RDKafkaErrorCode>, reason: &str) -> bool {
         || reason.contains("Authentication")
 }
 
+/// What [`KafkaSink::reach`] found: the cluster's brokers and topics.
+struct Cluster {
+    brokers: usize,
+    topics: Vec<String>,
+}
+
 /// Why [`KafkaSink::reach`] got no metadata.
 enum Unreached {
     /// The brokers refused this client's configuration (TLS, SASL).
@@ -348,8 +354,8 @@ impl KafkaSink {
     /// unless the cluster creates topics on first use). What was found, one
     /// line each, or a problem.
     pub async fn check(&self, brokers: &str, patterns: &[String]) -> Vec<Result<String>> {
-        let n = match self.reach(Duration::from_secs(5)).await {
-            Ok(n) => n,
+        let cluster = match self.reach(Duration::from_secs(5)).await {
+            Ok(c) => c,
             Err(Unreached::Refused(reason)) => return vec![Err(self.refused(&reason))],
             Err(Unreached::Down(why)) => {
                 return vec![Err(anyhow::anyhow!(
@@ -359,42 +365,11 @@ impl KafkaSink {
             }
         };
         let mut found = vec![Ok(format!(
-            "sinks.{}: reached {brokers} ({n} broker{} in the cluster)",
+            "sinks.{}: reached {brokers} ({} broker{} in the cluster)",
             self.name,
-            if n == 1 { "" } else { "s" }
+            cluster.brokers,
+            if cluster.brokers == 1 { "" } else { "s" }
         ))];
-        if patterns.is_empty() {
-            return found;
-        }
-        let p = self.healthy_producer();
-        let topics = tokio::task::spawn_blocking(move || {
-            p.client()
-                .fetch_metadata(None, Duration::from_secs(5))
-                .map(|m| {
-                    m.topics()
-                        .iter()
-                        .map(|t| t.name().to_string())
-                        .collect::<Vec<_>>()
-                })
-        })
-        .await;
-        let topics = match topics {
-            Ok(Ok(t)) => t,
-            Ok(Err(e)) => {
-                found.push(Err(anyhow::anyhow!(
-                    "sinks.{}: cannot list the cluster's topics: {e}",
-                    self.name
-                )));
-                return found;
-            }
-            Err(e) => {
-                found.push(Err(anyhow::anyhow!(
-                    "sinks.{}: listing the cluster's topics failed: {e}",
-                    self.name
-                )));
-                return found;
-            }
-        };
         let patterns: std::collections::BTreeSet<&String> = patterns.iter().collect();
         for pattern in patterns {
             let matcher = match crate::routing::topic_matcher(pattern) {
@@ -404,7 +379,8 @@ impl KafkaSink {
                     continue;
                 }
             };
-            let matching: Vec<&str> = topics
+            let matching: Vec<&str> = cluster
+                .topics
                 .iter()
                 .filter(|t| matcher.is_match(crate::routing::topic_key(t)))
                 .map(String::as_str)
@@ -435,23 +411,26 @@ impl KafkaSink {
         )
     }
 
-    /// Fetch the cluster's metadata, trying for up to `within`: the number
-    /// of brokers in it, or why not.
-    async fn reach(&self, within: Duration) -> Result<usize, Unreached> {
+    /// Fetch the cluster's metadata, trying for up to `within`: its
+    /// brokers and topics, or why not.
+    async fn reach(&self, within: Duration) -> Result<Cluster, Unreached> {
         let started = std::time::Instant::now();
         while started.elapsed() < within {
             let p = self.healthy_producer();
-            let brokers = tokio::task::spawn_blocking(move || {
+            let cluster = tokio::task::spawn_blocking(move || {
                 p.client()
                     .fetch_metadata(None, Duration::from_millis(500))
-                    .map(|m| m.brokers().len())
+                    .map(|m| Cluster {
+                        brokers: m.brokers().len(),
+                        topics: m.topics().iter().map(|t| t.name().to_string()).collect(),
+                    })
                     .ok()
             })
             .await
             .ok()
             .flatten();
-            if let Some(n) = brokers {
-                return Ok(n);
+            if let Some(cluster) = cluster {
+                return Ok(cluster);
             }
             if let Some((code, reason)) = self.context.last_error()
                 && is_config_error(code, &reason)
