@@ -856,7 +856,9 @@ async fn nats_ceiling(n: usize) -> Result<f64> {
         }
     }
     futures::future::try_join_all(acks.into_iter().map(|a| a.wait())).await?;
-    Ok(n as f64 / t.elapsed().as_secs_f64())
+    let rate = n as f64 / t.elapsed().as_secs_f64();
+    outroute_e2e::drop_nats_stream(&format!("BENCH{t0}")).await;
+    Ok(rate)
 }
 
 /// CPU seconds (user + system) and peak RSS of a process.
@@ -1138,6 +1140,9 @@ async fn drain_table(n: usize, sink: &str, concurrency: u32, shape: Shape) -> Re
         .unwrap_or_default();
     relay.terminate(Duration::from_secs(15));
     db.drop_db().await;
+    if sink == "nats" {
+        outroute_e2e::drop_nats_stream(&format!("B{t}")).await;
+    }
     Ok(json!({
         "other_cores": others,
         "batch_seconds_sum": outroute_e2e::metric(&metrics, "outroute_batch_seconds_sum"),
@@ -1691,6 +1696,9 @@ async fn latency(
     let rss = proc_stats(pid).1;
     relay.terminate(Duration::from_secs(15));
     db.drop_db().await;
+    if sink == "nats" {
+        outroute_e2e::drop_nats_stream(&format!("B{t}")).await;
+    }
     Ok(json!({
         "sink": sink,
         "producer_tx_ms": {"p50": percentile(&tx_ms, 0.5), "p99": percentile(&tx_ms, 0.99)},

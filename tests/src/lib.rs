@@ -759,6 +759,14 @@ pub async fn nats_stream(
     Ok(js)
 }
 
+/// Delete a stream made by [`nats_stream`] once a run is done with it:
+/// JetStream keeps streams on disk, and a benchmark's hold hundreds of MB.
+pub async fn drop_nats_stream(name: &str) {
+    if let Ok(client) = async_nats::connect(NATS).await {
+        let _ = async_nats::jetstream::new(client).delete_stream(name).await;
+    }
+}
+
 /// Read every message of a stream (in stream order) until `want` distinct
 /// event ids arrived or `timeout` passed.
 pub async fn consume_nats(
