@@ -767,9 +767,8 @@ impl Relay {
             );
             workers.spawn(worker.in_current_span());
         }
-        // The cleaner deletes the rows before each confirmed mark (in stream
-        // order the sequence numbers run together, so few range deletes),
-        // then confirms the slot up to it.
+        // The cleaner deletes the rows before each confirmed mark (one
+        // statement per mark), then confirms the slot up to it.
         let (cleaner, cleanups) = mpsc::channel::<CleanupJob>(4);
         let cleaner_task = tokio::spawn(
             self.clone()
