@@ -799,32 +799,26 @@ impl PgStore {
         if rows.is_empty() {
             return Ok(0);
         }
-        let (sql, by_id) = if self.seq_unique {
-            (
-                format!(
-                    "DELETE FROM {} WHERE {} = ANY($1::int8[])",
-                    quote(&self.cfg.name),
-                    quote(seq)
-                ),
-                false,
+        let sql = if self.seq_unique {
+            format!(
+                "DELETE FROM {} WHERE {} = ANY($1::int8[])",
+                quote(&self.cfg.name),
+                quote(seq)
             )
         } else {
             let s = self.sql()?;
-            (
-                format!(
-                    "DELETE FROM {} o WHERE {} = ANY({})",
-                    s.table,
-                    s.id,
-                    s.ids_param(1)
-                ),
-                true,
+            format!(
+                "DELETE FROM {} o WHERE {} = ANY({})",
+                s.table,
+                s.id,
+                s.ids_param(1)
             )
         };
         let q = sqlx::query(&sql);
-        let q = if by_id {
-            q.bind(&rows.ids)
-        } else {
+        let q = if self.seq_unique {
             q.bind(&rows.seqs)
+        } else {
+            q.bind(&rows.ids)
         };
         Ok(q.execute(&self.pool)
             .await
