@@ -9,7 +9,9 @@
 //! * `sink`    — Kafka, NATS and file publishers that wait for acks
 //! * `routing` — which route handles an event, what its messages may do
 //! * `config`  — the TOML file, its schema and its validation
-//! * `metrics` — Prometheus series and health endpoints
+//! * `metrics` — Prometheus series and the HTTP endpoints
+//! * `health`  — which sources, sinks and routes are up (`/readyz`)
+//! * `topology` — the sources of one process, each brought up on its own
 //! * `shadow`  — a candidate plugin version compared on live events
 //! * `ops`     — status, failed events, replay, plugin test (operator tools)
 
@@ -17,6 +19,7 @@ pub mod capture;
 pub mod config;
 pub mod event;
 pub mod failpoint;
+pub mod health;
 pub mod metrics;
 pub mod ops;
 pub mod pipeline;

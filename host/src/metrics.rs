@@ -4,10 +4,6 @@
 //! `outroute_oldest_pending_age_seconds` rising, `outroute_events_failed_total`
 //! increasing, `/readyz` failing.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
-use std::time::{Duration, Instant};
-
 use anyhow::{Context, Result};
 use axum::Router;
 use axum::extract::State;
@@ -15,8 +11,7 @@ use axum::http::StatusCode;
 use axum::routing::get;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
-use crate::sink::Sinks;
-use crate::store::Store;
+use crate::health::Readiness;
 
 pub const BACKLOG: &str = "outroute_backlog_events";
 pub const OLDEST_PENDING_AGE: &str = "outroute_oldest_pending_age_seconds";
@@ -71,6 +66,15 @@ pub const ROUTE_QUARANTINED: &str = "outroute_route_quarantined";
 /// Events of a quarantined route recorded as waiting (no attempt counted).
 pub const EVENTS_DEFERRED: &str = "outroute_events_deferred_total";
 
+/// 1 while a source's database answers (its store open, its last
+/// statement through), 0 while the relay waits for it.
+pub const SOURCE_UP: &str = "outroute_source_up";
+/// 1 while a sink's broker is connected, 0 while publishing to it waits.
+pub const SINK_UP: &str = "outroute_sink_up";
+/// 1 while a route's events wait for a part that is not up (`reason`:
+/// `plugin`, its plugin not loaded; `sink`, a sink it may publish to down).
+pub const ROUTE_WAITING: &str = "outroute_route_waiting";
+
 /// Config reloads (SIGHUP or a changed file) by `result`: `applied`,
 /// `unchanged`, `rejected` (the running config kept).
 pub const CONFIG_RELOADS: &str = "outroute_config_reloads_total";
@@ -105,112 +109,6 @@ pub fn install() -> Result<PrometheusHandle> {
         .context("installing the metrics recorder")
 }
 
-/// What `/readyz` looks at, updated by the relay as it works.
-pub struct Health {
-    started: Instant,
-    last_progress_ms: AtomicI64,
-    backlog: AtomicI64,
-    store_ok: AtomicBool,
-    /// Quarantined routes and why: shown by `/readyz`, which stays ready
-    /// (the other routes flow).
-    quarantined: std::sync::Mutex<Vec<(String, String)>>,
-    pub stall_after: Duration,
-}
-
-impl Health {
-    pub fn new(stall_after: Duration) -> Arc<Self> {
-        Arc::new(Health {
-            started: Instant::now(),
-            last_progress_ms: AtomicI64::new(0),
-            backlog: AtomicI64::new(0),
-            store_ok: AtomicBool::new(true),
-            quarantined: std::sync::Mutex::new(Vec::new()),
-            stall_after,
-        })
-    }
-
-    fn now_ms(&self) -> i64 {
-        self.started.elapsed().as_millis() as i64
-    }
-
-    /// Events were published (or there was nothing to do).
-    pub fn progressed(&self) {
-        self.last_progress_ms
-            .store(self.now_ms(), Ordering::Relaxed);
-    }
-
-    pub fn set_backlog(&self, n: i64) {
-        self.backlog.store(n, Ordering::Relaxed);
-        if n == 0 {
-            self.progressed();
-        }
-    }
-
-    pub fn set_store_ok(&self, ok: bool) {
-        self.store_ok.store(ok, Ordering::Relaxed);
-    }
-
-    pub fn set_quarantined(&self, routes: Vec<(String, String)>) {
-        if let Ok(mut q) = self.quarantined.lock() {
-            *q = routes;
-        }
-    }
-
-    /// One line per quarantined route.
-    pub fn quarantine_note(&self) -> String {
-        self.quarantined
-            .lock()
-            .map(|q| {
-                q.iter()
-                    .map(|(r, why)| format!("route `{r}` quarantined: {why}\n"))
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
-
-    /// `None` when ready, else why not.
-    pub fn stalled(&self) -> Option<String> {
-        let idle = Duration::from_millis(
-            (self.now_ms() - self.last_progress_ms.load(Ordering::Relaxed)).max(0) as u64,
-        );
-        let backlog = self.backlog.load(Ordering::Relaxed);
-        (backlog > 0 && idle > self.stall_after).then(|| {
-            format!(
-                "{backlog} events pending and nothing published for {}s",
-                idle.as_secs()
-            )
-        })
-    }
-}
-
-/// What `/readyz` checks: each source's store and progress, and the sinks.
-/// Replaced as a whole when a config reload changes them.
-#[derive(Clone, Default)]
-pub struct Readiness(Arc<std::sync::RwLock<ReadyView>>);
-
-#[derive(Clone, Default)]
-pub struct ReadyView {
-    /// `(source name, its health, its store)`.
-    pub sources: Vec<(String, Arc<Health>, Arc<Store>)>,
-    pub sinks: Sinks,
-}
-
-impl Readiness {
-    pub fn set(&self, view: ReadyView) {
-        match self.0.write() {
-            Ok(mut v) => *v = view,
-            Err(poisoned) => *poisoned.into_inner() = view,
-        }
-    }
-
-    fn get(&self) -> ReadyView {
-        match self.0.read() {
-            Ok(v) => v.clone(),
-            Err(poisoned) => poisoned.into_inner().clone(),
-        }
-    }
-}
-
 #[derive(Clone)]
 struct AppState {
     prom: PrometheusHandle,
@@ -221,38 +119,20 @@ async fn metrics(State(s): State<AppState>) -> String {
     s.prom.render()
 }
 
-async fn readyz(State(s): State<AppState>) -> (StatusCode, String) {
-    let view = s.ready.get();
-    let mut problems = Vec::new();
-    let mut note = String::new();
-    let named = view.sources.len() > 1;
-    for (source, health, store) in &view.sources {
-        let prefix = if named {
-            format!("source `{source}`: ")
-        } else {
-            String::new()
-        };
-        if !store.ping().await {
-            problems.push(format!("{prefix}database unreachable"));
-        }
-        if let Some(why) = health.stalled() {
-            problems.push(format!("{prefix}{why}"));
-        }
-        note.push_str(&health.quarantine_note());
-    }
-    for (name, sink) in view.sinks.iter() {
-        if !sink.connected().await {
-            problems.push(format!("sink `{name}` not connected"));
-        }
-    }
-    if problems.is_empty() {
-        (StatusCode::OK, format!("ready\n{note}"))
+/// `/readyz`: ready while some source is live; `/readyz?strict`: only
+/// while every source, sink and route is up. Either lists what is not.
+async fn readyz(State(s): State<AppState>, uri: axum::http::Uri) -> (StatusCode, String) {
+    let strict = uri.query().is_some_and(|q| {
+        q.split('&')
+            .any(|p| p == "strict" || p.starts_with("strict="))
+    });
+    let a = s.ready.assess(true).await;
+    let code = if a.ready(strict) {
+        StatusCode::OK
     } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("not ready: {}\n{note}", problems.join("; ")),
-        )
-    }
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (code, a.render(strict))
 }
 
 /// Serve `/metrics`, `/healthz`, `/readyz` until `shutdown`.
@@ -270,7 +150,10 @@ pub async fn serve(
             "/shadow",
             get(|| async { axum::Json(crate::shadow::report()) }),
         )
-        .with_state(AppState { prom, ready });
+        .with_state(AppState {
+            prom,
+            ready: ready.clone(),
+        });
     let listener = match tokio::net::TcpListener::bind(listen).await {
         Ok(l) => l,
         Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => anyhow::bail!(
@@ -285,6 +168,7 @@ pub async fn serve(
         .map(|a| a.to_string())
         .unwrap_or_else(|_| listen.to_string());
     tracing::info!(listen = %bound, "serving /metrics, /healthz, /readyz");
+    tokio::spawn(ready.watch(shutdown.clone()));
     Ok(tokio::spawn(async move {
         let _ = axum::serve(listener, app)
             .with_graceful_shutdown(shutdown.cancelled_owned())

@@ -17,7 +17,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{self, Loaded, LogFormat};
 use crate::event::{Event, Rejection};
-use crate::metrics::{self, Health};
+use crate::health::{self, Health};
+use crate::metrics;
 use crate::plugin::{self, Limits, PluginHandle, Runtime};
 use crate::relay::Relay;
 use crate::store::{Cursor, Filter, Store};
@@ -57,6 +58,47 @@ fn sources(loaded: &Loaded) -> Vec<String> {
 fn heading(loaded: &Loaded, name: &str) {
     if loaded.config.sources.len() > 1 {
         println!("source {name}:");
+    }
+}
+
+/// The sources a command over every source could not do. One unreachable
+/// database never stops the others: each failure is reported when it
+/// happens and the command goes on; [`Failures::finish`] then exits
+/// non-zero naming them. With a single source its error is the command's.
+struct Failures {
+    sources: usize,
+    failed: Vec<String>,
+}
+
+impl Failures {
+    fn new(loaded: &Loaded) -> Self {
+        Failures {
+            sources: loaded.config.sources.len(),
+            failed: Vec::new(),
+        }
+    }
+
+    /// Source `source` failed with `e`: reported now (an error only when
+    /// it is the only source).
+    fn add(&mut self, source: &str, e: anyhow::Error) -> Result<()> {
+        if self.sources <= 1 {
+            return Err(e);
+        }
+        eprintln!("source `{source}` failed: {}", describe(&e));
+        self.failed.push(source.to_string());
+        Ok(())
+    }
+
+    fn finish(self) -> Result<()> {
+        if self.failed.is_empty() {
+            return Ok(());
+        }
+        bail!(
+            "{} of {} sources failed (each reported above): {}",
+            self.failed.len(),
+            self.sources,
+            self.failed.join(", ")
+        )
     }
 }
 
@@ -135,20 +177,21 @@ pub async fn run(arg: &ConfigArg) -> Result<ExitCode> {
     init_logging(loaded.config.log.format, &loaded.config.log.level);
     let prom = metrics::install()?;
     let id = relay_id(&loaded);
-    let ready = metrics::Readiness::default();
+    let ready = health::Readiness::default();
     let watch = loaded.config.relay.config_watch_interval;
     let mut stamp = files_stamp(&loaded);
     let http_listen = loaded.config.http.listen.clone();
     // Listen for SIGHUP before anything else: its default action ends the
     // process.
     let mut hup = reload_signal();
-    let mut topology = Topology::start(loaded, id.clone(), ready.clone()).await?;
+    // Health first: `/readyz` says what is still coming up.
     let shutdown = CancellationToken::new();
     let http = if http_listen.is_empty() {
         None
     } else {
-        Some(metrics::serve(&http_listen, prom, ready, shutdown.clone()).await?)
+        Some(metrics::serve(&http_listen, prom, ready.clone(), shutdown.clone()).await?)
     };
+    let mut topology = Topology::start(loaded, id.clone(), ready).await?;
     tokio::spawn(signal_shutdown(shutdown.clone()));
     tracing::info!(relay = %id, routes = topology.route_count(), "outroute relay started");
     loop {
@@ -285,10 +328,14 @@ pub async fn migrate(
     add_sequence: bool,
 ) -> Result<ExitCode> {
     let loaded = arg.load()?;
+    let mut failures = Failures::new(&loaded);
     for source in sources(&loaded) {
         heading(&loaded, &source);
-        migrate_source(&loaded, &source, outbox, table, add_sequence).await?;
+        if let Err(e) = migrate_source(&loaded, &source, outbox, table, add_sequence).await {
+            failures.add(&source, e)?;
+        }
     }
+    failures.finish()?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -398,11 +445,27 @@ async fn migrate_source(
 pub async fn status(arg: &ConfigArg, json: bool) -> Result<ExitCode> {
     let loaded = arg.load()?;
     let mut all = serde_json::Map::new();
+    let mut failures = Failures::new(&loaded);
     for source in sources(&loaded) {
-        let store = open_for_command(&loaded, &source, "status")
-            .await
-            .with_context(|| format!("source `{source}`"))?;
-        let s = store.status().await?;
+        let status = async {
+            let store = open_for_command(&loaded, &source, "status").await?;
+            store.status().await
+        }
+        .await
+        .with_context(|| format!("source `{source}`"));
+        let s = match status {
+            Ok(s) => s,
+            Err(e) => {
+                if json {
+                    all.insert(source.clone(), serde_json::json!({ "error": describe(&e) }));
+                } else {
+                    heading(&loaded, &source);
+                    println!("unreachable      {}", describe(&e));
+                }
+                failures.add(&source, e)?;
+                continue;
+            }
+        };
         if json {
             all.insert(source.clone(), serde_json::to_value(&s)?);
             continue;
@@ -418,6 +481,7 @@ pub async fn status(arg: &ConfigArg, json: bool) -> Result<ExitCode> {
         };
         println!("{}", serde_json::to_string_pretty(&out)?);
     }
+    failures.finish()?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -678,10 +742,18 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
                 ..filter.filter()
             };
             let mut list = Vec::new();
+            let mut failures = Failures::new(&loaded);
             for source in sources(&loaded) {
-                let store = open_for_command(&loaded, &source, "failed").await?;
-                for e in store.failed_list(&f).await? {
-                    list.push((source.clone(), e));
+                let found = async {
+                    open_for_command(&loaded, &source, "failed")
+                        .await?
+                        .failed_list(&f)
+                        .await
+                }
+                .await;
+                match found {
+                    Ok(found) => list.extend(found.into_iter().map(|e| (source.clone(), e))),
+                    Err(e) => failures.add(&source, e)?,
                 }
             }
             let many = loaded.config.sources.len() > 1;
@@ -735,6 +807,7 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
                 }
                 println!("{} failed event(s)", list.len());
             }
+            failures.finish()?;
             Ok(ExitCode::SUCCESS)
         }
         FailedAction::Show { config, id } => {
@@ -744,14 +817,26 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
                 include_discarded: true,
                 ..Filter::default()
             };
+            let mut failures = Failures::new(&loaded);
             for source in sources(&loaded) {
-                let store = open_for_command(&loaded, &source, "failed").await?;
-                if let Some(e) = store.failed_list(&f).await?.into_iter().next() {
-                    heading(&loaded, &source);
-                    println!("{}", serde_json::to_string_pretty(&e)?);
-                    return Ok(ExitCode::SUCCESS);
+                let found = async {
+                    open_for_command(&loaded, &source, "failed")
+                        .await?
+                        .failed_list(&f)
+                        .await
+                }
+                .await;
+                match found.map(|l| l.into_iter().next()) {
+                    Ok(Some(e)) => {
+                        heading(&loaded, &source);
+                        println!("{}", serde_json::to_string_pretty(&e)?);
+                        return Ok(ExitCode::SUCCESS);
+                    }
+                    Ok(None) => {}
+                    Err(e) => failures.add(&source, e)?,
                 }
             }
+            failures.finish()?;
             eprintln!("no failed event with id {id}");
             Ok(ExitCode::FAILURE)
         }
@@ -759,22 +844,44 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
             require_filter(&filter)?;
             let loaded = config.load()?;
             let mut n = 0;
+            let mut failures = Failures::new(&loaded);
             for source in sources(&loaded) {
-                let store = open_for_command(&loaded, &source, "failed").await?;
-                n += store.failed_retry(&filter.filter()).await?;
+                let done = async {
+                    open_for_command(&loaded, &source, "failed")
+                        .await?
+                        .failed_retry(&filter.filter())
+                        .await
+                }
+                .await;
+                match done {
+                    Ok(k) => n += k,
+                    Err(e) => failures.add(&source, e)?,
+                }
             }
             println!("{n} event(s) put back in line");
+            failures.finish()?;
             Ok(ExitCode::SUCCESS)
         }
         FailedAction::Discard { config, filter } => {
             require_filter(&filter)?;
             let loaded = config.load()?;
             let mut n = 0;
+            let mut failures = Failures::new(&loaded);
             for source in sources(&loaded) {
-                let store = open_for_command(&loaded, &source, "failed").await?;
-                n += store.failed_discard(&filter.filter()).await?;
+                let done = async {
+                    open_for_command(&loaded, &source, "failed")
+                        .await?
+                        .failed_discard(&filter.filter())
+                        .await
+                }
+                .await;
+                match done {
+                    Ok(k) => n += k,
+                    Err(e) => failures.add(&source, e)?,
+                }
             }
             println!("{n} event(s) discarded");
+            failures.finish()?;
             Ok(ExitCode::SUCCESS)
         }
     }
@@ -838,7 +945,7 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
             &source,
             store.clone(),
             sinks.clone(),
-            Health::new(Duration::from_secs(3600)),
+            Health::new(&source, Duration::from_secs(3600)),
         )
         .await?;
         let bar = ProgressBar::new(total as u64).with_style(
@@ -1263,6 +1370,7 @@ pub async fn config_check(arg: &ConfigArg, store: bool, sinks: bool) -> Result<E
             n => format!(", {} included files", n - 1),
         }
     );
+    let mut store_failures = Failures::new(&l);
     for source in sources(&l) {
         let sc = l.config.source(&source)?;
         let key = l.config.source_key(&source);
@@ -1287,8 +1395,19 @@ pub async fn config_check(arg: &ConfigArg, store: bool, sinks: bool) -> Result<E
         }
         if store {
             let name = table.name;
-            let mut s = Store::connect(&l.config, &source, "config-check").await?;
-            s.check_table().await?;
+            let opened = async {
+                let mut s = Store::connect(&l.config, &source, "config-check").await?;
+                s.check_table().await?;
+                anyhow::Ok(s)
+            }
+            .await;
+            let s = match opened {
+                Ok(s) => s,
+                Err(e) => {
+                    store_failures.add(&source, e)?;
+                    continue;
+                }
+            };
             if let Some(off) = s.postgres().and_then(|p| p.floors_off()) {
                 println!("warning: {off}");
             }
@@ -1310,6 +1429,7 @@ pub async fn config_check(arg: &ConfigArg, store: bool, sinks: bool) -> Result<E
             }
         }
     }
+    store_failures.finish()?;
     if sinks {
         let routes = crate::routing::Routes::compile(&l.config).map_err(anyhow::Error::msg)?;
         let mut failed = false;

@@ -953,9 +953,12 @@ pub fn inspect(runtime: &Runtime, path: &Path) -> Result<Inspection> {
     })
 }
 
-/// A route's plugin, swappable at run time (hot reload).
+/// A route's plugin, swappable at run time (hot reload). A relay that
+/// could not load a route's plugin at start holds a handle without one
+/// ([`PluginHandle::waiting`]): the route's events wait until its file is
+/// there and loads.
 pub struct PluginHandle {
-    current: RwLock<Arc<Plugin>>,
+    current: RwLock<Option<Arc<Plugin>>>,
     runtime: Runtime,
     path: PathBuf,
     config: serde_json::Value,
@@ -989,7 +992,7 @@ impl PluginHandle {
         let plugin = Plugin::new(runtime, compiled, &config, limits)
             .with_context(|| format!("starting plugin {}", path.display()))?;
         Ok(PluginHandle {
-            current: RwLock::new(Arc::new(plugin)),
+            current: RwLock::new(Some(Arc::new(plugin))),
             runtime: runtime.clone(),
             path: path.to_path_buf(),
             config,
@@ -998,9 +1001,32 @@ impl PluginHandle {
         })
     }
 
-    /// The version new batches should use.
+    /// A handle whose plugin could not be loaded (its file missing or
+    /// unusable): it loads once the file at `path` changes.
+    pub fn waiting(
+        runtime: &Runtime,
+        path: &Path,
+        config: serde_json::Value,
+        limits: Limits,
+    ) -> Self {
+        PluginHandle {
+            current: RwLock::new(None),
+            runtime: runtime.clone(),
+            path: path.to_path_buf(),
+            config,
+            limits,
+            stamp: Mutex::new(stamp(path)),
+        }
+    }
+
+    /// The version new batches should use; `None` while none is loaded.
     pub fn current(&self) -> Option<Arc<Plugin>> {
-        self.current.read().ok().map(|p| p.clone())
+        self.current.read().ok().and_then(|p| p.clone())
+    }
+
+    /// No version is loaded yet.
+    pub fn is_waiting(&self) -> bool {
+        self.current.read().map(|p| p.is_none()).unwrap_or(false)
     }
 
     /// If the file changed, compile and switch to the new version. Returns
@@ -1027,7 +1053,7 @@ impl PluginHandle {
         let plugin = Plugin::new(&self.runtime, compiled, &self.config, self.limits)?;
         let info = plugin.info.clone();
         if let Ok(mut cur) = self.current.write() {
-            *cur = Arc::new(plugin);
+            *cur = Some(Arc::new(plugin));
         }
         Ok(Some(info))
     }

@@ -15,7 +15,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::Health;
+use crate::health::Health;
 use crate::relay::Relay;
 use crate::store::{Filter, Store};
 
@@ -159,7 +159,7 @@ listen = ""
             crate::config::DEFAULT_SOURCE,
             store.clone(),
             crate::relay::build_sinks(&loaded).await?,
-            Health::new(Duration::from_secs(60)),
+            Health::new(crate::config::DEFAULT_SOURCE, Duration::from_secs(60)),
         )
         .await?,
     );

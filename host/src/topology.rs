@@ -6,43 +6,64 @@
 //! and its own connection pool, so a big backlog in one source never holds
 //! up another's events (the runtime shares the CPU between them).
 //!
-//! A reload ([`Topology::reload`], on SIGHUP or a config file change) is all
-//! or nothing. The new config was loaded and validated whole; then
-//! everything it needs that is new is built first — new or changed sinks,
-//! stores of new or changed sources, the relays of affected sources (their
-//! plugins compiled). If any of that fails, the running topology is left
-//! exactly as it was. Only then is it switched over: a source whose relay is
-//! rebuilt hands over *within the process* — its old relay stops claiming,
-//! finishes its in-flight batches and keeps its lanes; the new relay, under
-//! the same relay id, renews them — so no lease changes hands and nothing is
-//! published twice. Sources the change does not touch keep running
-//! untouched; plugins of untouched routes are checked for a new file.
+//! **Every part comes up on its own.** A shared relay serves many teams'
+//! databases, brokers and plugins, and one of them is always in a
+//! maintenance window. So nothing but a broken configuration stops the
+//! relay at start or on reload: each source is brought up by a task of its
+//! own ([`bring_up`]), which opens its store — retrying with backoff while
+//! the database is unreachable, reporting why in `/readyz` and
+//! `outroute_source_up` — and then runs its relay; a sink that cannot be
+//! built yet waits in the background (`sink/starting.rs`), holding only the
+//! routes that publish to it; a route whose plugin cannot be loaded waits
+//! for its file, holding only its own events. Once up, a source whose
+//! database goes away keeps retrying on its own (`relay/mod.rs`), its lanes
+//! lapsing for other relays to take.
+//!
+//! A reload ([`Topology::reload`], on SIGHUP or a config file change) first
+//! builds what the new config needs that is new — new or changed sinks, the
+//! relays of affected sources whose store stays (their plugins compiled).
+//! A broken setting there leaves the running topology exactly as it was.
+//! Then it switches over: a source whose relay is rebuilt on the same store
+//! hands over *within the process* — its old relay stops claiming, finishes
+//! its in-flight batches and keeps its lanes; the new relay, under the
+//! same relay id, renews them — so no lease changes hands and nothing is
+//! published twice. A source with a new store is stopped and brought up
+//! anew. Sources the change does not touch keep running untouched; plugins
+//! of untouched routes are checked for a new file.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{self, Diff, Loaded};
-use crate::metrics::{Health, Readiness, ReadyView};
+use crate::health::{Health, Readiness, ReadyView};
 use crate::relay::{Relay, RoutePlugins};
 use crate::sink::{Sink, Sinks};
 use crate::store::Store;
 
-/// One source's running relay.
+/// One source: the task that brings it up and runs it.
 struct Running {
-    relay: Arc<Relay>,
+    health: Arc<Health>,
+    /// Its relay, once its store opened.
+    relay: Arc<OnceLock<Arc<Relay>>>,
     stop: CancellationToken,
-    task: JoinHandle<Result<()>>,
+    task: JoinHandle<()>,
+}
+
+impl Running {
+    fn relay(&self) -> Option<&Arc<Relay>> {
+        self.relay.get()
+    }
 }
 
 pub struct Topology {
     relay_id: String,
-    loaded: Loaded,
+    loaded: Arc<Loaded>,
     sinks: Sinks,
     sources: BTreeMap<String, Running>,
     ready: Readiness,
@@ -99,85 +120,181 @@ pub async fn open_store(loaded: &Loaded, name: &str, relay_id: &str) -> Result<S
     Ok(store)
 }
 
+/// The database could not be reached at all (as opposed to answering with
+/// a refusal: a missing table, a setting): worth trying again soon.
+pub fn unreachable(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>().is_some()
+            || matches!(
+                c.downcast_ref::<sqlx::Error>(),
+                Some(sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed)
+            )
+            || matches!(
+                c.downcast_ref::<sqlx::Error>(),
+                Some(sqlx::Error::Database(d))
+                    // too_many_connections, cannot_connect_now, admin_shutdown
+                    if matches!(d.code().as_deref(), Some("53300" | "57P03" | "57P01"))
+            )
+    })
+}
+
+/// Longest wait between two attempts to open a store whose database is
+/// unreachable, and one whose database answered with a refusal (checked
+/// less often: each attempt runs statements on a producer's database).
+const UNREACHABLE_BACKOFF: Duration = Duration::from_secs(2);
+const REFUSED_BACKOFF: Duration = Duration::from_secs(30);
+
+/// Open source `name`'s store, trying again with backoff until it opens
+/// (`None`: stopped first). Every failure is shown on the source's health.
+async fn open_until_up(
+    loaded: &Loaded,
+    name: &str,
+    relay_id: &str,
+    health: &Health,
+    stop: &CancellationToken,
+) -> Option<Arc<Store>> {
+    let mut backoff = Duration::from_millis(250);
+    let mut logged = String::new();
+    loop {
+        let attempt = tokio::select! {
+            _ = stop.cancelled() => return None,
+            r = open_store(loaded, name, relay_id) => r,
+        };
+        let e = match attempt {
+            Ok(store) => return Some(Arc::new(store)),
+            Err(e) => e,
+        };
+        let why = crate::ops::describe(&e);
+        let limit = if unreachable(&e) {
+            UNREACHABLE_BACKOFF
+        } else {
+            REFUSED_BACKOFF
+        };
+        if why != logged {
+            tracing::error!(source = %name, retry_within = ?limit, "source not started, its events wait (every other source runs): {why}");
+            logged = why.clone();
+        }
+        health.database.set_down(why);
+        tokio::select! {
+            _ = stop.cancelled() => return None,
+            _ = tokio::time::sleep(crate::pipeline::jitter(backoff)) => {},
+        }
+        backoff = (backoff * 2).min(limit);
+    }
+}
+
+/// What a source task needs to bring its source up.
+struct Setup {
+    loaded: Arc<Loaded>,
+    name: String,
+    relay_id: String,
+    sinks: Sinks,
+    health: Arc<Health>,
+}
+
+/// Bring source `setup.name` up — open its store while its plugins load,
+/// or take the `relay` already built on a kept store — and run it until
+/// `stop`.
+async fn bring_up(
+    setup: Setup,
+    relay: Option<Relay>,
+    slot: Arc<OnceLock<Arc<Relay>>>,
+    stop: CancellationToken,
+) {
+    let Setup {
+        loaded,
+        name,
+        relay_id,
+        sinks,
+        health,
+    } = setup;
+    let relay = match relay {
+        Some(r) => r,
+        None => {
+            let (store, plugins) = tokio::join!(
+                open_until_up(&loaded, &name, &relay_id, &health, &stop),
+                RoutePlugins::load_or_wait(&loaded, &name)
+            );
+            let Some(store) = store else {
+                return;
+            };
+            let assembled = plugins.and_then(|plugins| {
+                Relay::assemble(&loaded, &name, store, sinks, health.clone(), plugins)
+            });
+            match assembled {
+                Ok(r) => r,
+                Err(e) => {
+                    // Only a config the validation let through can get here.
+                    health
+                        .database
+                        .set_down(format!("cannot build the relay: {e:#}"));
+                    tracing::error!(source = %name, "cannot build the source's relay: {e:#}");
+                    return;
+                }
+            }
+        }
+    };
+    health.opened(relay.store.clone());
+    let relay = Arc::new(relay);
+    let _ = slot.set(relay.clone());
+    tracing::info!(source = %name, routes = relay.routes.0.len(), "source started");
+    if let Err(e) = relay.run(stop).await {
+        tracing::warn!(source = %name, "source stopped with an error: {e:#}");
+    }
+}
+
 impl Topology {
-    /// Build and start every source of `loaded`.
+    /// Start every source of `loaded`, each on its own (see the module
+    /// docs); only a broken setting is an error.
     pub async fn start(loaded: Loaded, relay_id: String, ready: Readiness) -> Result<Self> {
-        let names: Vec<String> = loaded
-            .config
-            .sources
-            .keys()
-            .filter(|s| routed(&loaded, s))
-            .cloned()
-            .collect();
-        // The sinks (a first broker round trip), the stores (migrations,
-        // table check) and the plugins (compile or cache, `init`) are
-        // independent: set them up at the same time, so the first batch goes
-        // out sooner after a (re)start.
-        let (sinks, stores, plugins) = tokio::try_join!(
-            crate::relay::build_sinks(&loaded),
-            futures::future::try_join_all(names.iter().map(|name| {
-                let loaded = &loaded;
-                let relay_id = &relay_id;
-                async move {
-                    open_store(loaded, name, relay_id)
-                        .await
-                        .with_context(|| format!("source `{name}`"))
-                }
-            })),
-            futures::future::try_join_all(names.iter().map(|name| {
-                let loaded = &loaded;
-                async move {
-                    RoutePlugins::load(loaded, name)
-                        .await
-                        .with_context(|| format!("source `{name}`"))
-                }
-            })),
-        )?;
+        let loaded = Arc::new(loaded);
+        let sinks = crate::relay::build_sinks(&loaded).await?;
         let mut t = Topology {
             relay_id,
-            loaded,
+            loaded: loaded.clone(),
             sinks,
             sources: BTreeMap::new(),
             ready,
         };
-        let mut built = Vec::new();
-        for ((name, store), plugins) in names.iter().zip(stores).zip(plugins) {
-            let health = Health::new(t.loaded.config.relay.stall_after);
-            let relay = Relay::assemble(
-                &t.loaded,
-                name,
-                Arc::new(store),
-                t.sinks.clone(),
-                health,
-                plugins,
-            )
-            .with_context(|| format!("source `{name}`"))?;
-            built.push((name.clone(), relay));
-        }
-        for (name, relay) in built {
-            t.spawn(name, relay);
+        for name in loaded.config.sources.keys() {
+            if routed(&loaded, name) {
+                t.spawn(&loaded, name.clone(), None);
+            }
         }
         t.publish_readiness();
         Ok(t)
     }
 
-    async fn build_relay(&self, loaded: &Loaded, name: &str, store: Arc<Store>) -> Result<Relay> {
-        let health = Health::new(loaded.config.relay.stall_after);
-        Relay::build(loaded, name, store, self.sinks.clone(), health)
-            .await
-            .with_context(|| format!("source `{name}`"))
-    }
-
-    fn spawn(&mut self, name: String, relay: Relay) {
-        let relay = Arc::new(relay);
+    /// Start source `name`'s task: with `relay` (built on a kept store) it
+    /// runs at once, else it opens its store first.
+    fn spawn(&mut self, loaded: &Arc<Loaded>, name: String, relay: Option<Relay>) {
+        let health = match &relay {
+            Some(r) => r.health.clone(),
+            None => Health::new(&name, loaded.config.relay.stall_after),
+        };
+        let slot = Arc::new(OnceLock::new());
         let stop = CancellationToken::new();
+        let setup = Setup {
+            loaded: loaded.clone(),
+            name: name.clone(),
+            relay_id: self.relay_id.clone(),
+            sinks: self.sinks.clone(),
+            health: health.clone(),
+        };
         let span = tracing::info_span!("source", source = %name);
         let task = tokio::spawn(tracing::Instrument::instrument(
-            relay.clone().run(stop.clone()),
+            bring_up(setup, relay, slot.clone(), stop.clone()),
             span,
         ));
-        tracing::info!(source = %name, routes = relay.routes.0.len(), "source started");
-        self.sources.insert(name, Running { relay, stop, task });
+        self.sources.insert(
+            name,
+            Running {
+                health,
+                relay: slot,
+                stop,
+                task,
+            },
+        );
     }
 
     fn publish_readiness(&self) {
@@ -185,9 +302,16 @@ impl Topology {
             sources: self
                 .sources
                 .iter()
-                .map(|(n, r)| (n.clone(), r.relay.health.clone(), r.relay.store.clone()))
+                .map(|(n, r)| (n.clone(), r.health.clone()))
                 .collect(),
             sinks: self.sinks.clone(),
+            routes: self
+                .loaded
+                .config
+                .routes
+                .iter()
+                .map(|r| (r.name.clone(), r.allow.keys().cloned().collect()))
+                .collect(),
         });
     }
 
@@ -202,7 +326,8 @@ impl Topology {
     }
 
     /// Apply `new` (loaded and validated). Returns what changed; on an error
-    /// nothing did.
+    /// (a broken setting) nothing did. A source whose database is down is
+    /// no error: it comes up on its own.
     pub async fn reload(&mut self, new: Loaded) -> Result<Diff> {
         let started = Instant::now();
         let d = config::diff(&self.loaded.config, &new.config);
@@ -216,52 +341,61 @@ impl Topology {
             self.refresh_plugins().await;
             return Ok(d);
         }
+        let new = Arc::new(new);
         // 1. Build everything new; the running topology is untouched so far.
         let sinks = self.next_sinks(&new, &d).await?;
         let previous_sinks = std::mem::replace(&mut self.sinks, sinks);
-        let mut next: Vec<(String, Relay, bool)> = Vec::new();
+        // Per affected source: the relay built on its kept store, or `None`
+        // (a new or changed store: its task opens it).
+        let mut next: Vec<(String, Option<Relay>)> = Vec::new();
         let mut unrouted = Vec::new();
         for name in &d.affected_sources {
             if !routed(&new, name) {
                 unrouted.push(name.clone());
                 continue;
             }
-            let reuse = self
+            let kept = self
                 .sources
                 .get(name)
                 .filter(|_| !d.sources.changed.contains(name) && !d.sources.added.contains(name))
-                .map(|r| r.relay.store.clone());
-            let fresh = reuse.is_none();
-            let store = match reuse {
-                Some(s) => s,
-                None => match open_store(&new, name, &self.relay_id).await {
-                    Ok(s) => Arc::new(s),
-                    Err(e) => {
-                        self.sinks = previous_sinks;
-                        return Err(e.context(format!("source `{name}`")));
-                    }
-                },
+                .and_then(|r| r.relay())
+                .map(|r| r.store.clone());
+            let Some(store) = kept else {
+                next.push((name.clone(), None));
+                continue;
             };
-            match self.build_relay(&new, name, store).await {
-                Ok(r) => next.push((name.clone(), r, fresh)),
+            let health = Health::new(name, new.config.relay.stall_after);
+            let built = match RoutePlugins::load_or_wait(&new, name).await {
+                Ok(plugins) => Relay::assemble(
+                    &new,
+                    name,
+                    store,
+                    self.sinks.clone(),
+                    health.clone(),
+                    plugins,
+                ),
+                Err(e) => Err(e),
+            };
+            match built {
+                Ok(r) => next.push((name.clone(), Some(r))),
                 Err(e) => {
                     self.sinks = previous_sinks;
-                    return Err(e);
+                    return Err(e.context(format!("source `{name}`")));
                 }
             }
         }
         // 2. Switch over. Removed sources give their lanes back; rebuilt
-        // ones hand over in place (a changed store: the old one releases).
+        // ones on a kept store hand over in place.
         for name in d.sources.removed.iter().chain(&unrouted) {
             if let Some(r) = self.sources.remove(name) {
                 stop(name, r, false).await;
             }
         }
-        for (name, relay, fresh_store) in next {
+        for (name, built) in next {
             if let Some(r) = self.sources.remove(&name) {
-                stop(&name, r, !fresh_store).await;
+                stop(&name, r, built.is_some()).await;
             }
-            self.spawn(name, relay);
+            self.spawn(&new, name, built);
         }
         self.loaded = new;
         self.publish_readiness();
@@ -304,9 +438,9 @@ impl Topology {
 
     /// Check every running plugin's file for a new version.
     async fn refresh_plugins(&self) {
-        for r in self.sources.values() {
-            for (i, handle) in r.relay.plugins.iter().enumerate() {
-                r.relay.reload_plugin(i, handle).await;
+        for relay in self.sources.values().filter_map(Running::relay) {
+            for (i, handle) in relay.plugins.iter().enumerate() {
+                relay.reload_plugin(i, handle).await;
             }
         }
     }
@@ -321,14 +455,14 @@ impl Topology {
     }
 }
 
-/// Stop one source's relay; with `handover` its lanes are kept for the
-/// relay that replaces it in this process.
+/// Stop one source's relay (or its bringing up); with `handover` its
+/// lanes are kept for the relay that replaces it in this process.
 async fn stop(name: &str, r: Running, handover: bool) {
-    r.relay.handing_over.store(handover, Ordering::Release);
+    if let Some(relay) = r.relay() {
+        relay.handing_over.store(handover, Ordering::Release);
+    }
     r.stop.cancel();
-    match r.task.await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => tracing::warn!(source = %name, "source stopped with an error: {e:#}"),
-        Err(e) => tracing::warn!(source = %name, "source task failed: {e}"),
+    if let Err(e) = r.task.await {
+        tracing::warn!(source = %name, "source task failed: {e}");
     }
 }

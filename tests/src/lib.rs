@@ -102,6 +102,57 @@ pub fn pg_logical_admin_url() -> Result<String> {
     }
 }
 
+/// A PostgreSQL cluster of a test's own (`scripts/pg-logical` under
+/// another name and port) that the test stops and starts: a source's
+/// database in a maintenance window. The shared cluster is never stopped.
+pub struct OwnCluster {
+    name: String,
+    port: u16,
+}
+
+impl OwnCluster {
+    /// Start (creating it the first time) cluster `name` on `port`.
+    pub fn start(name: &str, port: u16) -> Result<Self> {
+        let c = OwnCluster {
+            name: name.to_string(),
+            port,
+        };
+        c.script(&[])?;
+        Ok(c)
+    }
+
+    fn script(&self, args: &[&str]) -> Result<()> {
+        let out = Command::new(workspace().join("scripts/pg-logical"))
+            .args(args)
+            .env("OUTROUTE_PG_LOGICAL_NAME", &self.name)
+            .env("OUTROUTE_PG_LOGICAL_PORT", self.port.to_string())
+            .stdin(Stdio::null())
+            .output()?;
+        if !out.status.success() {
+            bail!(
+                "scripts/pg-logical {args:?} ({}): {}",
+                self.name,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
+    }
+
+    pub fn admin_url(&self) -> String {
+        format!("postgres://root@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Stop it (fast shutdown: clients are disconnected); the port closes.
+    pub fn stop(&self) -> Result<()> {
+        self.script(&["stop"])
+    }
+
+    /// Start it again.
+    pub fn restart(&self) -> Result<()> {
+        self.script(&[])
+    }
+}
+
 impl TestDb {
     pub async fn new() -> Result<Self> {
         Self::new_at(&pg_admin_url()).await
@@ -112,7 +163,8 @@ impl TestDb {
         Self::new_at(&pg_logical_admin_url()?).await
     }
 
-    async fn new_at(admin_url: &str) -> Result<Self> {
+    /// A fresh database on the cluster behind `admin_url`.
+    pub async fn new_at(admin_url: &str) -> Result<Self> {
         let admin = PgPoolOptions::new()
             .max_connections(1)
             .connect(admin_url)
@@ -293,6 +345,40 @@ pub async fn produce(
     }
     all.committed.sort_by_key(|e| e.seq);
     Ok(all)
+}
+
+/// `per_aggregate` events for each of `aggregates` aggregates of type
+/// `aggregate_type` (ids `<type>-<n>`, event type `paid`), one transaction
+/// each, in order: events a route other than the order routes selects.
+pub async fn insert_events(
+    pool: &PgPool,
+    aggregate_type: &str,
+    aggregates: usize,
+    per_aggregate: usize,
+) -> Result<Workload> {
+    let mut w = Workload::default();
+    for round in 0..per_aggregate {
+        for a in 0..aggregates {
+            let id = uuid::Uuid::new_v4().to_string();
+            let agg = format!("{aggregate_type}-{a}");
+            let seq: i64 = sqlx::query_scalar(
+                "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+                 VALUES ($1::uuid, $2, $3, 'paid', $4) RETURNING seq",
+            )
+            .bind(&id)
+            .bind(aggregate_type)
+            .bind(&agg)
+            .bind(serde_json::json!({ "round": round }))
+            .fetch_one(pool)
+            .await?;
+            w.committed.push(Expected {
+                id,
+                aggregate_id: agg,
+                seq,
+            });
+        }
+    }
+    Ok(w)
 }
 
 /// The crash-point drill: for each point, `iterations` times, commit a

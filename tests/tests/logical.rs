@@ -735,7 +735,7 @@ async fn tableless_capture_reads_logical_messages() -> anyhow::Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn without_wal_level_logical_it_refuses_naming_the_setting() -> anyhow::Result<()> {
+async fn without_wal_level_logical_the_source_waits_naming_the_setting() -> anyhow::Result<()> {
     // The shared cluster runs with wal_level = replica.
     let db = TestDb::new().await?;
     let dir = test_dir("logical-refused");
@@ -760,14 +760,21 @@ async fn without_wal_level_logical_it_refuses_naming_the_setting() -> anyhow::Re
         err.contains("store.capture") && err.contains("wal_level = logical"),
         "{err}"
     );
+    // `run` does not exit (one source's database never stops a shared
+    // relay): the source waits, its log line naming the setting.
     let mut relay = Relay::start(&config, &[])?;
-    let status = relay.wait_exit(Duration::from_secs(30));
-    assert!(status.is_some_and(|s| !s.success()));
+    let named = eventually(Duration::from_secs(30), || async {
+        relay.log_text().contains("wal_level = logical")
+    })
+    .await;
+    assert!(named, "{}", relay.log_text());
     assert!(
-        relay.log_text().contains("wal_level = logical"),
+        relay.log_text().contains("source not started"),
         "{}",
         relay.log_text()
     );
+    assert!(relay.child.try_wait()?.is_none(), "the relay exited");
+    relay.terminate(Duration::from_secs(15));
     db.drop_db().await;
     Ok(())
 }

@@ -109,14 +109,23 @@ async fn nats_down_for_10s_loses_nothing_and_fanout_waits_for_both_acks() -> any
     let down = Instant::now();
     let second = produce(&db.pool, "b", 20, 5, 0).await?;
     // While NATS is down: nothing of the new work is marked (Kafka may have
-    // acked its half of the fan-out), and the relay says it is not ready.
+    // acked its half of the fan-out). The relay is degraded, not down: its
+    // source is live, so /readyz answers ready and lists the sink; strict
+    // readiness fails.
     let not_ready = eventually(Duration::from_secs(8), || async {
-        http_get(&http, "/readyz")
+        http_get(&http, "/readyz?strict")
             .await
             .is_ok_and(|(s, b)| s == 503 && b.contains("sink `nats` not connected"))
     })
     .await;
-    assert!(not_ready, "{:?}", http_get(&http, "/readyz").await);
+    assert!(not_ready, "{:?}", http_get(&http, "/readyz?strict").await);
+    let (code, body) = http_get(&http, "/readyz").await?;
+    assert!(
+        code == 200
+            && body.contains("ready (degraded")
+            && body.contains("sink `nats` not connected"),
+        "{code}: {body}"
+    );
     assert_eq!(db.unpublished("").await, 100);
     let rss_down = rss_mib(relay.child.id());
     tokio::time::sleep(Duration::from_secs(10).saturating_sub(down.elapsed())).await;
@@ -409,6 +418,124 @@ async fn a_dead_sink_never_dead_letters_events_while_other_sinks_flow() -> anyho
         "the acknowledged Kafka leg was re-sent while NATS was down: {r}"
     );
     relay.terminate(Duration::from_secs(15));
+    db.drop_db().await;
+    Ok(())
+}
+
+/// NATS is down when the relay starts (its JetStream stream cannot even be
+/// created): the relay starts anyway, the Kafka route delivers from the
+/// start, the NATS route's events wait (nothing marked, nothing failed) and
+/// go out once NATS is back, without a restart.
+#[tokio::test(flavor = "multi_thread")]
+async fn nats_down_at_start_holds_only_the_routes_that_publish_to_it() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    services();
+    let db = TestDb::new().await?;
+    let t = tag();
+    let topic = format!("k{t}.order-updated");
+    create_topic(&topic, 2).await?;
+    let stream = format!("S{t}");
+    let http = free_addr();
+    let dir = test_dir("natsdown-start");
+    let body = format!(
+        "[http]\nlisten = \"{http}\"\n\
+         [sinks.kafka]\nkind = \"kafka\"\nbrokers = \"{KAFKA}\"\n\
+         [sinks.nats]\nkind = \"nats\"\nurl = \"{NATS}\"\ncreate_stream = {{ name = \"{stream}\", subjects = [\"s{t}.>\"] }}\n\
+         [plugins.p]\npath = \"{}\"\n\
+         [[routes]]\nname = \"payments\"\nplugin = \"p\"\naggregate_types = [\"payment\"]\n\
+         config = {{ sink = \"nats\", topic = \"s{t}.{{event_type}}\" }}\nallow = {{ nats = [\"s{t}.*\"] }}\n\
+         backoff_min = \"100ms\"\nbackoff_max = \"1s\"\nmax_attempts = 1\n\
+         [[routes]]\nname = \"orders\"\nplugin = \"p\"\naggregate_types = [\"order\"]\n\
+         config = {{ sink = \"kafka\", topic = \"k{t}.{{event_type}}\" }}\nallow = {{ kafka = [\"k{t}.*\"] }}\n",
+        plugin("order-router").display()
+    );
+    let config = write_config(&dir, &db.url, "publish_timeout = \"2s\"", &body)?;
+    db.migrate(&config)?;
+    let payments = insert_events(&db.pool, "payment", 10, 3).await?;
+    assert!(
+        signal_all("nats-server", libc::SIGTERM) > 0,
+        "no nats-server to stop"
+    );
+    let gone = eventually(Duration::from_secs(10), || async {
+        pids("nats-server").is_empty()
+    })
+    .await;
+    assert!(gone, "nats-server did not stop");
+    let mut relay = Relay::start(&config, &[])?;
+    let orders = produce(&db.pool, "o", 10, 3, 0).await?;
+    let kafka = consume_kafka(&topic, 2, orders.committed.len(), Duration::from_secs(30));
+    let still_down = pids("nats-server").is_empty();
+    let waiting = db.unpublished("o.aggregate_type = 'payment'").await;
+    let (code, ready) = http_get(&http, "/readyz").await?;
+    let (_, text) = http_get(&http, "/metrics").await?;
+    services(); // NATS back before any assertion can fail
+    let r = check(&orders, &kafka?);
+    println!("kafka while NATS was down at start: {r}");
+    r.assert_clean();
+    assert!(still_down, "NATS came back too early for the check");
+    assert_eq!(
+        waiting,
+        payments.committed.len() as i64,
+        "payments marked while NATS was down"
+    );
+    assert!(
+        code == 200 && ready.contains("sink `nats` not connected"),
+        "{code}: {ready}"
+    );
+    assert_eq!(
+        metric(&text, "outroute_sink_up{sink=\"nats\"}"),
+        Some(0.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "outroute_sink_up{sink=\"kafka\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "outroute_route_waiting{route=\"payments\",reason=\"sink\"}"
+        ),
+        Some(1.0),
+        "{text}"
+    );
+    // NATS back: the stream is created and the waiting events go out.
+    let js = async_nats::jetstream::new(async_nats::connect(NATS).await?);
+    let created = eventually(Duration::from_secs(30), || async {
+        js.get_stream(&stream).await.is_ok()
+    })
+    .await;
+    assert!(
+        created,
+        "stream {stream} not created once NATS was back: {}",
+        relay.log_text()
+    );
+    let nats = consume_nats(
+        &js,
+        &stream,
+        payments.committed.len(),
+        Duration::from_secs(60),
+    )
+    .await?;
+    let r = check(&payments, &nats);
+    println!("nats after it came back: {r}");
+    r.assert_clean();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            db.unpublished("").await == 0
+        })
+        .await
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE failed_at IS NOT NULL")
+            .await,
+        0,
+        "an event failed for want of a broker"
+    );
+    assert!(relay.child.try_wait()?.is_none(), "relay exited");
+    relay.terminate(Duration::from_secs(15));
+    drop_nats_stream(&stream).await;
     db.drop_db().await;
     Ok(())
 }

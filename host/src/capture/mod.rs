@@ -697,7 +697,7 @@ impl Relay {
             {
                 Ok(()) => {}
                 Err(e) => {
-                    self.health.set_store_ok(false);
+                    self.health.store_failed(&e);
                     tracing::warn!(
                         "capture stopped, resuming from the slot's confirmed position: {e:#}"
                     );
@@ -1213,7 +1213,7 @@ impl Relay {
             metrics::gauge!(m::SLOT_LAG_SECONDS, "source" => self.source.clone())
                 .set(((Utc::now() - at).num_milliseconds().max(0) as f64) / 1e3);
         }
-        self.health.set_store_ok(true);
+        self.health.set_store_ok();
         Ok(true)
     }
 

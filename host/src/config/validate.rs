@@ -321,22 +321,10 @@ impl Loaded {
                 );
             }
         }
+        // A plugin file that is not there (yet) is no config error: `run`
+        // serves the other routes and this one once the file loads, and
+        // `config check` reports it.
         for (name, plugin) in &c.plugins {
-            let path = self.resolve(&plugin.path);
-            if !path.is_file() {
-                err(
-                    format!("plugins.{name}.path"),
-                    format!("{} does not exist", path.display()),
-                );
-            }
-            if let Some(shadow) = &plugin.shadow
-                && !self.resolve(shadow).is_file()
-            {
-                err(
-                    format!("plugins.{name}.shadow"),
-                    format!("{} does not exist", self.resolve(shadow).display()),
-                );
-            }
             if plugin.shadow_config.is_some() && plugin.shadow.is_none() {
                 err(
                     format!("plugins.{name}.shadow_config"),

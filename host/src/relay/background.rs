@@ -131,7 +131,7 @@ impl Relay {
             let mut pause = every;
             match self.store.lease_round().await {
                 Ok(l) => {
-                    self.health.set_store_ok(true);
+                    self.health.set_store_ok();
                     if l.acquired > 0 {
                         metrics::counter!(m::LEASE_HANDOVERS, "source" => self.source.clone())
                             .increment(l.acquired as u64);
@@ -155,7 +155,7 @@ impl Relay {
                     });
                 }
                 Err(e) => {
-                    self.health.set_store_ok(false);
+                    self.health.store_failed(&e);
                     tracing::warn!("lease renewal failed: {e:#}");
                     pause = every.min(Duration::from_millis(500));
                 }
@@ -196,10 +196,10 @@ impl Relay {
                     metrics::gauge!(m::OLDEST_PENDING_AGE, "source" => self.source.clone())
                         .set(oldest.unwrap_or(0.0));
                     self.health.set_backlog(n);
-                    self.health.set_store_ok(true);
+                    self.health.set_store_ok();
                 }
                 Err(e) => {
-                    self.health.set_store_ok(false);
+                    self.health.store_failed(&e);
                     tracing::debug!("backlog query failed: {e:#}");
                 }
             }
@@ -207,25 +207,33 @@ impl Relay {
         }
     }
 
+    /// Check each route's plugin file for a new version every
+    /// `plugins.<name>.reload_interval`, and a plugin that is not loaded
+    /// yet every second.
     pub(super) async fn reload_plugins(self: Arc<Self>, shutdown: CancellationToken) {
-        let Some(every) = self.reload.iter().flatten().min().copied() else {
+        let interval = |i: usize| {
+            if self.plugins[i].is_waiting() {
+                Some(Duration::from_secs(1))
+            } else {
+                self.reload[i]
+            }
+        };
+        let Some(every) = (0..self.plugins.len()).filter_map(interval).min() else {
             return;
         };
-        let mut next: Vec<Instant> = self
-            .reload
-            .iter()
-            .map(|r| Instant::now() + r.unwrap_or_default())
+        let mut next: Vec<Instant> = (0..self.plugins.len())
+            .map(|i| Instant::now() + interval(i).unwrap_or_default())
             .collect();
         while !shutdown.is_cancelled() {
             sleep_or_cancel(every.min(Duration::from_secs(1)), &shutdown).await;
             for (i, handle) in self.plugins.iter().enumerate() {
-                let Some(interval) = self.reload[i] else {
+                let Some(wait) = interval(i) else {
                     continue;
                 };
                 if Instant::now() < next[i] {
                     continue;
                 }
-                next[i] = Instant::now() + interval;
+                next[i] = Instant::now() + wait;
                 self.reload_plugin(i, handle).await;
             }
         }
@@ -240,9 +248,19 @@ impl Relay {
             Ok(Ok(Some(info))) => {
                 metrics::counter!(m::PLUGIN_RELOADS, "route" => route.clone(), "result" => "ok")
                     .increment(1);
-                tracing::info!(%route, plugin = %info.name, version = %info.version, "plugin reloaded");
+                if self.plugin_parts[i].set_up() {
+                    tracing::info!(%route, plugin = %info.name, version = %info.version, "plugin loaded: the route's waiting events go out");
+                } else {
+                    tracing::info!(%route, plugin = %info.name, version = %info.version, "plugin reloaded");
+                }
             }
             Ok(Ok(None)) => {}
+            Ok(Err(e)) if handle.is_waiting() => {
+                metrics::counter!(m::PLUGIN_RELOADS, "route" => route.clone(), "result" => "error")
+                    .increment(1);
+                tracing::error!(%route, "plugin still not loaded, the route's events keep waiting: {e:#}");
+                self.plugin_parts[i].set_down(format!("{e:#}"));
+            }
             Ok(Err(e)) => {
                 metrics::counter!(m::PLUGIN_RELOADS, "route" => route.clone(), "result" => "error")
                     .increment(1);

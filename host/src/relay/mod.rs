@@ -34,7 +34,8 @@ use tracing::Instrument;
 use crate::config::{Loaded, RelayConfig};
 use crate::event::{Message, Outcome, Rejection};
 use crate::failpoint;
-use crate::metrics::{self as m, Health};
+use crate::health::{Health, Part};
+use crate::metrics as m;
 use crate::pipeline::{Fate, LeaseGuard, LeaseView, Pipeline, Plan, attempts_so_far, jitter};
 use crate::plugin::{Answer, Limit, Limits, PluginHandle, PluginInputs, Runtime};
 use crate::quarantine::{Admission, Change, Quarantine};
@@ -43,6 +44,10 @@ use crate::sink::Sinks;
 use crate::store::{Claim, Failure, FailureKind, Store};
 
 mod background;
+
+/// How long the events of a route whose plugin is not loaded wait before
+/// they are looked at again (the plugin's file is checked every second).
+const PLUGIN_WAIT: Duration = Duration::from_secs(2);
 
 /// The lanes with events in a batch in flight: a lane is in at most one
 /// batch at a time, so the events of one aggregate are never in two
@@ -138,6 +143,9 @@ pub struct Relay {
     pub routes: Arc<Routes>,
     /// One plugin handle per route (same index as `routes`).
     pub plugins: Vec<Arc<PluginHandle>>,
+    /// Whether each route's plugin is loaded (same index): a route whose
+    /// plugin could not be loaded waits, its events deferred.
+    pub plugin_parts: Vec<Arc<Part>>,
     /// Per route, the candidate version run in its shadow (`plugins.X.shadow`).
     pub shadows: Vec<Option<Shadow>>,
     /// How often each route's plugin file is checked for a new version
@@ -244,12 +252,34 @@ pub struct RoutePlugins {
     plugins: Vec<Arc<PluginHandle>>,
     shadows: Vec<Option<Shadow>>,
     reload: Vec<Option<Duration>>,
+    /// Why a route's plugin could not be loaded (its handle waits for the
+    /// file), per route; only [`RoutePlugins::load_or_wait`] leaves any.
+    errors: Vec<Option<String>>,
 }
 
 impl RoutePlugins {
     /// Compile (or take from the cache) and `init` the plugin of every
-    /// route that reads `source`, all routes at once.
+    /// route that reads `source`, all routes at once; any that fails is an
+    /// error (one-shot commands: `replay`, the quickstart).
     pub async fn load(loaded: &Loaded, source: &str) -> Result<Self> {
+        let p = Self::load_or_wait(loaded, source).await?;
+        if let Some((i, e)) = p
+            .errors
+            .iter()
+            .enumerate()
+            .find_map(|(i, e)| Some((i, e.as_ref()?)))
+        {
+            anyhow::bail!("route `{}`: {e}", p.routes.0[i].name());
+        }
+        Ok(p)
+    }
+
+    /// As [`RoutePlugins::load`], but a route whose plugin cannot be loaded
+    /// (file missing, not a component, `init` refusing its config) gets a
+    /// waiting handle and its error: `run` serves the other routes, and
+    /// that one once its file loads. A shadow that cannot be loaded is left
+    /// out, with a warning (the route runs its active plugin).
+    pub async fn load_or_wait(loaded: &Loaded, source: &str) -> Result<Self> {
         let config = &loaded.config;
         let mut routes = Routes::compile(config).map_err(anyhow::Error::msg)?;
         routes
@@ -268,14 +298,16 @@ impl RoutePlugins {
                     anyhow::anyhow!("routes.{}: no plugin `{}`", r.name(), r.config.plugin)
                 })?;
                 let limits = Limits::of(&r.config);
-                let handle = load_plugin(
-                    runtime,
-                    loaded.resolve(&pc.path),
-                    r.config.config.clone(),
-                    limits,
-                )
-                .await
-                .map_err(|e| anyhow::anyhow!("route `{}`: {e:#}", r.name()))?;
+                let path = loaded.resolve(&pc.path);
+                let (handle, error) =
+                    match load_plugin(runtime, path.clone(), r.config.config.clone(), limits).await
+                    {
+                        Ok(h) => (h, None),
+                        Err(e) => (
+                            PluginHandle::waiting(runtime, &path, r.config.config.clone(), limits),
+                            Some(format!("plugin {}: {e:#}", path.display())),
+                        ),
+                    };
                 let shadow = match &pc.shadow {
                     None => None,
                     Some(file) => {
@@ -284,34 +316,36 @@ impl RoutePlugins {
                             .shadow_config
                             .clone()
                             .unwrap_or_else(|| r.config.config.clone());
-                        let handle = load_plugin(runtime, path.clone(), cfg, limits)
-                            .await
-                            .map_err(|e| {
-                                anyhow::anyhow!("route `{}`: shadow plugin: {e:#}", r.name())
-                            })?;
-                        Some(Shadow {
-                            plugin: Arc::new(handle),
-                            file: path.display().to_string(),
-                        })
+                        match load_plugin(runtime, path.clone(), cfg, limits).await {
+                            Ok(handle) => Some(Shadow {
+                                plugin: Arc::new(handle),
+                                file: path.display().to_string(),
+                            }),
+                            Err(e) => {
+                                tracing::warn!(route = %r.name(), "shadow plugin {} not loaded, the route runs without it: {e:#}", path.display());
+                                None
+                            }
+                        }
                     }
                 };
-                anyhow::Ok((Arc::new(handle), shadow, pc.reload_interval))
+                anyhow::Ok((Arc::new(handle), shadow, pc.reload_interval, error))
             }
         });
-        let mut plugins = Vec::new();
-        let mut shadows = Vec::new();
-        let mut reload = Vec::new();
-        for (handle, shadow, interval) in futures::future::try_join_all(loads).await? {
-            plugins.push(handle);
-            shadows.push(shadow);
-            reload.push(interval);
+        let mut out = RoutePlugins {
+            routes: Routes(Vec::new()),
+            plugins: Vec::new(),
+            shadows: Vec::new(),
+            reload: Vec::new(),
+            errors: Vec::new(),
+        };
+        for (handle, shadow, interval, error) in futures::future::try_join_all(loads).await? {
+            out.plugins.push(handle);
+            out.shadows.push(shadow);
+            out.reload.push(interval);
+            out.errors.push(error);
         }
-        Ok(RoutePlugins {
-            routes,
-            plugins,
-            shadows,
-            reload,
-        })
+        out.routes = routes;
+        Ok(out)
     }
 }
 
@@ -344,7 +378,26 @@ impl Relay {
             plugins,
             shadows,
             reload,
+            errors,
         } = loaded_routes;
+        let plugin_parts = routes
+            .0
+            .iter()
+            .zip(&errors)
+            .map(|(r, error)| {
+                let part = health.plugin_part(r.name());
+                match error {
+                    None => {
+                        part.set_up();
+                    }
+                    Some(e) => {
+                        tracing::error!(route = %r.name(), "plugin not loaded, the route's events wait until its file loads: {e}");
+                        part.set_down(e.clone());
+                    }
+                }
+                part
+            })
+            .collect();
         let routes = Arc::new(routes);
         let store_config = config.source(source)?.clone();
         let relay_id = store.relay_id().to_string();
@@ -368,6 +421,7 @@ impl Relay {
             store,
             routes,
             plugins,
+            plugin_parts,
             shadows,
             reload,
             sinks,
@@ -578,11 +632,11 @@ impl Relay {
                 Ok(c) => {
                     metrics::histogram!(m::CLAIM_SECONDS, "source" => self.source.clone())
                         .record(claim_started.elapsed().as_secs_f64());
-                    self.health.set_store_ok(true);
+                    self.health.set_store_ok();
                     c
                 }
                 Err(e) => {
-                    self.health.set_store_ok(false);
+                    self.health.store_failed(&e);
                     tracing::warn!(worker = index, "claim failed: {e:#}");
                     sleep_or_cancel(Duration::from_secs(1), &shutdown).await;
                     continue;
@@ -653,7 +707,6 @@ impl Relay {
                     }
                 }
                 Err(e) => {
-                    self.health.set_store_ok(false);
                     tracing::warn!(
                         worker = index,
                         "batch failed, its events stay pending: {e:#}"
@@ -848,6 +901,17 @@ impl Relay {
         }
         let mut calls = Vec::new();
         for (route_idx, mut idxs) in by_route {
+            // A route whose plugin is not loaded: its events wait for it.
+            if let Some((why, _)) = self.plugin_parts[route_idx].why_down() {
+                for i in idxs {
+                    events[i].1 = Plan::Defer {
+                        route: route_idx,
+                        reason: format!("plugin not loaded: {why}"),
+                        delay: PLUGIN_WAIT,
+                    };
+                }
+                continue;
+            }
             let (deferred, why) = match self.quarantine.admit(route_idx) {
                 Admission::All => (Vec::new(), None),
                 Admission::Probe { reason, delay } => (idxs.split_off(1), Some((reason, delay))),

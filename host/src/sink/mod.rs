@@ -30,6 +30,7 @@ use crate::routing::Routes;
 pub mod file;
 pub mod kafka;
 pub mod nats;
+pub mod starting;
 
 /// A message header: name and value, borrowed from the event where they can
 /// be (the envelope of every message would otherwise allocate ~20 strings).
@@ -128,6 +129,12 @@ pub trait Sink: Send + Sync {
     /// Is the broker reachable right now (for `/readyz`)?
     async fn connected(&self) -> bool;
 
+    /// Why the sink is not up and since when, where it knows more than
+    /// "not connected" (a sink still starting knows its last error).
+    fn down_reason(&self) -> Option<(String, chrono::DateTime<chrono::Utc>)> {
+        None
+    }
+
     /// Wait (bounded) for queued messages to leave, on shutdown.
     async fn flush(&self);
 }
@@ -165,28 +172,83 @@ impl dyn Sink {
 /// All sinks by name.
 pub type Sinks = Arc<BTreeMap<String, Arc<dyn Sink>>>;
 
-/// Build every configured sink. Configuration errors (a bad librdkafka
-/// option, a JetStream subject no stream captures) refuse start-up; a broker
-/// that is merely down is not an error (the relay retries and is not ready).
+/// How long start-up (or a reload) waits for the sinks before it goes on
+/// without those not built yet: they become [`starting::StartingSink`]s,
+/// built in the background, and only their routes wait.
+const START_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// A setting the sink's client library refused: the configuration is
+/// broken, waiting will not mend it.
+#[derive(Debug, thiserror::Error)]
+#[error("{0:#}")]
+struct BadSetting(anyhow::Error);
+
+/// Build one sink (one attempt): connect, check, create what it may.
+async fn build_one(
+    name: String,
+    cfg: SinkConfig,
+    patterns: Vec<String>,
+    base_dir: std::path::PathBuf,
+    publish_timeout: std::time::Duration,
+) -> Result<Arc<dyn Sink>> {
+    Ok(match &cfg {
+        SinkConfig::Kafka(k) => {
+            // Only builds the client (no network): its refusal is the config's.
+            let sink = kafka::KafkaSink::build(&name, k, publish_timeout)
+                .map_err(|e| anyhow::Error::new(BadSetting(e)))?;
+            sink.verify().await?;
+            Arc::new(sink)
+        }
+        SinkConfig::Nats(n) => {
+            Arc::new(nats::NatsSink::build(&name, n, &patterns, publish_timeout).await?)
+        }
+        SinkConfig::File(f) => Arc::new(file::FileSink::build(&name, f, &base_dir)?),
+    })
+}
+
+/// Build every configured sink, each on its own. A setting the client
+/// library refuses (a bad librdkafka option) is a broken configuration and
+/// refuses start-up; anything else — brokers down, credentials refused, a
+/// JetStream stream that cannot be created yet — leaves that sink starting
+/// in the background ([`starting::StartingSink`]) while the others run.
 pub async fn build_all(
     configs: &BTreeMap<String, SinkConfig>,
     routes: &Routes,
     base_dir: &std::path::Path,
     publish_timeout: std::time::Duration,
 ) -> Result<Sinks> {
-    let mut sinks: BTreeMap<String, Arc<dyn Sink>> = BTreeMap::new();
+    let mut attempts = Vec::new();
     for (name, cfg) in configs {
-        let sink: Arc<dyn Sink> = match cfg {
-            SinkConfig::Kafka(k) => {
-                let sink = kafka::KafkaSink::build(name, k, publish_timeout)?;
-                sink.verify().await?;
-                Arc::new(sink)
-            }
-            SinkConfig::Nats(n) => {
-                let patterns = routes.patterns_for_sink(name);
-                Arc::new(nats::NatsSink::build(name, n, &patterns, publish_timeout).await?)
-            }
-            SinkConfig::File(f) => Arc::new(file::FileSink::build(name, f, base_dir)?),
+        let patterns = routes.patterns_for_sink(name);
+        let (name, cfg, base_dir) = (name.clone(), cfg.clone(), base_dir.to_path_buf());
+        let build: starting::Build = Box::new(move || {
+            Box::pin(build_one(
+                name.clone(),
+                cfg.clone(),
+                patterns.clone(),
+                base_dir.clone(),
+                publish_timeout,
+            ))
+        });
+        attempts.push(build);
+    }
+    let first = futures::future::join_all(
+        attempts
+            .iter()
+            .map(|build| tokio::time::timeout(START_WAIT, build())),
+    )
+    .await;
+    let mut sinks: BTreeMap<String, Arc<dyn Sink>> = BTreeMap::new();
+    for ((name, build), result) in configs.keys().zip(attempts).zip(first) {
+        let sink = match result {
+            Ok(Ok(sink)) => sink,
+            Ok(Err(e)) if e.is::<BadSetting>() => return Err(e),
+            Ok(Err(e)) => starting::StartingSink::spawn(name, &e, build),
+            Err(_) => starting::StartingSink::spawn(
+                name,
+                &anyhow::anyhow!("not connected within {}s", START_WAIT.as_secs()),
+                build,
+            ),
         };
         sinks.insert(name.clone(), sink);
     }

@@ -678,6 +678,14 @@ fn connect_error(key: &str, sc: &crate::config::StoreConfig, e: sqlx::Error) -> 
                 " (wrong password, or not the server meant: check {key}.password / {key}.password_file, and the host and port)"
             )
         }
+        sqlx::Error::Database(d) if matches!(d.code().as_deref(), Some("53300" | "53400")) => {
+            format!(
+                " (the server is at its connection limit, max_connections: this source opens up to \
+                 {key}.max_connections = {} connections; the source waits and retries. Lower \
+                 {key}.max_connections or relay.concurrency, or raise the server's max_connections)",
+                sc.max_connections.max(2)
+            )
+        }
         sqlx::Error::Database(d) if d.code().as_deref() == Some("28000") => {
             format!(
                 " (the server's pg_hba.conf refuses this role, database or connection type: TLS may be required, see {key}.tls)"
