@@ -13,7 +13,9 @@
 //!    each, update each, interval 0);
 //! 6. steady-state latency at 1,000 events/s from 4 writers;
 //! 7. log-based capture (`capture = "logical"`) beside lease mode on the
-//!    same `wal_level = logical` cluster: drains, latency, producer commits.
+//!    same `wal_level = logical` cluster: drains, latency, producer commits;
+//! 8. one source's database stopped mid-run: the other source's
+//!    commit→ack under steady load, with and without the outage.
 //!
 //! It prints one table and writes every figure to a JSON file.
 
@@ -57,7 +59,7 @@ struct Args {
     #[arg(long, default_value = "bench-results.json")]
     json: PathBuf,
     /// Only these sections (plugin, ceiling, produce, drain, marking, sources, tables,
-    /// baseline, wakeup, latency, backlog, history, logical).
+    /// baseline, wakeup, latency, backlog, history, logical, outage).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Distinct aggregates in the pre-filled backlogs; 0: one per event (the
@@ -397,6 +399,26 @@ async fn main() -> Result<()> {
         ));
         push_claim_figures(&mut table, "", &l);
         results.insert("latency".into(), l);
+    }
+    if want("outage") && args.latency_secs > 0 {
+        eprintln!("== one source's database stopped mid-run");
+        let o = source_outage(args.latency_secs, args.rate).await?;
+        table.push((
+            format!(
+                "source b's database stopped: source a @{}/s commit→ack (relay histogram)",
+                args.rate
+            ),
+            format!(
+                "p50 ≤ {} ms, p99 ≤ {} ms (b up: p50 ≤ {} ms, p99 ≤ {} ms); {} + {} events, all published",
+                o["down"]["p50"],
+                o["down"]["p99"],
+                o["up"]["p50"],
+                o["up"]["p99"],
+                o["up"]["events"],
+                o["down"]["events"]
+            ),
+        ));
+        results.insert("source_outage".into(), o);
     }
     if want("history") && args.latency_secs > 0 {
         eprintln!("== steady state over {} published rows", args.history);
@@ -1440,9 +1462,16 @@ fn bucket_share_above(metrics: &str, name: &str, le: f64) -> Option<f64> {
 
 /// Upper bound (ms) of the histogram bucket holding quantile `q`.
 fn bucket_quantile(metrics: &str, name: &str, q: f64) -> Value {
-    let mut buckets: Vec<(f64, f64)> = metrics
+    quantile_of(&buckets(metrics, name, ""), q)
+}
+
+/// Histogram `name`'s cumulative buckets `(le, count)`, summed over the
+/// series whose labels contain `labels` (e.g. `source="a"`).
+fn buckets(metrics: &str, name: &str, labels: &str) -> Vec<(f64, f64)> {
+    let mut sums: Vec<(f64, f64)> = Vec::new();
+    for (le, v) in metrics
         .lines()
-        .filter(|l| l.starts_with(&format!("{name}_bucket")))
+        .filter(|l| l.starts_with(&format!("{name}_bucket")) && l.contains(labels))
         .filter_map(|l| {
             let le = l.split("le=\"").nth(1)?.split('"').next()?;
             let le: f64 = if le == "+Inf" {
@@ -1453,8 +1482,19 @@ fn bucket_quantile(metrics: &str, name: &str, q: f64) -> Value {
             let v: f64 = l.rsplit(' ').next()?.parse().ok()?;
             Some((le, v))
         })
-        .collect();
-    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    {
+        match sums.iter_mut().find(|(b, _)| *b == le) {
+            Some(slot) => slot.1 += v,
+            None => sums.push((le, v)),
+        }
+    }
+    sums.sort_by(|a, b| a.0.total_cmp(&b.0));
+    sums
+}
+
+/// Upper bound (ms) of the bucket of cumulative `buckets` holding
+/// quantile `q`.
+fn quantile_of(buckets: &[(f64, f64)], q: f64) -> Value {
     let total = buckets.last().map(|b| b.1).unwrap_or(0.0);
     buckets
         .iter()
@@ -1727,6 +1767,139 @@ async fn latency(
         "history_rows": history,
         "history_payload_bytes": history_payload,
         "peak_rss_mib": rss,
+    }))
+}
+
+/// `rate` events/s for `secs` seconds into `pool`'s outbox, from 4 writers,
+/// one transaction each; returns how many were committed.
+async fn steady_writes(pool: &PgPool, rate: u64, secs: u64, prefix: &str) -> Result<usize> {
+    let per_writer = Duration::from_secs_f64(4.0 / rate.max(1) as f64);
+    let end = Instant::now() + Duration::from_secs(secs);
+    let mut writers = Vec::new();
+    for w in 0..4 {
+        let pool = pool.clone();
+        let prefix = prefix.to_string();
+        writers.push(tokio::spawn(async move {
+            let mut next = Instant::now();
+            let mut i = 0usize;
+            while Instant::now() < end {
+                sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'order', $2, 'order-created', $3)")
+                    .bind(uuid::Uuid::new_v4())
+                    .bind(format!("{prefix}{w}-{}", i % 100))
+                    .bind(payload(i))
+                    .execute(&pool)
+                    .await?;
+                i += 1;
+                next += per_writer;
+                tokio::time::sleep_until(next.into()).await;
+            }
+            anyhow::Ok(i)
+        }));
+    }
+    let mut n = 0;
+    for w in writers {
+        n += w.await??;
+    }
+    Ok(n)
+}
+
+/// Two sources in one relay, `a` on the shared cluster and `b` on a
+/// cluster of its own; `rate` events/s into `a` for `secs` seconds with
+/// `b`'s database up, then `secs` more with it stopped. `a`'s
+/// commit→broker-ack quantiles (the relay's histogram, per phase) show
+/// what `b`'s outage costs the other source; every event of `a` must be
+/// published within 60 s of the writers stopping, or the run fails.
+async fn source_outage(secs: u64, rate: u64) -> Result<Value> {
+    let cluster = outroute_e2e::OwnCluster::start("outroute_bench_outage", 5437)?;
+    let a = TestDb::new().await?;
+    let b = TestDb::new_at(&cluster.admin_url()).await?;
+    let t = tag();
+    create_topic(&format!("b{t}.order-created"), 3).await?;
+    let dir = test_dir("outage");
+    let http = outroute_e2e::free_addr();
+    let body = format!(
+        "[relay]\ncache_dir = \"{}\"\n[sources.a]\nurl = \"{}\"\n[sources.b]\nurl = \"{}\"\n{}",
+        std::env::temp_dir().join("outroute-test-cache").display(),
+        a.url,
+        b.url,
+        relay_body("kafka", &t, &http)
+    );
+    std::fs::create_dir_all(&dir)?;
+    let config = dir.join("outroute.toml");
+    std::fs::write(&config, body)?;
+    a.migrate(&config)?;
+    let mut relay = Relay::start(&config, &[("RUST_LOG", "warn")])?;
+    // Warm: both sources publishing.
+    for db in [&a, &b] {
+        sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'order', 'warm-up', 'order-created', '{}')")
+            .bind(uuid::Uuid::new_v4())
+            .execute(&db.pool)
+            .await?;
+    }
+    let warm = Instant::now();
+    while a.unpublished("").await + b.unpublished("").await > 0 {
+        anyhow::ensure!(
+            warm.elapsed() < Duration::from_secs(60),
+            "the warm-up events were not published within 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let histogram = || async {
+        let (_, m) = outroute_e2e::http_get(&http, "/metrics")
+            .await
+            .unwrap_or_default();
+        buckets(&m, "outroute_commit_to_ack_seconds", "source=\"a\"")
+    };
+    let diff = |before: &[(f64, f64)], after: &[(f64, f64)]| -> Vec<(f64, f64)> {
+        after
+            .iter()
+            .map(|(le, c)| {
+                let was = before
+                    .iter()
+                    .find(|(b, _)| b == le)
+                    .map_or(0.0, |(_, c)| *c);
+                (*le, c - was)
+            })
+            .collect()
+    };
+    let h0 = histogram().await;
+    let up_events = steady_writes(&a.pool, rate, secs, "up").await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let h1 = histogram().await;
+    b.pool.close().await;
+    cluster.stop()?;
+    let stopped = Instant::now();
+    let down_events = steady_writes(&a.pool, rate, secs, "down").await?;
+    let drained = Instant::now();
+    while a.unpublished("").await > 0 {
+        if drained.elapsed() > Duration::from_secs(60) {
+            cluster.restart()?;
+            anyhow::bail!(
+                "source a still had {} unpublished events 60 s after its writers stopped, b's database down",
+                a.unpublished("").await
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let h2 = histogram().await;
+    let downtime = stopped.elapsed().as_secs_f64();
+    cluster.restart()?;
+    relay.terminate(Duration::from_secs(15));
+    a.drop_db().await;
+    let b = TestDb {
+        pool: sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect_lazy(&b.url)?,
+        ..b
+    };
+    b.drop_db().await;
+    let (up, down) = (diff(&h0, &h1), diff(&h1, &h2));
+    Ok(json!({
+        "rate": rate,
+        "seconds_per_phase": secs,
+        "up": {"events": up_events, "p50": quantile_of(&up, 0.5), "p99": quantile_of(&up, 0.99)},
+        "down": {"events": down_events, "p50": quantile_of(&down, 0.5), "p99": quantile_of(&down, 0.99)},
+        "b_down_s": downtime,
     }))
 }
 
