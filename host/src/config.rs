@@ -973,6 +973,12 @@ pub struct Loaded {
     /// What `relay.config_watch_interval` watches: the files, and the
     /// directories includes are looked for in (a new team file).
     pub watched: Vec<PathBuf>,
+    /// Team files refused: each costs only its team, which runs its last
+    /// known good copy or not at all (`config/teams.rs`).
+    pub refused: Vec<teams::Refused>,
+    /// Team files accepted, `(team, file, text)`: the last known good
+    /// copies `outroute run` keeps.
+    pub accepted_teams: Vec<(String, PathBuf, String)>,
 }
 
 impl Loaded {
@@ -982,6 +988,65 @@ impl Loaded {
             p.to_path_buf()
         } else {
             self.base_dir.join(p)
+        }
+    }
+
+    /// Where each team's last known good team file is kept: beside the
+    /// compiled plugins, one directory per main file. `None` without a
+    /// plugin cache on disk.
+    pub fn last_good_dir(&self) -> Option<PathBuf> {
+        use sha2::Digest;
+        let main = self.files.first()?;
+        let main = main.canonicalize().unwrap_or_else(|_| main.clone());
+        let hash = sha2::Sha256::digest(main.to_string_lossy().as_bytes());
+        let key: String = hash[..8].iter().map(|b| format!("{b:02x}")).collect();
+        Some(self.cache_dir()?.join("last-good").join(key))
+    }
+
+    /// One line per refused team file: what runs instead and why.
+    pub fn refused_lines(&self) -> Vec<String> {
+        self.refused
+            .iter()
+            .map(|r| {
+                format!(
+                    "team file {} refused ({}): {}",
+                    r.file.display(),
+                    if r.last_good {
+                        "its last known good copy runs"
+                    } else {
+                        "its routes do not run, their events wait"
+                    },
+                    r.problems
+                        .iter()
+                        .map(|p| format!("{}: {}", p.key, p.reason))
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                )
+            })
+            .collect()
+    }
+
+    /// Log the refused team files, count them, and keep the accepted ones
+    /// as last known good (`outroute run`, at start and after a reload).
+    pub fn report_teams(&self) {
+        for line in self.refused_lines() {
+            tracing::error!("{line}");
+        }
+        metrics::gauge!(crate::metrics::TEAM_FILES_REFUSED).set(self.refused.len() as f64);
+        self.remember_good_teams();
+    }
+
+    /// Keep every accepted team file as its team's last known good copy
+    /// (`outroute run`, at start and after each reload).
+    pub fn remember_good_teams(&self) {
+        let Some(dir) = self.last_good_dir() else {
+            return;
+        };
+        if let Err(e) = teams::remember(&dir, &self.accepted_teams) {
+            tracing::warn!(
+                "could not keep the team files as last known good under {}: {e}",
+                dir.display()
+            );
         }
     }
 
@@ -1070,7 +1135,6 @@ pub fn load(file: &Path) -> Result<Loaded, ConfigErrors> {
         .ok()
         .and_then(|p| p.parent().map(Path::to_path_buf))
         .unwrap_or_else(|| PathBuf::from("."));
-    let (included, origins, team_problems) = teams::merge(&mut config, &base_dir);
     let mut problems = Vec::new();
     match (config.store.take(), config.sources.is_empty()) {
         (Some(store), true) => {
@@ -1088,26 +1152,46 @@ pub fn load(file: &Path) -> Result<Loaded, ConfigErrors> {
         )),
     }
     problems.extend(security::resolve(&mut config, &base_dir));
-    let mut files = vec![file.to_path_buf()];
-    files.extend(included);
-    let mut watched = files.clone();
-    watched.extend(origins.dirs.iter().cloned());
-    let loaded = Loaded {
+    // Each team file is merged on its own, checked with the config's own
+    // checks; a refused one costs only its team (see `config/teams.rs`).
+    let mut loaded = Loaded {
         config,
-        files,
-        watched,
+        files: vec![file.to_path_buf()],
+        watched: Vec::new(),
         base_dir,
+        refused: Vec::new(),
+        accepted_teams: Vec::new(),
     };
+    let last_good = loaded.last_good_dir();
+    let validate = |c: &Config| {
+        Loaded {
+            config: c.clone(),
+            files: Vec::new(),
+            watched: Vec::new(),
+            base_dir: loaded.base_dir.clone(),
+            refused: Vec::new(),
+            accepted_teams: Vec::new(),
+        }
+        .validate()
+    };
+    let mut config = loaded.config.clone();
+    let merged = teams::merge(
+        &mut config,
+        &loaded.base_dir,
+        &shown,
+        last_good.as_deref(),
+        &validate,
+    );
+    loaded.config = config;
+    loaded.files.extend(merged.files);
+    loaded.watched = loaded.files.clone();
+    loaded.watched.extend(merged.origins.dirs.iter().cloned());
+    loaded.refused = merged.refused;
+    loaded.accepted_teams = merged.accepted;
     problems.extend(loaded.validate());
-    let mut errors: Vec<ConfigError> = team_problems
-        .into_iter()
-        .map(|e| ConfigError {
-            file: if e.file == "-" { shown.clone() } else { e.file },
-            ..e
-        })
-        .collect();
+    let mut errors: Vec<ConfigError> = merged.problems;
     for (key, reason) in problems {
-        let (file, key) = origins.locate(&shown, &key);
+        let (file, key) = merged.origins.locate(&shown, &key);
         // A value an `OUTROUTE_…` variable set is the environment's fault,
         // not the file's.
         let (file, reason) = match env_var_of(&figment, &key) {
@@ -1124,6 +1208,9 @@ pub fn load(file: &Path) -> Result<Loaded, ConfigErrors> {
     if errors.is_empty() {
         Ok(loaded)
     } else {
+        // The main file's problems, and with them every refused team
+        // file's, so one run of `config check` shows them all.
+        errors.extend(loaded.refused.into_iter().flat_map(|r| r.problems));
         Err(ConfigErrors(errors))
     }
 }
@@ -1266,9 +1353,11 @@ allow = { kafka = ["payments.*"] }
     const PAYMENTS: &str = "team = \"payments\"\n[plugins.pay]\npath = \"../p.wasm\"\n\
         [[routes]]\nname = \"pay\"\nplugin = \"pay\"\nallow = { kafka = [\"payments.*\"] }\n";
 
+    /// Every problem: the refused team files' (the load goes on without
+    /// them) and the main file's (the load is refused).
     fn problems(f: &Path) -> Vec<ConfigError> {
         match load(f) {
-            Ok(_) => Vec::new(),
+            Ok(l) => l.refused.into_iter().flat_map(|r| r.problems).collect(),
             Err(e) => e.0,
         }
     }
@@ -1305,7 +1394,7 @@ allow = { kafka = ["payments.*"] }
             (
                 PAYMENTS.replace("payments\"\n[plugins", "ghosts\"\n[plugins"),
                 "team",
-                "has no grant",
+                "this file says team `ghosts`, but a team file must be named after its team",
             ),
             (
                 format!("{PAYMENTS}[sinks.mine]\nkind = \"file\"\npath = \"x\"\n"),
@@ -1327,14 +1416,32 @@ allow = { kafka = ["payments.*"] }
                 "{key}: {p:?}"
             );
         }
-        // Another file's route name is not a team's to take.
+        // A team without a grant.
         team_file(&d, "payments.toml", PAYMENTS);
         team_file(
             &d,
-            "zz-billing.toml",
-            &PAYMENTS
-                .replace("[plugins.pay]", "[plugins.pay2]")
-                .replace("plugin = \"pay\"", "plugin = \"pay2\""),
+            "ghosts.toml",
+            &PAYMENTS.replace("payments\"\n[plugins", "ghosts\"\n[plugins"),
+        );
+        let p = problems(&f);
+        assert!(
+            p.iter()
+                .any(|e| e.key == "team" && e.reason.contains("team `ghosts` has no grant")),
+            "{p:?}"
+        );
+        std::fs::remove_file(d.join("teams/ghosts.toml")).unwrap();
+        // Another file's route name is not a team's to take.
+        let f = write(
+            &d,
+            &format!(
+                "{PLATFORM}[grants.billing]\nsources = [\"billing\"]\nallow = {{ kafka = [\"billing.*\"] }}\n"
+            ),
+        );
+        team_file(
+            &d,
+            "billing.toml",
+            "team = \"billing\"\n[plugins.bill]\npath = \"../p.wasm\"\n\
+             [[routes]]\nname = \"pay\"\nplugin = \"bill\"\nallow = { kafka = [\"billing.*\"] }\n",
         );
         let p = problems(&f);
         assert!(
@@ -1342,6 +1449,86 @@ allow = { kafka = ["payments.*"] }
                 .any(|e| e.key == "routes[0].name" && e.reason.contains("already declared by")),
             "{p:?}"
         );
+    }
+
+    #[test]
+    fn a_refused_team_file_costs_only_its_team_which_runs_its_last_known_good_copy() {
+        let d = tmp();
+        let main = format!(
+            "{PLATFORM}[relay]\ncache_dir = \"{}\"\n\
+             [grants.billing]\nsources = [\"billing\"]\nallow = {{ kafka = [\"billing.*\"] }}\n",
+            d.join("cache").display()
+        );
+        let f = write(&d, &main);
+        let billing = "team = \"billing\"\n[plugins.bill]\npath = \"../p.wasm\"\n\
+             [[routes]]\nname = \"bill\"\nplugin = \"bill\"\nallow = { kafka = [\"billing.*\"] }\n";
+        team_file(&d, "payments.toml", PAYMENTS);
+        team_file(&d, "billing.toml", billing);
+        let routes = |l: &Loaded| {
+            let mut r: Vec<String> = l.config.routes.iter().map(|r| r.name.clone()).collect();
+            r.sort();
+            r
+        };
+        let good = load(&f).unwrap();
+        assert!(good.refused.is_empty(), "{:?}", good.refused);
+        assert_eq!(routes(&good), ["bill", "pay"]);
+        // Without a copy kept, a broken file takes its team's routes out
+        // (their events wait), never the other team's.
+        team_file(
+            &d,
+            "payments.toml",
+            "team = \"payments\"\n[[routes]\nbroken",
+        );
+        let l = load(&f).unwrap();
+        assert_eq!(routes(&l), ["bill"]);
+        assert_eq!(l.refused.len(), 1);
+        assert!(!l.refused[0].last_good);
+        assert!(
+            l.refused_lines()[0].contains("teams/payments.toml refused (its routes do not run")
+        );
+        // Kept once accepted (as `run` does), the copy runs in its place:
+        // at the next load, as after a restart.
+        good.remember_good_teams();
+        let l = load(&f).unwrap();
+        assert_eq!(routes(&l), ["bill", "pay"]);
+        assert!(l.refused[0].last_good, "{:?}", l.refused);
+        assert!(l.config.plugins["pay"].path.ends_with("p.wasm"));
+        // A file claiming another team's name is refused; that team is
+        // untouched.
+        team_file(&d, "payments.toml", PAYMENTS);
+        team_file(
+            &d,
+            "rogue.toml",
+            &billing.replace("billing\"\n[plugins", "payments\"\n[plugins"),
+        );
+        let l = load(&f).unwrap();
+        assert_eq!(routes(&l), ["bill", "pay"]);
+        assert_eq!(l.refused.len(), 1);
+        assert_eq!(l.refused[0].problems[0].key, "team");
+        // A granted team whose file went missing runs its copy, and says so.
+        std::fs::remove_file(d.join("teams/rogue.toml")).unwrap();
+        std::fs::remove_file(d.join("teams/payments.toml")).unwrap();
+        let l = load(&f).unwrap();
+        assert_eq!(routes(&l), ["bill", "pay"]);
+        assert!(
+            l.refused[0].problems[0]
+                .reason
+                .contains("has a grant but no team file")
+        );
+        // A copy the grant no longer allows does not run.
+        let narrower = main.replace(
+            "allow = { kafka = [\"payments.*\"] }",
+            "allow = { kafka = [\"pay.*\"] }",
+        );
+        let f = write(&d, &narrower);
+        let l = load(&f).unwrap();
+        assert_eq!(routes(&l), ["bill"]);
+        // The main file's own problems still refuse the whole config.
+        let f = write(
+            &d,
+            &main.replace("[sinks.kafka]", "[sinks.kafka]\nmax_in_flight = 0"),
+        );
+        assert!(load(&f).is_err());
     }
 
     #[test]

@@ -250,6 +250,8 @@ pub struct ReadyView {
     /// Each route with the sinks it may publish to (a route waits while
     /// one of them is down).
     pub routes: Vec<(String, Vec<String>)>,
+    /// Team files refused at the last (re)load, one line each.
+    pub teams_refused: Vec<String>,
 }
 
 /// What `/readyz` found.
@@ -283,7 +285,15 @@ impl Assessment {
                 "ready (degraded: {} of {} sources live)",
                 self.live, self.sources
             ),
-            (false, _) => format!("not ready: {}", self.problems.join("; ")),
+            (false, _) => format!(
+                "not ready: {} down, {} of {} sources live",
+                match self.problems.len() {
+                    1 => "1 part".to_string(),
+                    n => format!("{n} parts"),
+                },
+                self.live,
+                self.sources
+            ),
         };
         let mut out = format!("{head}\n");
         for p in &self.problems {
@@ -392,6 +402,7 @@ impl Readiness {
             metrics::gauge!(m::ROUTE_WAITING, "route" => route.clone(), "reason" => "sink")
                 .set(f64::from(u8::from(waits.is_some())));
         }
+        problems.extend(view.teams_refused.iter().cloned());
         Assessment {
             live,
             sources: view.sources.len(),
@@ -448,7 +459,11 @@ mod tests {
                 .render(false)
                 .starts_with("ready (degraded: 1 of 3")
         );
-        assert!(degraded.render(true).starts_with("not ready: source `x`"));
+        assert!(
+            degraded
+                .render(true)
+                .starts_with("not ready: 1 part down, 1 of 3 sources live\n- source `x`: down")
+        );
         assert!(!a(0, 2, &["a", "b"]).ready(false));
         assert!(a(0, 0, &[]).ready(true));
         assert!(a(2, 2, &[]).ready(true));

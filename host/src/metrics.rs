@@ -75,6 +75,10 @@ pub const SINK_UP: &str = "outroute_sink_up";
 /// `plugin`, its plugin not loaded; `sink`, a sink it may publish to down).
 pub const ROUTE_WAITING: &str = "outroute_route_waiting";
 
+/// Team files refused at the last (re)load: each costs only its team
+/// (which runs its last known good copy, or waits).
+pub const TEAM_FILES_REFUSED: &str = "outroute_team_files_refused";
+
 /// Config reloads (SIGHUP or a changed file) by `result`: `applied`,
 /// `unchanged`, `rejected` (the running config kept).
 pub const CONFIG_RELOADS: &str = "outroute_config_reloads_total";

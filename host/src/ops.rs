@@ -191,6 +191,7 @@ pub async fn run(arg: &ConfigArg) -> Result<ExitCode> {
     } else {
         Some(metrics::serve(&http_listen, prom, ready.clone(), shutdown.clone()).await?)
     };
+    loaded.report_teams();
     let mut topology = Topology::start(loaded, id.clone(), ready).await?;
     tokio::spawn(signal_shutdown(shutdown.clone()));
     tracing::info!(relay = %id, routes = topology.route_count(), "outroute relay started");
@@ -229,6 +230,9 @@ async fn reload(topology: &mut Topology, arg: &ConfigArg, reason: &str) {
             Ok(()) => topology.reload(new).await,
         },
     };
+    if outcome.is_ok() {
+        topology.loaded().report_teams();
+    }
     let result = match &outcome {
         Ok(d) if d.is_empty() => "unchanged",
         Ok(_) => "applied",
@@ -480,9 +484,30 @@ pub async fn status(arg: &ConfigArg, json: bool) -> Result<ExitCode> {
             serde_json::Value::Object(all)
         };
         println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        print_relay_parts(&loaded).await;
     }
     failures.finish()?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// What the relay serving this config (at `http.listen`) says of its parts
+/// — sources, sinks, routes — and since when they are down: its `/readyz`.
+/// A relay that does not answer is said so; that is no error here.
+async fn print_relay_parts(loaded: &Loaded) {
+    let listen = &loaded.config.http.listen;
+    if listen.is_empty() || listen.ends_with(":0") {
+        return;
+    }
+    match http_answer(listen, "/readyz?strict").await {
+        Ok((_, body)) => {
+            println!("relay at {listen}:");
+            for line in body.lines() {
+                println!("  {line}");
+            }
+        }
+        Err(e) => println!("relay at {listen}: not answering ({e})"),
+    }
 }
 
 fn print_status(s: &crate::store::Status) {
@@ -1326,12 +1351,28 @@ pub async fn config_check(arg: &ConfigArg, store: bool, sinks: bool) -> Result<E
         eprintln!("{}:{e}", path.display());
         return Ok(ExitCode::FAILURE);
     }
+    // A refused team file costs `run` only its team, but fails the check.
+    let mut refused = false;
+    for r in &l.refused {
+        for p in &r.problems {
+            eprintln!("{p}");
+        }
+        eprintln!(
+            "{}: refused; `run` {}",
+            r.file.display(),
+            if r.last_good {
+                "runs the team's last known good copy instead"
+            } else {
+                "runs the other teams; this team's routes do not run and their events wait"
+            }
+        );
+        refused = true;
+    }
     let l = arg.load()?;
     // Every route's plugin (and shadow) as `run` loads it: compiled, and
     // `init` with the route's config, so a file that is no component or a
     // config the plugin refuses fails here, not at start-up.
     let runtime = Runtime::new(l.cache_dir())?;
-    let mut refused = false;
     for (i, r) in l.config.routes.iter().enumerate() {
         let Some(pc) = l.config.plugins.get(&r.plugin) else {
             continue; // refused by the load above
@@ -1679,8 +1720,18 @@ fn toml_value(v: &serde_json::Value) -> Result<toml_edit::Value> {
     })
 }
 
-/// `GET path` from the relay's HTTP listener; the body.
+/// `GET path` from the relay's HTTP listener; the body of a 200 answer.
 async fn http_get(listen: &str, path: &str) -> Result<String> {
+    let (head, body) = http_answer(listen, path).await?;
+    if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
+        bail!("{}", head.lines().next().unwrap_or(&head));
+    }
+    Ok(body)
+}
+
+/// `GET path` from the relay's HTTP listener: the status line and headers,
+/// and the body, whatever the status.
+async fn http_answer(listen: &str, path: &str) -> Result<(String, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::time::timeout(
         Duration::from_secs(5),
@@ -1699,8 +1750,5 @@ async fn http_get(listen: &str, path: &str) -> Result<String> {
     let (head, body) = answer
         .split_once("\r\n\r\n")
         .ok_or_else(|| anyhow!("not an HTTP answer"))?;
-    if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
-        bail!("{}", head.lines().next().unwrap_or(head));
-    }
-    Ok(body.to_string())
+    Ok((head.to_string(), body.to_string()))
 }

@@ -57,10 +57,12 @@ pub enum Plan {
         route: Option<usize>,
         rejection: Rejection,
     },
-    /// The route is quarantined: the event waits `delay` (recorded as a
-    /// retry with no attempt counted), holding its aggregate.
+    /// The event waits `delay` (recorded as a retry with no attempt
+    /// counted), holding its aggregate: its route is quarantined or its
+    /// plugin not loaded, or (`route: None`) the route that would take it
+    /// belongs to a team whose file is refused.
     Defer {
-        route: usize,
+        route: Option<usize>,
         reason: String,
         delay: Duration,
     },
@@ -84,9 +86,9 @@ pub enum Fate {
         /// the retry sends only the others.
         done_legs: Vec<String>,
     },
-    /// Not sent, its route quarantined: waits `delay`, no attempt counted.
+    /// Not sent (see [`Plan::Defer`]): waits `delay`, no attempt counted.
     Defer {
-        route: usize,
+        route: Option<usize>,
         reason: String,
         delay: Duration,
     },

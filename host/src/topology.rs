@@ -312,6 +312,7 @@ impl Topology {
                 .iter()
                 .map(|r| (r.name.clone(), r.allow.keys().cloned().collect()))
                 .collect(),
+            teams_refused: self.loaded.refused_lines(),
         });
     }
 
@@ -338,6 +339,10 @@ impl Topology {
             );
         }
         if d.is_empty() {
+            // Nothing runs differently, but which team files were refused
+            // (and which copies are good) may have changed.
+            self.loaded = Arc::new(new);
+            self.publish_readiness();
             self.refresh_plugins().await;
             return Ok(d);
         }
@@ -365,6 +370,7 @@ impl Topology {
                 continue;
             };
             let health = Health::new(name, new.config.relay.stall_after);
+            health.opened(store.clone());
             let built = match RoutePlugins::load_or_wait(&new, name).await {
                 Ok(plugins) => Relay::assemble(
                     &new,

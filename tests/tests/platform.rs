@@ -313,42 +313,61 @@ async fn a_team_file_change_applies_without_restart() -> Result<()> {
     assert!(applied, "the new route took effect: {}", relay.log_text());
     check_numbered(&file_sink_deliveries(&out), "shipping", 100);
 
-    // A team file reaching outside its grant: refused, old config kept.
+    // A file claiming another team's name: refused for that alone (a file
+    // speaks for the team it is named after), nothing else changes.
     std::fs::write(
         dir.join("teams/rogue.toml"),
         team(
             "logistics",
             "rogue-router",
             "rogue",
+            "config = { sink = \"file\", topic = \"logistics.stolen\" }\nallow = { file = [\"logistics.*\"] }",
+        ),
+    )?;
+    // Logistics' own file now reaching outside its grant: refused; its last
+    // known good copy (kept when the reload above accepted it) runs on.
+    std::fs::write(
+        dir.join("teams/logistics.toml"),
+        team(
+            "logistics",
+            "logistics-router",
+            "shipments",
             "config = { sink = \"file\", topic = \"payments.stolen\" }\nallow = { file = [\"payments.*\"] }",
         ),
     )?;
     let (code, o, e) = cli(&["config", "check", "-c", &c])?;
     assert_ne!(code, 0, "{o}");
     assert!(
-        e.contains("teams/rogue.toml:routes[0].allow.file")
-            && e.contains("outside team `logistics`'s grant"),
+        e.contains("teams/rogue.toml:team: this file says team `logistics`")
+            && e.contains("teams/logistics.toml:routes[0].allow.file")
+            && e.contains("outside team `logistics`'s grant")
+            && e.contains("runs the team's last known good copy instead"),
         "{e}"
     );
     hup(&relay);
-    let rejected = eventually(Duration::from_secs(20), || async {
+    let refused = eventually(Duration::from_secs(20), || async {
         http_get(&http, "/metrics")
             .await
             .ok()
-            .and_then(|(_, m)| metric(&m, "outroute_config_reloads_total{result=\"rejected\"}"))
-            == Some(1.0)
+            .and_then(|(_, m)| metric(&m, "outroute_team_files_refused"))
+            == Some(2.0)
     })
     .await;
-    assert!(rejected, "the bad change was refused: {}", relay.log_text());
+    assert!(refused, "the two files were refused: {}", relay.log_text());
     let (_, m) = http_get(&http, "/metrics").await?;
     assert_eq!(
-        metric(&m, "outroute_config_reloads_total{result=\"applied\"}"),
-        Some(1.0)
+        metric(&m, "outroute_config_reloads_total{result=\"rejected\"}"),
+        None,
+        "a bad team file costs its team, not the reload"
     );
     let (status, body) = http_get(&http, "/readyz").await?;
     assert_eq!(status, 200, "still ready: {body}");
-    assert!(relay.log_text().contains("config reload rejected"));
-
+    assert!(
+        body.contains("teams/rogue.toml refused (its routes do not run")
+            && body.contains("teams/logistics.toml refused (its last known good copy runs)"),
+        "{body}"
+    );
+    assert_eq!(http_get(&http, "/readyz?strict").await?.0, 503);
     // Everything written while the config changed twice went out, in order.
     let w = producer.await??;
     seed_shipping(&shipping, 101, 150).await?;
@@ -369,6 +388,13 @@ async fn a_team_file_change_applies_without_restart() -> Result<()> {
     report.assert_clean();
     assert_eq!(report.lost, 0);
     check_numbered(&delivered, "shipping", 150);
+    assert!(
+        delivered
+            .iter()
+            .all(|d| !d.topic.starts_with("payments.stolen")
+                && !d.topic.starts_with("logistics.stolen")),
+        "a refused file's routes never ran"
+    );
     let log = relay.log_text();
     assert_eq!(
         log.matches("outroute relay started").count(),

@@ -4,13 +4,22 @@
 //!
 //! A grant says what a team's routes may do: which sources they may read
 //! and which topic/subject patterns on which sinks they may publish to. A
-//! team file is refused — naming the file and key — when it declares
-//! anything but `team`, `plugins` and `routes`; when its team has no grant;
-//! when a route reads a source or allows a sink or pattern outside the
-//! grant; when it uses a plugin it does not declare; or when a route or
-//! plugin name is already taken by another file (a team cannot replace
-//! another team's routes). A team route without `sources` reads the
-//! grant's sources. Plugin paths are relative to the team file.
+//! team file is named after its team (`teams/payments.toml` is team
+//! `payments`): who a file speaks for is the platform's to say, never the
+//! file's. A team file is refused — naming the file and key — when its
+//! name is not its team's; when it declares anything but `team`,
+//! `plugins` and `routes`; when its team has no grant; when a route reads a
+//! source or allows a sink or pattern outside the grant; when it uses a
+//! plugin it does not declare; when a route or plugin name is already taken
+//! by another file (a team cannot replace another team's routes); or when
+//! the config's checks fail on something it declares. A team route without
+//! `sources` reads the grant's sources. Plugin paths are relative to the
+//! team file.
+//!
+//! **A refused team file costs only its team.** The other teams' files are
+//! merged as usual; the refused team runs its last known good copy (kept
+//! beside the plugin cache each time its file is accepted, so a restart has
+//! it too) or, without one, does not run: its events wait.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -162,29 +171,84 @@ pub fn within(inner: &str, outer: &str) -> bool {
     m(&tokens(outer), &tokens(inner))
 }
 
+/// A team file that was refused: its problems (file, key, reason), and
+/// whether its team runs its last known good copy instead.
+#[derive(Debug, Clone)]
+pub struct Refused {
+    /// The team file (or, for a team whose file is missing, where it was
+    /// last read from).
+    pub file: PathBuf,
+    pub problems: Vec<ConfigError>,
+    /// The team's last known good copy runs in its place; `false`: the
+    /// team's routes do not run (their events wait).
+    pub last_good: bool,
+}
+
+/// What merging the team files gave.
+#[derive(Debug, Default)]
+pub struct Merged {
+    /// Every team file read.
+    pub files: Vec<PathBuf>,
+    pub origins: Origins,
+    /// Problems of the main file (`include`, `grants`): the configuration
+    /// is refused.
+    pub problems: Vec<ConfigError>,
+    /// Team files refused: each costs only its own team.
+    pub refused: Vec<Refused>,
+    /// Team files accepted as they are, with their text: the copies
+    /// [`remember`] keeps as each team's last known good.
+    pub accepted: Vec<(String, PathBuf, String)>,
+}
+
+/// Everything merged so far; a team file is tried on a copy and kept only
+/// if it brings no problem.
+#[derive(Clone)]
+struct State {
+    config: Config,
+    origins: Origins,
+    /// Route and plugin names → the file that declared them.
+    route_files: BTreeMap<String, String>,
+    plugin_files: BTreeMap<String, String>,
+    /// Team → its file.
+    teams: BTreeMap<String, PathBuf>,
+}
+
 /// Read the includes of `config` and merge their plugins and routes into
-/// it. Returns the files read, where each merged item came from, and the
-/// problems (file, key, reason) of the team files.
-pub fn merge(config: &mut Config, base: &Path) -> (Vec<PathBuf>, Origins, Vec<ConfigError>) {
-    let mut files = Vec::new();
-    let mut dirs = Vec::new();
-    let mut origins = Origins {
-        routes: vec![None; config.routes.len()],
-        plugins: BTreeMap::new(),
-        dirs: Vec::new(),
+/// it. Each team file is merged on its own: one with a problem — unreadable,
+/// invalid, claiming another team's name, reaching outside its grant, or
+/// failing `validate` (the whole config's checks, run with it merged; only
+/// problems located in that file count) — is refused, and its team runs the
+/// last known good copy kept under `last_good` (see [`remember`]) if that
+/// copy still passes, or not at all. A team with a grant and no file runs
+/// its last known good copy too.
+pub fn merge(
+    config: &mut Config,
+    base: &Path,
+    main: &str,
+    last_good: Option<&Path>,
+    validate: &dyn Fn(&Config) -> Vec<(String, String)>,
+) -> Merged {
+    let mut merged = Merged::default();
+    let mut state = State {
+        route_files: config
+            .routes
+            .iter()
+            .map(|r| (r.name.clone(), "the main file".to_string()))
+            .collect(),
+        plugin_files: config
+            .plugins
+            .keys()
+            .map(|p| (p.clone(), "the main file".to_string()))
+            .collect(),
+        origins: Origins {
+            routes: vec![None; config.routes.len()],
+            plugins: BTreeMap::new(),
+            dirs: Vec::new(),
+        },
+        teams: BTreeMap::new(),
+        config: config.clone(),
     };
-    let mut problems = Vec::new();
-    let mut route_files: BTreeMap<String, String> = config
-        .routes
-        .iter()
-        .map(|r| (r.name.clone(), "the main file".to_string()))
-        .collect();
-    let mut plugin_files: BTreeMap<String, String> = config
-        .plugins
-        .keys()
-        .map(|p| (p.clone(), "the main file".to_string()))
-        .collect();
-    let mut teams_seen: BTreeMap<String, PathBuf> = BTreeMap::new();
+    let mut dirs = Vec::new();
     for (n, pattern) in config.include.clone().iter().enumerate() {
         if let Some(dir) = base.join(pattern).parent() {
             dirs.push(dir.to_path_buf());
@@ -192,8 +256,8 @@ pub fn merge(config: &mut Config, base: &Path) -> (Vec<PathBuf>, Origins, Vec<Co
         let found = match expand(base, pattern) {
             Ok(f) => f,
             Err(reason) => {
-                problems.push(ConfigError {
-                    file: "-".into(),
+                merged.problems.push(ConfigError {
+                    file: main.into(),
                     key: format!("include[{n}]"),
                     reason,
                 });
@@ -201,153 +265,87 @@ pub fn merge(config: &mut Config, base: &Path) -> (Vec<PathBuf>, Origins, Vec<Co
             }
         };
         for file in found {
-            let shown = file.display().to_string();
-            let mut bad = |key: String, reason: String| {
-                problems.push(ConfigError {
-                    file: shown.clone(),
-                    key,
-                    reason,
-                })
+            let text = std::fs::read_to_string(&file);
+            let problems = match &text {
+                Ok(text) => try_file(&mut state, &file, text, main, validate),
+                Err(e) => vec![ConfigError {
+                    file: file.display().to_string(),
+                    key: "-".into(),
+                    reason: format!("cannot read the file: {e}"),
+                }],
             };
-            let team: TeamFile = match Figment::new().merge(Toml::file_exact(&file)).extract() {
-                Ok(t) => t,
-                Err(e) => {
-                    for e in e {
-                        let key = if e.path.is_empty() {
-                            "-".into()
-                        } else {
-                            e.path.join(".")
-                        };
-                        let reason = match e.kind {
-                            figment::error::Kind::UnknownField(f, _) => format!(
-                                "unknown field `{f}`: a team file declares `team`, `plugins` and `routes` only \
-                                 (sources, sinks and grants belong to the main file)"
-                            ),
-                            k => k.to_string(),
-                        };
-                        bad(key, reason);
-                    }
-                    files.push(file);
-                    continue;
+            match text {
+                Ok(text) if problems.is_empty() => {
+                    let team = state
+                        .teams
+                        .iter()
+                        .find(|(_, f)| **f == file)
+                        .map(|(t, _)| t.clone())
+                        .unwrap_or_default();
+                    merged.accepted.push((team, file.clone(), text));
                 }
-            };
-            let dir = file.parent().map(Path::to_path_buf).unwrap_or_default();
-            if let Some(other) = teams_seen.insert(team.team.clone(), file.clone()) {
-                bad(
-                    "team".into(),
-                    format!(
-                        "team `{}` is already declared by {}",
-                        team.team,
-                        other.display()
-                    ),
-                );
+                _ => {
+                    let team = file
+                        .file_stem()
+                        .map(|s| s.to_string_lossy().into_owned())
+                        .unwrap_or_default();
+                    let last_good = run_last_good(&mut state, &team, last_good, main, validate);
+                    merged.refused.push(Refused {
+                        file: file.clone(),
+                        problems,
+                        last_good,
+                    });
+                }
             }
-            let Some(grant) = config.grants.get(&team.team).cloned() else {
-                bad(
-                    "team".into(),
-                    format!(
-                        "team `{}` has no grant: the main file needs [grants.{}]",
-                        team.team, team.team
-                    ),
-                );
-                files.push(file);
-                continue;
-            };
-            for (name, mut plugin) in team.plugins {
-                if let Some(owner) = plugin_files.get(&name) {
-                    bad(
-                        format!("plugins.{name}"),
-                        format!("plugin name `{name}` is already declared by {owner}"),
-                    );
-                    continue;
-                }
-                if plugin.path.is_relative() {
-                    plugin.path = dir.join(&plugin.path);
-                }
-                plugin_files.insert(name.clone(), shown.clone());
-                origins.plugins.insert(name.clone(), file.clone());
-                config.plugins.insert(name, plugin);
-            }
-            for (i, mut route) in team.routes.into_iter().enumerate() {
-                let key = |f: &str| format!("routes[{i}].{f}");
-                if let Some(owner) = route_files.get(&route.name) {
-                    bad(
-                        key("name"),
-                        format!(
-                            "route `{}` is already declared by {owner}: a team file cannot replace another file's route",
-                            route.name
-                        ),
-                    );
-                    continue;
-                }
-                if origins.plugins.get(&route.plugin) != Some(&file) {
-                    bad(
-                        key("plugin"),
-                        format!(
-                            "plugin `{}` is not declared in this file (a team's routes use the team's own plugins)",
-                            route.plugin
-                        ),
-                    );
-                }
-                if route.sources.is_empty() {
-                    if grant.sources.is_empty() {
-                        bad(
-                            key("sources"),
-                            format!(
-                                "team `{}`'s grant names no sources: its routes can read none",
-                                team.team
-                            ),
-                        );
-                        continue;
-                    }
-                    route.sources = grant.sources.clone();
-                }
-                for s in &route.sources {
-                    if !grant.sources.contains(s) {
-                        bad(
-                            key("sources"),
-                            format!(
-                                "source `{s}` is outside team `{}`'s grant (sources: {})",
-                                team.team,
-                                grant.sources.join(", ")
-                            ),
-                        );
-                    }
-                }
-                for (sink, patterns) in &route.allow {
-                    let Some(granted) = grant.allow.get(sink) else {
-                        bad(
-                            format!("routes[{i}].allow.{sink}"),
-                            format!("sink `{sink}` is outside team `{}`'s grant", team.team),
-                        );
-                        continue;
-                    };
-                    for p in patterns {
-                        if !granted.iter().any(|g| within(p, g)) {
-                            bad(
-                                format!("routes[{i}].allow.{sink}"),
-                                format!(
-                                    "pattern `{p}` reaches outside team `{}`'s grant on `{sink}` ({})",
-                                    team.team,
-                                    granted.join(", ")
-                                ),
-                            );
-                        }
-                    }
-                }
-                route_files.insert(route.name.clone(), shown.clone());
-                origins.routes.push(Some((file.clone(), i)));
-                config.routes.push(route);
-            }
-            files.push(file);
+            merged.files.push(file);
         }
+    }
+    // A team with a grant and no file (deleted, or a deploy that lost it):
+    // its last known good copy, if any.
+    let missing: Vec<String> = config
+        .grants
+        .keys()
+        .filter(|t| !state.teams.contains_key(*t))
+        .filter(|t| {
+            !merged
+                .refused
+                .iter()
+                .any(|r| r.file.file_stem().is_some_and(|s| s == t.as_str()))
+        })
+        .cloned()
+        .collect();
+    for team in missing {
+        // A team never onboarded has no copy either: nothing to say.
+        let Some((file, _)) = last_good.and_then(|d| read_last_good(d, &team)) else {
+            continue;
+        };
+        let ran = run_last_good(&mut state, &team, last_good, main, validate);
+        merged.refused.push(Refused {
+            problems: vec![ConfigError {
+                file: file.display().to_string(),
+                key: "-".into(),
+                reason: if ran {
+                    format!(
+                        "team `{team}` has a grant but no team file: its last known good copy runs \
+                         (remove [grants.{team}] to retire the team)"
+                    )
+                } else {
+                    format!(
+                        "team `{team}` has a grant but no team file, and its last known good copy no longer \
+                         passes: its routes do not run"
+                    )
+                },
+            }],
+            file,
+            last_good: ran,
+        });
     }
     for (team, grant) in &config.grants {
         for s in &grant.sources {
             let shorthand = config.store.is_some() && s == super::DEFAULT_SOURCE;
             if !(config.sources.contains_key(s) || shorthand) {
-                problems.push(ConfigError {
-                    file: "-".into(),
+                merged.problems.push(ConfigError {
+                    file: main.into(),
                     key: format!("grants.{team}.sources"),
                     reason: format!("no source named `{s}`"),
                 });
@@ -355,16 +353,281 @@ pub fn merge(config: &mut Config, base: &Path) -> (Vec<PathBuf>, Origins, Vec<Co
         }
         for sink in grant.allow.keys() {
             if !config.sinks.contains_key(sink) {
-                problems.push(ConfigError {
-                    file: "-".into(),
+                merged.problems.push(ConfigError {
+                    file: main.into(),
                     key: format!("grants.{team}.allow.{sink}"),
                     reason: format!("no sink named `{sink}`"),
                 });
             }
         }
     }
-    origins.dirs = dirs;
-    (files, origins, problems)
+    state.origins.dirs = dirs;
+    *config = state.config;
+    merged.origins = state.origins;
+    merged
+}
+
+/// Merge team file `file` (its `text`) on a copy of `state` and check the
+/// result; keep it only without problems. Returns the problems.
+fn try_file(
+    state: &mut State,
+    file: &Path,
+    text: &str,
+    main: &str,
+    validate: &dyn Fn(&Config) -> Vec<(String, String)>,
+) -> Vec<ConfigError> {
+    let mut trial = state.clone();
+    let mut problems = merge_one(&mut trial, file, text);
+    if problems.is_empty() {
+        let shown = file.display().to_string();
+        for (key, reason) in validate(&trial.config) {
+            let (f, key) = trial.origins.locate(main, &key);
+            if f == shown {
+                problems.push(ConfigError {
+                    file: f,
+                    key,
+                    reason,
+                });
+            }
+        }
+    }
+    if problems.is_empty() {
+        *state = trial;
+    }
+    problems
+}
+
+/// Run team `team`'s last known good copy, if there is one and it still
+/// passes (the grant may have changed since). Whether it runs.
+fn run_last_good(
+    state: &mut State,
+    team: &str,
+    last_good: Option<&Path>,
+    main: &str,
+    validate: &dyn Fn(&Config) -> Vec<(String, String)>,
+) -> bool {
+    let Some((file, text)) = last_good.and_then(|d| read_last_good(d, team)) else {
+        return false;
+    };
+    let problems = try_file(state, &file, &text, main, validate);
+    if !problems.is_empty() {
+        tracing::warn!(
+            %team,
+            "the last known good copy of team `{team}`'s file no longer passes either: {}",
+            problems
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("; ")
+        );
+    }
+    problems.is_empty()
+}
+
+/// The first line of a last known good copy names the file it was read from.
+const LAST_GOOD_HEADER: &str = "# outroute: last known good copy of ";
+
+/// Team `team`'s last known good copy under `dir`: the file it was read
+/// from (plugin paths resolve against its directory) and its text.
+fn read_last_good(dir: &Path, team: &str) -> Option<(PathBuf, String)> {
+    let text = std::fs::read_to_string(dir.join(format!("{team}.toml"))).ok()?;
+    let (first, _) = text.split_once('\n')?;
+    let file = PathBuf::from(first.strip_prefix(LAST_GOOD_HEADER)?);
+    Some((file, text))
+}
+
+/// Keep each accepted team file as its team's last known good copy under
+/// `dir` (written only when it changed; atomically).
+pub fn remember(dir: &Path, accepted: &[(String, PathBuf, String)]) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    for (team, file, text) in accepted {
+        let copy = format!("{LAST_GOOD_HEADER}{}\n{text}", file.display());
+        let path = dir.join(format!("{team}.toml"));
+        if std::fs::read_to_string(&path).is_ok_and(|old| old == copy) {
+            continue;
+        }
+        let tmp = dir.join(format!(".{team}.toml.tmp"));
+        std::fs::write(&tmp, copy)?;
+        std::fs::rename(&tmp, &path)?;
+    }
+    Ok(())
+}
+
+/// Merge one team file's `text` into `state`; the problems found.
+fn merge_one(state: &mut State, file: &Path, text: &str) -> Vec<ConfigError> {
+    let shown = file.display().to_string();
+    let mut problems = Vec::new();
+    let mut bad = |key: String, reason: String| {
+        problems.push(ConfigError {
+            file: shown.clone(),
+            key,
+            reason,
+        })
+    };
+    let team: TeamFile = match Figment::new().merge(Toml::string(text)).extract() {
+        Ok(t) => t,
+        Err(e) => {
+            for e in e {
+                let key = if e.path.is_empty() {
+                    "-".into()
+                } else {
+                    e.path.join(".")
+                };
+                let reason = match e.kind {
+                    figment::error::Kind::UnknownField(f, _) => format!(
+                        "unknown field `{f}`: a team file declares `team`, `plugins` and `routes` only \
+                         (sources, sinks and grants belong to the main file)"
+                    ),
+                    k => k.to_string(),
+                };
+                bad(key, reason);
+            }
+            return problems;
+        }
+    };
+    // Who a file speaks for is the platform's to say: a team file is named
+    // after its team, so `teams/payments.toml` can only be team payments.
+    let stem = file
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    if stem != team.team {
+        bad(
+            "team".into(),
+            format!(
+                "this file says team `{}`, but a team file must be named after its team (`{}.toml`): \
+                 a file can never speak for another team",
+                team.team, team.team
+            ),
+        );
+        return problems;
+    }
+    let dir = file.parent().map(Path::to_path_buf).unwrap_or_default();
+    if let Some(other) = state.teams.get(&team.team) {
+        bad(
+            "team".into(),
+            format!(
+                "team `{}` is already declared by {}",
+                team.team,
+                other.display()
+            ),
+        );
+        return problems;
+    }
+    let Some(grant) = state.config.grants.get(&team.team).cloned() else {
+        bad(
+            "team".into(),
+            format!(
+                "team `{}` has no grant: the main file needs [grants.{}]",
+                team.team, team.team
+            ),
+        );
+        return problems;
+    };
+    state.teams.insert(team.team.clone(), file.to_path_buf());
+    for (name, mut plugin) in team.plugins {
+        if let Some(owner) = state.plugin_files.get(&name) {
+            bad(
+                format!("plugins.{name}"),
+                format!("plugin name `{name}` is already declared by {owner}"),
+            );
+            continue;
+        }
+        // Relative to the team file, the shadow too (`plugin promote`
+        // moves the shadow's value into `path` of this same file).
+        if plugin.path.is_relative() {
+            plugin.path = dir.join(&plugin.path);
+        }
+        if let Some(shadow) = plugin.shadow.as_mut()
+            && shadow.is_relative()
+        {
+            *shadow = dir.join(&*shadow);
+        }
+        state.plugin_files.insert(name.clone(), shown.clone());
+        state
+            .origins
+            .plugins
+            .insert(name.clone(), file.to_path_buf());
+        state.config.plugins.insert(name, plugin);
+    }
+    for (i, mut route) in team.routes.into_iter().enumerate() {
+        let key = |f: &str| format!("routes[{i}].{f}");
+        if let Some(owner) = state.route_files.get(&route.name) {
+            bad(
+                key("name"),
+                format!(
+                    "route `{}` is already declared by {owner}: a team file cannot replace another file's route",
+                    route.name
+                ),
+            );
+            continue;
+        }
+        if state
+            .origins
+            .plugins
+            .get(&route.plugin)
+            .map(PathBuf::as_path)
+            != Some(file)
+        {
+            bad(
+                key("plugin"),
+                format!(
+                    "plugin `{}` is not declared in this file (a team's routes use the team's own plugins)",
+                    route.plugin
+                ),
+            );
+        }
+        if route.sources.is_empty() {
+            if grant.sources.is_empty() {
+                bad(
+                    key("sources"),
+                    format!(
+                        "team `{}`'s grant names no sources: its routes can read none",
+                        team.team
+                    ),
+                );
+                continue;
+            }
+            route.sources = grant.sources.clone();
+        }
+        for s in &route.sources {
+            if !grant.sources.contains(s) {
+                bad(
+                    key("sources"),
+                    format!(
+                        "source `{s}` is outside team `{}`'s grant (sources: {})",
+                        team.team,
+                        grant.sources.join(", ")
+                    ),
+                );
+            }
+        }
+        for (sink, patterns) in &route.allow {
+            let Some(granted) = grant.allow.get(sink) else {
+                bad(
+                    format!("routes[{i}].allow.{sink}"),
+                    format!("sink `{sink}` is outside team `{}`'s grant", team.team),
+                );
+                continue;
+            };
+            for p in patterns {
+                if !granted.iter().any(|g| within(p, g)) {
+                    bad(
+                        format!("routes[{i}].allow.{sink}"),
+                        format!(
+                            "pattern `{p}` reaches outside team `{}`'s grant on `{sink}` ({})",
+                            team.team,
+                            granted.join(", ")
+                        ),
+                    );
+                }
+            }
+        }
+        state.route_files.insert(route.name.clone(), shown.clone());
+        state.origins.routes.push(Some((file.to_path_buf(), i)));
+        state.config.routes.push(route);
+    }
+    problems
 }
 
 #[cfg(test)]

@@ -49,6 +49,10 @@ mod background;
 /// they are looked at again (the plugin's file is checked every second).
 const PLUGIN_WAIT: Duration = Duration::from_secs(2);
 
+/// How long an event no route selects waits, while a team that may read
+/// this source has its file refused, before it is looked at again.
+const TEAM_WAIT: Duration = Duration::from_secs(5);
+
 /// The lanes with events in a batch in flight: a lane is in at most one
 /// batch at a time, so the events of one aggregate are never in two
 /// batches (the ordering rules in `pipeline.rs` work within a batch).
@@ -173,6 +177,10 @@ pub struct Relay {
     pub relay_id: String,
     /// Lanes in a batch in flight (lease mode).
     pub in_flight: InFlight,
+    /// Teams granted this source whose file is refused and that have no
+    /// last known good copy running: an event no route selects may be
+    /// theirs, so it waits instead of failing.
+    pub teams_waiting: Vec<String>,
 }
 
 /// How many events a batch published, held and failed.
@@ -435,6 +443,18 @@ impl Relay {
             relay_id,
             store_config,
             in_flight: InFlight::default(),
+            teams_waiting: loaded
+                .refused
+                .iter()
+                .filter(|r| !r.last_good)
+                .filter_map(|r| Some(r.file.file_stem()?.to_string_lossy().into_owned()))
+                .filter(|team| {
+                    config
+                        .grants
+                        .get(team)
+                        .is_some_and(|g| g.sources.iter().any(|s| s == source))
+                })
+                .collect(),
         })
     }
 
@@ -801,7 +821,8 @@ impl Relay {
                     delay,
                 } => {
                     report.deferred += 1;
-                    metrics::counter!(m::EVENTS_DEFERRED, "route" => self.routes.0[*route].name().to_string(), "source" => self.source.clone())
+                    let name = route.map_or("-", |r| self.routes.0[r].name()).to_string();
+                    metrics::counter!(m::EVENTS_DEFERRED, "route" => name, "source" => self.source.clone())
                         .increment(1);
                     failures.push(self.deferral(claim, *route, reason, *delay));
                 }
@@ -881,6 +902,19 @@ impl Relay {
                         to_route.push((events.len(), route.index));
                         Plan::Held // placeholder until the plugin answers
                     }
+                    // Its route may be a team's whose file is refused:
+                    // it waits for the file rather than fail.
+                    None if !self.teams_waiting.is_empty() => Plan::Defer {
+                        route: None,
+                        reason: format!(
+                            "no route selects aggregate type `{}` / event type `{}` while the file of team(s) {} \
+                             is refused: waiting for it",
+                            ev.aggregate_type,
+                            ev.event_type,
+                            self.teams_waiting.join(", ")
+                        ),
+                        delay: TEAM_WAIT,
+                    },
                     None => Plan::Fail {
                         route: None,
                         rejection: Rejection::Invalid(format!(
@@ -905,7 +939,7 @@ impl Relay {
             if let Some((why, _)) = self.plugin_parts[route_idx].why_down() {
                 for i in idxs {
                     events[i].1 = Plan::Defer {
-                        route: route_idx,
+                        route: Some(route_idx),
                         reason: format!("plugin not loaded: {why}"),
                         delay: PLUGIN_WAIT,
                     };
@@ -922,7 +956,7 @@ impl Relay {
             if let Some((reason, delay)) = why {
                 for i in deferred {
                     events[i].1 = Plan::Defer {
-                        route: route_idx,
+                        route: Some(route_idx),
                         reason: reason.clone(),
                         delay,
                     };
@@ -1147,11 +1181,17 @@ impl Relay {
 
     /// The record of an event whose route is quarantined: it waits `delay`
     /// with its attempts unchanged, holding its aggregate.
-    fn deferral(&self, claim: &Claim, route: usize, reason: &str, delay: Duration) -> Failure {
+    fn deferral(
+        &self,
+        claim: &Claim,
+        route: Option<usize>,
+        reason: &str,
+        delay: Duration,
+    ) -> Failure {
         let attempts = attempts_so_far(claim);
         self.record(
             claim,
-            Some(route),
+            route,
             attempts,
             reason.to_string(),
             FailureKind::Retry { delay },
