@@ -241,25 +241,36 @@ async fn commands_over_every_source_go_through_the_reachable_ones_and_name_the_o
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_route_whose_plugin_file_is_missing_waits_alone_until_the_file_arrives()
+async fn a_teams_plugin_file_missing_holds_only_its_route_until_the_file_arrives()
 -> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let dir = test_dir("degraded-plugin");
     let out = dir.join("out.jsonl");
-    let missing = dir.join("team").join("payments.wasm");
+    // Team payments' file names its plugin relative to itself; the team
+    // has not shipped the file yet.
+    let missing = dir.join("teams").join("payments.wasm");
     let http = free_addr();
     let body = format!(
-        "[http]\nlisten = \"{http}\"\n[sinks.file]\nkind = \"file\"\npath = \"{}\"\n\
-         [plugins.orders]\npath = \"{}\"\n[plugins.payments]\npath = \"{}\"\n\
-         [[routes]]\nname = \"payments\"\nplugin = \"payments\"\naggregate_types = [\"payment\"]\n\
-         config = {{ sink = \"file\", topic = \"payments.{{event_type}}\" }}\nallow = {{ file = [\"payments.*\"] }}\n\
+        "include = [\"teams/*.toml\"]\n[store]\nurl = \"{}\"\n[relay]\ncache_dir = \"{}\"\npoll_max = \"200ms\"\n\
+         [http]\nlisten = \"{http}\"\n\
+         [sinks.file]\nkind = \"file\"\npath = \"{}\"\n\
+         [grants.payments]\nsources = [\"default\"]\nallow = {{ file = [\"payments.*\"] }}\n\
+         [plugins.orders]\npath = \"{}\"\n\
          [[routes]]\nname = \"orders\"\nplugin = \"orders\"\naggregate_types = [\"order\"]\n\
          config = {{ sink = \"file\", topic = \"orders.{{event_type}}\" }}\nallow = {{ file = [\"orders.*\"] }}\n",
+        db.url,
+        std::env::temp_dir().join("outroute-test-cache").display(),
         out.display(),
         plugin("order-router").display(),
-        missing.display()
     );
-    let config = write_config(&dir, &db.url, "poll_max = \"200ms\"", &body)?;
+    let config = write(&dir, &body)?;
+    std::fs::create_dir_all(dir.join("teams"))?;
+    std::fs::write(
+        dir.join("teams/payments.toml"),
+        "team = \"payments\"\n[plugins.payments]\npath = \"payments.wasm\"\n\
+         [[routes]]\nname = \"payments\"\nplugin = \"payments\"\naggregate_types = [\"payment\"]\n\
+         config = { sink = \"file\", topic = \"payments.{event_type}\" }\nallow = { file = [\"payments.*\"] }\n",
+    )?;
     db.migrate(&config)?;
     // `config check` still says the file is missing.
     let (code, _, err) = cli(&["config", "check", "-c", &config.to_string_lossy()])?;
@@ -308,7 +319,6 @@ async fn a_route_whose_plugin_file_is_missing_waits_alone_until_the_file_arrives
         0
     );
     // The team ships its file: the route's events go out, in order.
-    std::fs::create_dir_all(missing.parent().unwrap_or(&dir))?;
     std::fs::copy(plugin("order-router"), &missing)?;
     assert!(
         eventually(Duration::from_secs(30), || async {
