@@ -895,12 +895,22 @@ fn default_backoff_max() -> Duration {
 pub struct HttpConfig {
     /// Address for `/metrics`, `/healthz`, `/readyz`. Empty: no server.
     pub listen: String,
+    /// Bearer token for the endpoints that show event content (`/shadow`):
+    /// a request must send `Authorization: Bearer <token>`. Unset: those
+    /// endpoints answer 401 to everyone. `/metrics`, `/healthz` and
+    /// `/readyz` stay open. Better from `OUTROUTE_HTTP__TOKEN` or
+    /// `token_file` than in the file.
+    pub token: Option<Secret>,
+    /// A file holding `token` (a mounted secret).
+    pub token_file: Option<PathBuf>,
 }
 
 impl Default for HttpConfig {
     fn default() -> Self {
         HttpConfig {
             listen: "127.0.0.1:9464".into(),
+            token: None,
+            token_file: None,
         }
     }
 }
@@ -1001,6 +1011,11 @@ impl Loaded {
         let hash = sha2::Sha256::digest(main.to_string_lossy().as_bytes());
         let key: String = hash[..8].iter().map(|b| format!("{b:02x}")).collect();
         Some(self.cache_dir()?.join("last-good").join(key))
+    }
+
+    /// Connections that would cross a network unverified, one line each.
+    pub fn transport_warnings(&self) -> Vec<String> {
+        security::transport_warnings(&self.config)
     }
 
     /// One line per refused team file: what runs instead and why.
@@ -1237,18 +1252,108 @@ pub fn check_identifier(name: &str, allow_schema: bool) -> Result<(), String> {
     Ok(())
 }
 
-/// A URL with any password replaced, for error messages and logs.
+/// A URL with its secrets replaced by `****`, for every error message, log
+/// line and command output that shows one: the password of the userinfo;
+/// for brokers (not PostgreSQL, whose user name is no secret) a userinfo
+/// without `:` too, which is how a NATS token is given (`nats://TOKEN@host`);
+/// and the value of every query parameter named like a secret
+/// (`password`, `passwd`, `pwd`, `token`, `secret`, `key`, `sslpassword`…).
 pub fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let creds = &url[s + 3..at];
+    let Some(s) = url.find("://") else {
+        return url.to_string();
+    };
+    let scheme = &url[..s];
+    let rest = &url[s + 3..];
+    // The authority ends at the first `/`, `?` or `#`; the userinfo at its
+    // last `@`.
+    let auth_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(auth_end);
+    let authority = match authority.rfind('@') {
+        Some(at) => {
+            let (creds, host) = authority.split_at(at);
             match creds.find(':') {
-                Some(c) => format!("{}{}:****{}", &url[..s + 3], &creds[..c], &url[at..]),
-                None => url.to_string(),
+                Some(c) => format!("{}:****{host}", &creds[..c]),
+                None if scheme.starts_with("postgres") => authority.to_string(),
+                None => format!("****{host}"),
             }
         }
-        _ => url.to_string(),
+        None => authority.to_string(),
+    };
+    let tail = match tail.split_once('?') {
+        None => tail.to_string(),
+        Some((path, query)) => {
+            let (query, fragment) = match query.split_once('#') {
+                Some((q, f)) => (q, format!("#{f}")),
+                None => (query, String::new()),
+            };
+            let query: Vec<String> = query
+                .split('&')
+                .map(|pair| match pair.split_once('=') {
+                    Some((k, _)) if secret_name(k) => format!("{k}=****"),
+                    _ => pair.to_string(),
+                })
+                .collect();
+            format!("{path}?{}{fragment}", query.join("&"))
+        }
+    };
+    format!("{scheme}://{authority}{tail}")
+}
+
+/// `text` (a client library's error, say) with every secret of `url` —
+/// what [`redact_url`] hides — replaced by `****`, wherever it appears.
+pub fn scrub(text: &str, url: &str) -> String {
+    let mut out = text.replace(url, &redact_url(url));
+    for secret in url_secrets(url) {
+        // Shorter ones would blank unrelated text; they are in the URL only.
+        if secret.len() >= 3 {
+            out = out.replace(secret, "****");
+        }
     }
+    out
+}
+
+/// The secrets `url` carries, as [`redact_url`] finds them.
+fn url_secrets(url: &str) -> Vec<&str> {
+    let Some(s) = url.find("://") else {
+        return Vec::new();
+    };
+    let rest = &url[s + 3..];
+    let auth_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let mut out = Vec::new();
+    if let Some(at) = rest[..auth_end].rfind('@') {
+        match rest[..at].split_once(':') {
+            Some((_, password)) => out.push(password),
+            None if !url.starts_with("postgres") => out.push(&rest[..at]),
+            None => {}
+        }
+    }
+    if let Some((_, query)) = rest[auth_end..].split_once('?') {
+        let query = query.split('#').next().unwrap_or(query);
+        for pair in query.split('&') {
+            if let Some((k, v)) = pair.split_once('=')
+                && secret_name(k)
+            {
+                out.push(v);
+            }
+        }
+    }
+    out
+}
+
+/// A query parameter or setting name that holds a secret.
+fn secret_name(name: &str) -> bool {
+    let n = name.to_ascii_lowercase();
+    [
+        "pass",
+        "pwd",
+        "token",
+        "secret",
+        "key",
+        "credential",
+        "auth",
+    ]
+    .iter()
+    .any(|w| n.contains(w))
 }
 
 /// The JSON Schema of the configuration file.
@@ -1694,5 +1799,39 @@ allow = { kafka = ["payments.*"] }
             "postgres://u:****@h/db"
         );
         assert_eq!(redact_url("postgres://h/db"), "postgres://h/db");
+        assert_eq!(redact_url("postgres://u@h/db"), "postgres://u@h/db");
+        // A NATS token is a userinfo without `:`.
+        assert_eq!(redact_url("nats://s3cr3t@h:4222"), "nats://****@h:4222");
+        assert_eq!(redact_url("tls://u:p@h"), "tls://u:****@h");
+        // An `@` in the path is not a userinfo; in the password it is.
+        assert_eq!(redact_url("nats://h/a@b"), "nats://h/a@b");
+        assert_eq!(
+            redact_url("postgres://u:p@ss@h/db"),
+            "postgres://u:****@h/db"
+        );
+        assert_eq!(
+            redact_url("postgres://h/db?sslmode=require&password=s3cr3t&sslpassword=x#f"),
+            "postgres://h/db?sslmode=require&password=****&sslpassword=****#f"
+        );
+        assert_eq!(
+            redact_url("postgresql://u@h/db?application_name=a&Token=t"),
+            "postgresql://u@h/db?application_name=a&Token=****"
+        );
+        assert_eq!(redact_url("not a url"), "not a url");
+        // A client library's message naming the URL or its secret.
+        assert_eq!(
+            scrub(
+                "cannot connect to nats://s3cr3t@h:4222 (token s3cr3t refused)",
+                "nats://s3cr3t@h:4222"
+            ),
+            "cannot connect to nats://****@h:4222 (token **** refused)"
+        );
+        assert_eq!(
+            scrub(
+                "auth failed for p4ss",
+                "postgres://u:p4ss@h/db?password=p4ss"
+            ),
+            "auth failed for ****"
+        );
     }
 }

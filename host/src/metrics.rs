@@ -117,6 +117,48 @@ pub fn install() -> Result<PrometheusHandle> {
 struct AppState {
     prom: PrometheusHandle,
     ready: Readiness,
+    /// `http.token`: what the endpoints showing event content require.
+    token: Option<crate::config::Secret>,
+}
+
+/// The request carries `Authorization: Bearer <http.token>` (compared in
+/// constant time); always false without a configured token.
+fn authorised(token: Option<&crate::config::Secret>, headers: &axum::http::HeaderMap) -> bool {
+    let Some(token) = token else {
+        return false;
+    };
+    let Some(given) = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+    else {
+        return false;
+    };
+    let (a, b) = (given.as_bytes(), token.expose().as_bytes());
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+/// `/shadow`: the shadow plugins' differences, which show payload bytes,
+/// keys and headers of live events — only with the bearer token.
+async fn shadow(
+    State(s): State<AppState>,
+    headers: axum::http::HeaderMap,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    if !authorised(s.token.as_ref(), &headers) {
+        let why = if s.token.is_none() {
+            "/shadow shows event content: set http.token (or OUTROUTE_HTTP__TOKEN, http.token_file) to serve it\n"
+        } else {
+            "/shadow needs `Authorization: Bearer <http.token>`\n"
+        };
+        return (
+            StatusCode::UNAUTHORIZED,
+            [(axum::http::header::WWW_AUTHENTICATE, "Bearer")],
+            why,
+        )
+            .into_response();
+    }
+    axum::Json(crate::shadow::report()).into_response()
 }
 
 async fn metrics(State(s): State<AppState>) -> String {
@@ -139,24 +181,24 @@ async fn readyz(State(s): State<AppState>, uri: axum::http::Uri) -> (StatusCode,
     (code, a.render(strict))
 }
 
-/// Serve `/metrics`, `/healthz`, `/readyz` until `shutdown`.
+/// Serve `/metrics`, `/healthz`, `/readyz` (open) and `/shadow` (with
+/// `token` only) until `shutdown`.
 pub async fn serve(
     listen: &str,
     prom: PrometheusHandle,
     ready: Readiness,
+    token: Option<crate::config::Secret>,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> Result<tokio::task::JoinHandle<()>> {
     let app = Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .route(
-            "/shadow",
-            get(|| async { axum::Json(crate::shadow::report()) }),
-        )
+        .route("/shadow", get(shadow))
         .with_state(AppState {
             prom,
             ready: ready.clone(),
+            token,
         });
     let listener = match tokio::net::TcpListener::bind(listen).await {
         Ok(l) => l,

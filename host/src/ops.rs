@@ -189,9 +189,21 @@ pub async fn run(arg: &ConfigArg) -> Result<ExitCode> {
     let http = if http_listen.is_empty() {
         None
     } else {
-        Some(metrics::serve(&http_listen, prom, ready.clone(), shutdown.clone()).await?)
+        Some(
+            metrics::serve(
+                &http_listen,
+                prom,
+                ready.clone(),
+                loaded.config.http.token.clone(),
+                shutdown.clone(),
+            )
+            .await?,
+        )
     };
     loaded.report_teams();
+    for w in loaded.transport_warnings() {
+        tracing::warn!("insecure transport: {w}");
+    }
     let mut topology = Topology::start(loaded, id.clone(), ready).await?;
     tokio::spawn(signal_shutdown(shutdown.clone()));
     tracing::info!(relay = %id, routes = topology.route_count(), "outroute relay started");
@@ -499,7 +511,7 @@ async fn print_relay_parts(loaded: &Loaded) {
     if listen.is_empty() || listen.ends_with(":0") {
         return;
     }
-    match http_answer(listen, "/readyz?strict").await {
+    match http_answer(listen, "/readyz?strict", None).await {
         Ok((_, body)) => {
             println!("relay at {listen}:");
             for line in body.lines() {
@@ -865,51 +877,41 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
             eprintln!("no failed event with id {id}");
             Ok(ExitCode::FAILURE)
         }
-        FailedAction::Retry { config, filter } => {
-            require_filter(&filter)?;
-            let loaded = config.load()?;
-            let mut n = 0;
-            let mut failures = Failures::new(&loaded);
-            for source in sources(&loaded) {
-                let done = async {
-                    open_for_command(&loaded, &source, "failed")
-                        .await?
-                        .failed_retry(&filter.filter())
-                        .await
-                }
-                .await;
-                match done {
-                    Ok(k) => n += k,
-                    Err(e) => failures.add(&source, e)?,
-                }
+        FailedAction::Retry { config, filter } => change_failed(&config, &filter, true).await,
+        FailedAction::Discard { config, filter } => change_failed(&config, &filter, false).await,
+    }
+}
+
+/// `failed retry` (`retry`) or `failed discard`, over every source.
+async fn change_failed(config: &ConfigArg, filter: &FilterArgs, retry: bool) -> Result<ExitCode> {
+    require_filter(filter)?;
+    let loaded = config.load()?;
+    let f = filter.filter();
+    let mut n = 0;
+    let mut failures = Failures::new(&loaded);
+    for source in sources(&loaded) {
+        let done = async {
+            let store = open_for_command(&loaded, &source, "failed").await?;
+            if retry {
+                store.failed_retry(&f).await
+            } else {
+                store.failed_discard(&f).await
             }
-            println!("{n} event(s) put back in line");
-            failures.finish()?;
-            Ok(ExitCode::SUCCESS)
         }
-        FailedAction::Discard { config, filter } => {
-            require_filter(&filter)?;
-            let loaded = config.load()?;
-            let mut n = 0;
-            let mut failures = Failures::new(&loaded);
-            for source in sources(&loaded) {
-                let done = async {
-                    open_for_command(&loaded, &source, "failed")
-                        .await?
-                        .failed_discard(&filter.filter())
-                        .await
-                }
-                .await;
-                match done {
-                    Ok(k) => n += k,
-                    Err(e) => failures.add(&source, e)?,
-                }
-            }
-            println!("{n} event(s) discarded");
-            failures.finish()?;
-            Ok(ExitCode::SUCCESS)
+        .await;
+        match done {
+            Ok(k) => n += k,
+            Err(e) => failures.add(&source, e)?,
         }
     }
+    let done = if retry {
+        "put back in line"
+    } else {
+        "discarded"
+    };
+    println!("{n} event(s) {done}");
+    failures.finish()?;
+    Ok(ExitCode::SUCCESS)
 }
 
 #[derive(Args)]
@@ -1168,7 +1170,8 @@ pub async fn plugin(action: PluginAction) -> Result<ExitCode> {
             if listen.is_empty() {
                 bail!("http.listen is empty: the relay serves no /shadow report");
             }
-            let body = http_get(listen, "/shadow")
+            let token = loaded.config.http.token.as_ref().map(|t| t.expose());
+            let body = http_get(listen, "/shadow", token)
                 .await
                 .with_context(|| format!("asking the relay at {listen} for /shadow"))?;
             let routes: Vec<serde_json::Value> = serde_json::from_str(&body)
@@ -1412,6 +1415,9 @@ pub async fn config_check(arg: &ConfigArg, store: bool, sinks: bool) -> Result<E
         }
     );
     let mut store_failures = Failures::new(&l);
+    for w in l.transport_warnings() {
+        println!("warning: {w}");
+    }
     for source in sources(&l) {
         let sc = l.config.source(&source)?;
         let key = l.config.source_key(&source);
@@ -1720,9 +1726,10 @@ fn toml_value(v: &serde_json::Value) -> Result<toml_edit::Value> {
     })
 }
 
-/// `GET path` from the relay's HTTP listener; the body of a 200 answer.
-async fn http_get(listen: &str, path: &str) -> Result<String> {
-    let (head, body) = http_answer(listen, path).await?;
+/// `GET path` from the relay's HTTP listener (with `token` as bearer, if
+/// given); the body of a 200 answer.
+async fn http_get(listen: &str, path: &str, token: Option<&str>) -> Result<String> {
+    let (head, body) = http_answer(listen, path, token).await?;
     if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
         bail!("{}", head.lines().next().unwrap_or(&head));
     }
@@ -1731,7 +1738,7 @@ async fn http_get(listen: &str, path: &str) -> Result<String> {
 
 /// `GET path` from the relay's HTTP listener: the status line and headers,
 /// and the body, whatever the status.
-async fn http_answer(listen: &str, path: &str) -> Result<(String, String)> {
+async fn http_answer(listen: &str, path: &str, token: Option<&str>) -> Result<(String, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::time::timeout(
         Duration::from_secs(5),
@@ -1740,7 +1747,13 @@ async fn http_answer(listen: &str, path: &str) -> Result<(String, String)> {
     .await
     .map_err(|_| anyhow!("no answer within 5s"))??;
     stream
-        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {listen}\r\n\r\n").as_bytes())
+        .write_all(
+            format!(
+                "GET {path} HTTP/1.0\r\nHost: {listen}\r\n{}\r\n",
+                token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"))
+            )
+            .as_bytes(),
+        )
         .await?;
     let mut answer = Vec::new();
     tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut answer))

@@ -6,6 +6,7 @@
 //! by PostgreSQL itself (`EXPLAIN ANALYZE` row counts), not timed.
 
 use std::path::Path;
+use std::time::Duration;
 
 use outroute::store::{Claim, Store};
 use outroute_e2e::*;
@@ -486,7 +487,7 @@ async fn floors(mapping: &str, save: Option<&str>, repend: &str) -> anyhow::Resu
     // Floor rounds (the relay runs one every 250 ms): give them a few.
     let mut seen = Vec::new();
     for _ in 0..6 {
-        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
         store.raise_floors(&lanes).await;
         seen.extend(drain(&store, &lanes).await?);
     }
@@ -502,7 +503,7 @@ async fn floors(mapping: &str, save: Option<&str>, repend: &str) -> anyhow::Resu
     for _ in 0..3 {
         store.raise_floors(&lanes).await;
         after.extend(drain(&store, &lanes).await?);
-        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
     }
     assert_eq!(after, vec!["late".to_string()]);
 
@@ -512,7 +513,7 @@ async fn floors(mapping: &str, save: Option<&str>, repend: &str) -> anyhow::Resu
     // lanes over) steps over every dead entry.
     fill(&db, 30_001, 30_040).await?;
     for _ in 0..3 {
-        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
         store.raise_floors(&lanes).await;
     }
     let from_floor = claim_pages(&store, &lanes, 40).await?;
@@ -571,11 +572,29 @@ async fn the_pending_queue_is_filled_by_its_trigger_and_claims_read_only_the_bat
     sqlx::query("UPDATE outbox SET published_at = now() WHERE seq <= 10")
         .execute(&db.pool)
         .await?;
-    // Without its trigger the relay must not start (new rows would never be listed).
+    // Without its trigger the source must not start (new rows would never
+    // be listed): it waits, naming the command that mends it, while the
+    // relay (and any other source) runs on.
     let c = config.to_string_lossy().to_string();
-    let (code, out, err) = cli(&["run", "-c", &c])?;
-    assert_ne!(code, 0, "{out}{err}");
-    assert!(err.contains("migrate --table"), "{err}");
+    let mut relay = Relay::start(&config, &[])?;
+    let named = eventually(Duration::from_secs(30), || async {
+        relay.log_text().contains("migrate --table")
+    })
+    .await;
+    assert!(named, "{}", relay.log_text());
+    assert!(relay.child.try_wait()?.is_none(), "the relay exited");
+    relay.terminate(Duration::from_secs(15));
+    assert!(
+        !relay.log_text().contains("source started"),
+        "the source started without its trigger: {}",
+        relay.log_text()
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            .await,
+        40_000,
+        "nothing was published without the trigger"
+    );
     let (code, out, err) = cli(&["migrate", "--table", "-c", &c])?;
     assert_eq!(code, 0, "{out}{err}");
     assert_eq!(

@@ -379,3 +379,63 @@ fn problems_from_the_environment_are_blamed_on_it() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// No secret reaches a command's output or the relay's log, in any of the
+/// forms a config can carry one: a NATS token in the URL's userinfo, a
+/// password in a URL's query, a numeric password and HTTP token from the
+/// environment (which figment reads as numbers). The broker is unreachable
+/// on purpose, so its URL shows up in errors and warnings.
+#[tokio::test(flavor = "multi_thread")]
+async fn no_command_or_log_line_prints_a_secret() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("secrets");
+    let http = free_addr();
+    let secrets = [
+        "tok3n-in-the-url",
+        "pw-in-the-query",
+        "12345678",
+        "987654321",
+    ];
+    let body = format!(
+        "[http]\nlisten = \"{http}\"\n\
+         [sinks.nats]\nkind = \"nats\"\nurl = \"nats://tok3n-in-the-url@127.0.0.1:1\"\n\
+         [plugins.p]\npath = \"{}\"\n[[routes]]\nname = \"r\"\nplugin = \"p\"\n\
+         config = {{ sink = \"nats\", topic = \"orders.{{event_type}}\" }}\nallow = {{ nats = [\"orders.*\"] }}\n",
+        plugin("order-router").display()
+    );
+    let url = format!("{}?password=pw-in-the-query", db.url);
+    let config = write_config(&dir, &url, "", &body)?;
+    let c = config.display().to_string();
+    let env = [
+        ("OUTROUTE_STORE__PASSWORD", "12345678"),
+        ("OUTROUTE_HTTP__TOKEN", "987654321"),
+    ];
+    let mut shown = String::new();
+    for args in [
+        vec!["migrate", "-c", &c],
+        vec!["config", "check", "-c", &c],
+        vec!["config", "check", "--store", "--sinks", "-c", &c],
+        vec!["status", "-c", &c],
+        vec!["failed", "list", "-c", &c],
+    ] {
+        let (code, out, err) = cli_env(&args, &env)?;
+        shown.push_str(&format!("$ {args:?} → {code}\n{out}{err}\n"));
+    }
+    // The broker's error did reach the output, with its URL redacted.
+    assert!(shown.contains("nats://****@127.0.0.1:1"), "{shown}");
+    let mut relay = Relay::start(&config, &env)?;
+    let started = eventually(Duration::from_secs(20), || async {
+        relay.log_text().contains("sink not started")
+    })
+    .await;
+    assert!(started, "{}", relay.log_text());
+    let (_, ready) = http_get(&http, "/readyz").await?;
+    shown.push_str(&ready);
+    relay.terminate(Duration::from_secs(15));
+    shown.push_str(&relay.log_text());
+    for secret in secrets {
+        assert!(!shown.contains(secret), "`{secret}` was printed:\n{shown}");
+    }
+    db.drop_db().await;
+    Ok(())
+}

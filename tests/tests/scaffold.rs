@@ -315,6 +315,10 @@ async fn a_shadow_plugin_is_compared_on_live_traffic_then_promoted_without_resta
             "shadow = \"{wasm}\"\nshadow_config = {{ sink = \"file\", topic = \"v2.{{event_type}}\" }}\n[[routes]]"
         ),
     );
+    // /shadow shows event content: only with the bearer token.
+    let body = body.replace("[http]\n", "[http]\ntoken_file = \"shadow.token\"\n");
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join("shadow.token"), "t0ken-for-the-shadow-report\n")?;
     let config = write_config(&dir, &db.url, "config_watch_interval = \"200ms\"", &body)?;
     let c = config.display().to_string();
     db.migrate(&config)?;
@@ -344,6 +348,11 @@ async fn a_shadow_plugin_is_compared_on_live_traffic_then_promoted_without_resta
         metric(&m, "outroute_shadow_differences_total{route=\"orders\"}"),
         Some(n as f64)
     );
+    // Without the token: 401 and not a byte of the events; with it, the
+    // report (`shadow-report` sends the configured token).
+    let (code, body) = http_get(&http, "/shadow").await?;
+    assert_eq!(code, 401, "{body}");
+    assert!(!body.contains("order") && !body.contains("v2."), "{body}");
     let (code, o, e) = cli(&["plugin", "shadow-report", "-c", &c])?;
     assert_eq!(code, 0, "{o}{e}");
     assert!(

@@ -48,9 +48,43 @@ impl Serialize for Secret {
     }
 }
 
+/// A secret is read as text whatever it looks like: an environment
+/// variable `12345678` reaches serde as a number (figment parses it), and
+/// refusing it would print it in the error. Only its kind is ever named.
 impl<'de> Deserialize<'de> for Secret {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        String::deserialize(d).map(Secret)
+        struct Text;
+        impl serde::de::Visitor<'_> for Text {
+            type Value = Secret;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a secret (text)")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Secret, E> {
+                Ok(Secret(v.to_string()))
+            }
+            fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Secret, E> {
+                Ok(Secret(v))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Secret, E> {
+                Ok(Secret(v.to_string()))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Secret, E> {
+                Ok(Secret(v.to_string()))
+            }
+            fn visit_i128<E: serde::de::Error>(self, v: i128) -> Result<Secret, E> {
+                Ok(Secret(v.to_string()))
+            }
+            fn visit_u128<E: serde::de::Error>(self, v: u128) -> Result<Secret, E> {
+                Ok(Secret(v.to_string()))
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Secret, E> {
+                Ok(Secret(v.to_string()))
+            }
+            fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Secret, E> {
+                Ok(Secret(v.to_string()))
+            }
+        }
+        d.deserialize_any(Text)
     }
 }
 
@@ -182,6 +216,13 @@ pub struct NatsAuthConfig {
 /// Returns `(key, reason)` problems.
 pub fn resolve(config: &mut Config, base: &Path) -> Vec<(String, String)> {
     let mut p = Vec::new();
+    secret(
+        &mut config.http.token,
+        &config.http.token_file,
+        "http.token",
+        base,
+        &mut p,
+    );
     let shorthand = config.store_shorthand;
     for (name, s) in &mut config.sources {
         let key = if shorthand {
@@ -358,6 +399,86 @@ fn absolute(p: &Path, base: &Path) -> PathBuf {
     }
 }
 
+/// Is `host` this machine (a connection to it never crosses a network)?
+fn loopback(host: &str) -> bool {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// The host of `url` (`scheme://[user@]host[:port]/…`).
+fn url_host(url: &str) -> Option<String> {
+    url::Url::parse(url)
+        .ok()
+        .and_then(|u| u.host_str().map(str::to_string))
+}
+
+/// Connections that would cross a network without a verified certificate:
+/// one warning each, for `config check` and the log at start. PostgreSQL
+/// without `tls` (or with `prefer`/`require`, which check nothing), and
+/// plaintext brokers, on an address that is not loopback.
+pub fn transport_warnings(config: &Config) -> Vec<String> {
+    use crate::config::PgTlsMode as M;
+    let mut out = Vec::new();
+    let shorthand = config.store_shorthand;
+    for (name, s) in &config.sources {
+        let key = if shorthand {
+            "store".to_string()
+        } else {
+            format!("sources.{name}")
+        };
+        let Some(host) = url_host(&s.url).filter(|h| !loopback(h)) else {
+            continue;
+        };
+        let url_mode = s
+            .url
+            .split_once('?')
+            .and_then(|(_, q)| q.split('&').find_map(|p| p.strip_prefix("sslmode=")));
+        let verified = match &s.tls {
+            Some(t) => matches!(t.mode, M::VerifyCa | M::VerifyFull),
+            None => matches!(url_mode, Some("verify-ca" | "verify-full")),
+        };
+        if !verified {
+            out.push(format!(
+                "{key}: the connection to {host} does not verify the server's certificate \
+                 (passwords and events can be read or changed on the way): set {key}.tls = {{ mode = \"verify-full\" }}"
+            ));
+        }
+    }
+    for (name, sink) in &config.sinks {
+        match sink {
+            SinkConfig::Kafka(k) if k.tls.is_none() => {
+                if let Some(host) = k
+                    .brokers
+                    .split(',')
+                    .map(|b| b.trim().rsplit_once(':').map_or(b.trim(), |(h, _)| h))
+                    .find(|h| !h.is_empty() && !loopback(h))
+                {
+                    out.push(format!(
+                        "sinks.{name}: brokers such as {host} are reached in plaintext{}: set sinks.{name}.tls",
+                        if k.sasl.is_some() {
+                            ", SASL credentials included"
+                        } else {
+                            ""
+                        }
+                    ));
+                }
+            }
+            SinkConfig::Nats(n) if n.tls.is_none() && !n.url.starts_with("tls://") => {
+                if let Some(host) = url_host(&n.url).filter(|h| !loopback(h)) {
+                    out.push(format!(
+                        "sinks.{name}: the NATS server {host} is reached in plaintext: set sinks.{name}.tls"
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -369,5 +490,52 @@ mod tests {
         assert_eq!(serde_json::to_string(&s).unwrap_or_default(), "\"***\"");
         let parsed: Secret = serde_json::from_str("\"hunter2\"").unwrap_or_default();
         assert_eq!(parsed.expose(), "hunter2");
+        // What figment makes of `OUTROUTE_…=12345678`: a number, taken as text.
+        let parsed: Secret = serde_json::from_str("12345678").unwrap_or_default();
+        assert_eq!(parsed.expose(), "12345678");
+        let parsed: Secret = serde_json::from_str("true").unwrap_or_default();
+        assert_eq!(parsed.expose(), "true");
+    }
+
+    #[test]
+    fn unverified_connections_beyond_this_machine_are_named() {
+        let config: Config = toml::from_str(
+            r#"
+            [sources.local]
+            url = "postgres://u@127.0.0.1/db"
+            [sources.remote]
+            url = "postgres://u@orders-db/db"
+            [sources.prefer]
+            url = "postgres://u@orders-db/db"
+            tls = { mode = "prefer" }
+            [sources.verified]
+            url = "postgres://u@orders-db/db?sslmode=verify-full"
+            [sinks.k]
+            kind = "kafka"
+            brokers = "localhost:9092,kafka-2:9092"
+            [sinks.kl]
+            kind = "kafka"
+            brokers = "127.0.0.1:9092"
+            [sinks.n]
+            kind = "nats"
+            url = "nats://nats.internal:4222"
+            [sinks.nt]
+            kind = "nats"
+            url = "tls://nats.internal:4222"
+            "#,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let w = transport_warnings(&config).join("\n");
+        for named in [
+            "sources.remote",
+            "sources.prefer",
+            "sinks.k: brokers such as kafka-2",
+            "sinks.n:",
+        ] {
+            assert!(w.contains(named), "{named}: {w}");
+        }
+        for quiet in ["sources.local", "sources.verified", "sinks.kl", "sinks.nt"] {
+            assert!(!w.contains(quiet), "{quiet}: {w}");
+        }
     }
 }

@@ -85,6 +85,14 @@ pub const PROTECTED_OPTIONS: &[(&str, &str)] = &[
         "set from sinks.<name>.tls.cert_file",
     ),
     ("ssl.key.location", "set from sinks.<name>.tls.key_file"),
+    (
+        "enable.ssl.certificate.verification",
+        "the brokers' certificates are verified",
+    ),
+    (
+        "ssl.endpoint.identification.algorithm",
+        "a broker's certificate must name its host",
+    ),
 ];
 
 /// The producer type: librdkafka with our [`SinkContext`].

@@ -19,6 +19,8 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+
+use crate::config::{redact_url, scrub};
 use std::str::FromStr;
 
 use async_nats::HeaderMap;
@@ -293,18 +295,26 @@ impl NatsSink {
         {
             Ok(client) => client,
             Err(e) if is_config_error(&e) => bail!(
-                "sinks.{name}: cannot connect to {}: {e}{}",
-                c.url,
+                "sinks.{name}: cannot connect to {}: {}{}",
+                redact_url(&c.url),
+                scrub(&e.to_string(), &c.url),
                 config_hint(name, c, &e)
             ),
             Err(e) => {
+                let e = scrub(&e.to_string(), &c.url);
                 tracing::warn!(sink = %name, "NATS server not reachable yet ({e}); publishing waits for it");
                 connect_options(name, c, publish_timeout)
                     .await?
                     .retry_on_initial_connect()
                     .connect(&c.url)
                     .await
-                    .with_context(|| format!("sinks.{name}: cannot connect to {}", c.url))?
+                    .map_err(|e| {
+                        anyhow::anyhow!(
+                            "sinks.{name}: cannot connect to {}: {}",
+                            redact_url(&c.url),
+                            scrub(&e.to_string(), &c.url)
+                        )
+                    })?
             }
         };
         let js = match c.mode {
@@ -473,8 +483,9 @@ pub async fn check(
     let client = match connect_options(name, c, publish_timeout).await {
         Ok(o) => o.connect(&c.url).await.map_err(|e| {
             anyhow::anyhow!(
-                "sinks.{name}: cannot connect to {}: {e}{}",
-                c.url,
+                "sinks.{name}: cannot connect to {}: {}{}",
+                redact_url(&c.url),
+                scrub(&e.to_string(), &c.url),
                 config_hint(name, c, &e)
             )
         }),
@@ -484,7 +495,10 @@ pub async fn check(
         Ok(client) => client,
         Err(e) => return vec![Err(e)],
     };
-    let mut found = vec![Ok(format!("sinks.{name}: connected to {}", c.url))];
+    let mut found = vec![Ok(format!(
+        "sinks.{name}: connected to {}",
+        redact_url(&c.url)
+    ))];
     if c.mode == NatsMode::Core {
         return found;
     }
