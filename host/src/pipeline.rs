@@ -478,10 +478,12 @@ impl Pipeline {
                     continue 'events;
                 };
                 let headers = envelope(ev, &self.source, &msg.headers);
-                // Broker-side dedup id (JetStream `Nats-Msg-Id`): event id and
-                // subject (plus a count for repeats), so the same message
-                // re-sent after a crash is dropped, while a plugin that changes
-                // its fan-out between attempts can never reuse an id.
+                // Broker-side dedup id (JetStream `Nats-Msg-Id`): source,
+                // event id and subject (plus a count for repeats), so the
+                // same message re-sent after a crash is dropped, while a
+                // plugin that changes its fan-out between attempts can never
+                // reuse an id — nor can another source's event with the same
+                // id (a table's ids are unique only in that table).
                 let n = seen
                     .entry((msg.sink.as_str(), msg.topic.as_str()))
                     .or_insert(0);
@@ -489,9 +491,10 @@ impl Pipeline {
                 // formatting machinery were ~2.5 % of the relay's instructions.
                 let repeat = (*n > 0).then(|| n.to_string());
                 let (id, topic) = (ev.id.as_str(), msg.topic.as_str());
+                let source = self.source.as_str();
                 let mut dedup = match &repeat {
-                    None => [id, ":", topic].concat(),
-                    Some(r) => [id, ":", topic, ":", r].concat(),
+                    None => [source, ":", id, ":", topic].concat(),
+                    Some(r) => [source, ":", id, ":", topic, ":", r].concat(),
                 };
                 let nth = repeat.as_deref().unwrap_or("0");
                 let leg = [msg.sink.as_str(), "/", topic, "#", nth].concat();

@@ -66,7 +66,7 @@ async fn fanout_reaches_kafka_and_jetstream_and_replay_republishes_the_selection
     for m in &nats {
         assert_eq!(
             m.headers.get("Nats-Msg-Id").map(String::as_str),
-            Some(format!("{}:{}", m.id(), m.topic).as_str())
+            Some(format!("/outroute/outbox:{}:{}", m.id(), m.topic).as_str())
         );
         assert!(
             m.topic.starts_with(&format!("f{t}.{}.", m.aggregate())),
@@ -353,5 +353,62 @@ async fn config_check_reaches_the_sinks_and_creates_nothing() -> anyhow::Result<
         "{err}"
     );
     let _ = js.delete_stream(&stream).await;
+    Ok(())
+}
+
+/// Two services' outboxes whose events share an id (each table's ids are
+/// unique only in that table), routed to one JetStream subject: both are
+/// stored. The dedup id (`Nats-Msg-Id`) names the source, so the second is
+/// never taken for a re-sent copy of the first and dropped while marked
+/// published (issue 41, item 1).
+#[tokio::test(flavor = "multi_thread")]
+async fn events_of_two_sources_with_one_id_are_both_stored() -> anyhow::Result<()> {
+    let (a, b) = (TestDb::new().await?, TestDb::new().await?);
+    let t = tag();
+    let stream = format!("D{t}");
+    let js = nats_stream(&stream, vec![format!("d{t}.>")]).await?;
+    let dir = test_dir("dedup-sources");
+    let body = format!(
+        "[relay]\ncache_dir = \"{}\"\n[sources.a]\nurl = \"{}\"\n[sources.b]\nurl = \"{}\"\n\
+         [http]\nlisten = \"\"\n[sinks.nats]\nkind = \"nats\"\nurl = \"{NATS}\"\n\
+         [plugins.p]\npath = \"{}\"\n[[routes]]\nname = \"r\"\nplugin = \"p\"\n\
+         config = {{ sink = \"nats\", topic = \"d{t}.{{event_type}}\" }}\nallow = {{ nats = [\"d{t}.*\"] }}\n",
+        std::env::temp_dir().join("outroute-test-cache").display(),
+        a.url,
+        b.url,
+        plugin("order-router").display()
+    );
+    std::fs::create_dir_all(&dir)?;
+    let config = dir.join("outroute.toml");
+    std::fs::write(&config, body)?;
+    a.migrate(&config)?;
+    let id = uuid::Uuid::new_v4();
+    for (db, who) in [(&a, "a"), (&b, "b")] {
+        sqlx::query(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+             VALUES ($1, 'order', $2, 'order-created', $3)",
+        )
+        .bind(id)
+        .bind(format!("{who}-1"))
+        .bind(serde_json::json!({ "from": who }))
+        .execute(&db.pool)
+        .await?;
+    }
+    let mut relay = Relay::start(&config, &[])?;
+    let marked = eventually(Duration::from_secs(30), || async {
+        a.unpublished("").await == 0 && b.unpublished("").await == 0
+    })
+    .await;
+    assert!(marked, "{}", relay.log_text());
+    // Both marked; both must be in the stream.
+    let stored = js.get_stream(&stream).await?.info().await?.state.messages;
+    assert_eq!(
+        stored, 2,
+        "one of two distinct events was dropped as a duplicate"
+    );
+    relay.terminate(Duration::from_secs(15));
+    drop_nats_stream(&stream).await;
+    a.drop_db().await;
+    b.drop_db().await;
     Ok(())
 }
