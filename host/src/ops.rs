@@ -781,14 +781,7 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
             let mut list = Vec::new();
             let mut failures = Failures::new(&loaded);
             for source in sources(&loaded) {
-                let found = async {
-                    open_for_command(&loaded, &source, "failed")
-                        .await?
-                        .failed_list(&f)
-                        .await
-                }
-                .await;
-                match found {
+                match failed_of(&loaded, &source, &f).await {
                     Ok(found) => list.extend(found.into_iter().map(|e| (source.clone(), e))),
                     Err(e) => failures.add(&source, e)?,
                 }
@@ -856,14 +849,10 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
             };
             let mut failures = Failures::new(&loaded);
             for source in sources(&loaded) {
-                let found = async {
-                    open_for_command(&loaded, &source, "failed")
-                        .await?
-                        .failed_list(&f)
-                        .await
-                }
-                .await;
-                match found.map(|l| l.into_iter().next()) {
+                match failed_of(&loaded, &source, &f)
+                    .await
+                    .map(|l| l.into_iter().next())
+                {
                     Ok(Some(e)) => {
                         heading(&loaded, &source);
                         println!("{}", serde_json::to_string_pretty(&e)?);
@@ -880,6 +869,18 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
         FailedAction::Retry { config, filter } => change_failed(&config, &filter, true).await,
         FailedAction::Discard { config, filter } => change_failed(&config, &filter, false).await,
     }
+}
+
+/// Source `source`'s failed events that `f` selects.
+async fn failed_of(
+    loaded: &Loaded,
+    source: &str,
+    f: &Filter,
+) -> Result<Vec<crate::store::FailedEvent>> {
+    open_for_command(loaded, source, "failed")
+        .await?
+        .failed_list(f)
+        .await
 }
 
 /// `failed retry` (`retry`) or `failed discard`, over every source.
