@@ -166,6 +166,11 @@ pub struct RelayConfig {
     #[serde(default, with = "humantime_serde")]
     #[schemars(with = "Option<String>")]
     pub config_watch_interval: Option<Duration>,
+    /// The most a team file's route may set for each of its limits (CPU
+    /// budget, memory, log volume, messages, bytes, quarantine threshold);
+    /// a grant may lower them for its team, never raise them. Unset fields:
+    /// the built-in maxima.
+    pub route_ceilings: teams::Ceilings,
 }
 
 impl Default for RelayConfig {
@@ -188,6 +193,7 @@ impl Default for RelayConfig {
             cache_dir: None,
             plugin_cache: true,
             config_watch_interval: None,
+            route_ceilings: teams::Ceilings::default(),
         }
     }
 }
@@ -1553,6 +1559,83 @@ allow = { kafka = ["payments.*"] }
             p.iter()
                 .any(|e| e.key == "routes[0].name" && e.reason.contains("already declared by")),
             "{p:?}"
+        );
+    }
+
+    #[test]
+    fn team_routes_stay_under_their_grants_ceilings_and_grants_under_the_relays() {
+        let d = tmp();
+        let f = write(&d, PLATFORM);
+        let team = d.join("teams/payments.toml").display().to_string();
+        let refused = |body: &str| {
+            team_file(&d, "payments.toml", body);
+            problems(&f)
+        };
+        // The example: a minute of CPU per event, never quarantined.
+        let p = refused(&format!(
+            "{PAYMENTS}cpu_budget = \"60s\"\nquarantine_after = 4000000000\n"
+        ));
+        for (key, needle) in [
+            (
+                "routes[0].cpu_budget",
+                "\"1m\" is above team `payments`'s ceiling \"1s\"",
+            ),
+            ("routes[0].quarantine_after", "4000000000 is above"),
+        ] {
+            assert!(
+                p.iter()
+                    .any(|e| e.file == team && e.key == key && e.reason.contains(needle)),
+                "{key}: {p:?}"
+            );
+        }
+        // Never quarantining is no team's choice.
+        let p = refused(&format!("{PAYMENTS}quarantine_after = 0\n"));
+        assert!(p.iter().any(|e| e.reason.contains("0 (never)")), "{p:?}");
+        // Within the built-in maxima: accepted.
+        assert!(
+            refused(&format!(
+                "{PAYMENTS}cpu_budget = \"500ms\"\nmemory_mib = 256\n"
+            ))
+            .is_empty()
+        );
+        // A grant lowers them for its team...
+        let f = write(
+            &d,
+            &PLATFORM.replace(
+                "allow = { kafka = [\"payments.*\"] }",
+                "allow = { kafka = [\"payments.*\"] }\nceilings = { memory_mib = 128 }",
+            ),
+        );
+        team_file(
+            &d,
+            "payments.toml",
+            &format!("{PAYMENTS}memory_mib = 256\n"),
+        );
+        let p = problems(&f);
+        assert!(
+            p.iter().any(|e| e.key == "routes[0].memory_mib"
+                && e.reason
+                    .contains("256 is above team `payments`'s ceiling 128")),
+            "{p:?}"
+        );
+        // ...and cannot raise them above the relay's: the main file is refused.
+        let f = write(
+            &d,
+            &format!(
+                "{}[relay]\nroute_ceilings = {{ memory_mib = 256 }}\n",
+                PLATFORM.replace(
+                    "allow = { kafka = [\"payments.*\"] }",
+                    "allow = { kafka = [\"payments.*\"] }\nceilings = { memory_mib = 1024 }",
+                )
+            ),
+        );
+        team_file(&d, "payments.toml", PAYMENTS);
+        let e = load(&f).err().map(|e| e.0).unwrap_or_default();
+        assert!(
+            e.iter()
+                .any(|e| e.key == "grants.payments.ceilings.memory_mib"
+                    && e.reason.contains("1024 is above the relay's ceiling 256")),
+            "{e:?}"
         );
     }
 

@@ -42,6 +42,193 @@ pub struct Grant {
     /// (a route's pattern must lie within one of them).
     #[serde(default)]
     pub allow: BTreeMap<String, Vec<String>>,
+    /// The most the team's routes may set for each limit (unset: the
+    /// relay's `route_ceilings`; never above them).
+    #[serde(default)]
+    pub ceilings: Ceilings,
+}
+
+/// The most a team's route may set for each of its limits, so that no
+/// team can hold a shared source's batches (a minute of CPU per event) or
+/// escape quarantine (`quarantine_after = 4000000000`). Set platform-wide in
+/// `[relay.route_ceilings]` (unset fields: the built-in maxima below) and per
+/// team in `[grants.<team>.ceilings]` (unset fields: the relay's), never
+/// above the relay's. A team route above its ceiling is refused; routes of
+/// the main file are the platform's own and are not bounded.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, JsonSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Ceilings {
+    /// Highest `cpu_budget` (built-in: 1s).
+    #[serde(default, with = "humantime_serde")]
+    #[schemars(with = "Option<String>")]
+    pub cpu_budget: Option<std::time::Duration>,
+    /// Highest `memory_mib` (built-in: 512).
+    #[serde(default)]
+    pub memory_mib: Option<u32>,
+    /// Highest `max_idle_memory_mib` (built-in: 512).
+    #[serde(default)]
+    pub max_idle_memory_mib: Option<u32>,
+    /// Highest `max_log_lines_per_event` (built-in: 1000).
+    #[serde(default)]
+    pub max_log_lines_per_event: Option<u32>,
+    /// Highest `max_log_bytes_per_event` (built-in: 1 MiB).
+    #[serde(default)]
+    pub max_log_bytes_per_event: Option<u64>,
+    /// Highest `quarantine_after`; a team route cannot set 0 (never
+    /// quarantine) either (built-in: 100).
+    #[serde(default)]
+    pub quarantine_after: Option<u32>,
+    /// Highest `max_messages_per_event` (built-in: 1000).
+    #[serde(default)]
+    pub max_messages_per_event: Option<u32>,
+    /// Highest `max_bytes_per_event` (built-in: 64 MiB).
+    #[serde(default)]
+    pub max_bytes_per_event: Option<u64>,
+}
+
+impl Ceilings {
+    /// Each limit: its name, the ceiling this sets (if any) and what a
+    /// route sets, as comparable numbers (durations in nanoseconds; a
+    /// route's `quarantine_after = 0`, never, as infinite).
+    fn fields(&self) -> [(&'static str, Option<u128>); 8] {
+        [
+            ("cpu_budget", self.cpu_budget.map(|d| d.as_nanos())),
+            ("memory_mib", self.memory_mib.map(u128::from)),
+            (
+                "max_idle_memory_mib",
+                self.max_idle_memory_mib.map(u128::from),
+            ),
+            (
+                "max_log_lines_per_event",
+                self.max_log_lines_per_event.map(u128::from),
+            ),
+            (
+                "max_log_bytes_per_event",
+                self.max_log_bytes_per_event.map(u128::from),
+            ),
+            ("quarantine_after", self.quarantine_after.map(u128::from)),
+            (
+                "max_messages_per_event",
+                self.max_messages_per_event.map(u128::from),
+            ),
+            (
+                "max_bytes_per_event",
+                self.max_bytes_per_event.map(u128::from),
+            ),
+        ]
+    }
+
+    /// The built-in maxima.
+    fn builtin() -> [u128; 8] {
+        [
+            std::time::Duration::from_secs(1).as_nanos(),
+            512,
+            512,
+            1000,
+            1 << 20,
+            100,
+            1000,
+            64 << 20,
+        ]
+    }
+}
+
+fn route_limits(r: &RouteConfig) -> [u128; 8] {
+    [
+        r.cpu_budget.as_nanos(),
+        u128::from(r.memory_mib),
+        u128::from(r.max_idle_memory_mib),
+        u128::from(r.max_log_lines_per_event),
+        u128::from(r.max_log_bytes_per_event),
+        match r.quarantine_after {
+            0 => u128::MAX,
+            n => u128::from(n),
+        },
+        u128::from(r.max_messages_per_event),
+        u128::from(r.max_bytes_per_event),
+    ]
+}
+
+/// A limit as the config writes it (durations in humantime).
+fn shown(name: &str, v: u128) -> String {
+    match name {
+        "cpu_budget" => format!(
+            "\"{}\"",
+            humantime::format_duration(std::time::Duration::from_nanos(
+                u64::try_from(v).unwrap_or(u64::MAX)
+            ))
+        ),
+        "quarantine_after" if v == u128::MAX => "0 (never)".into(),
+        _ => v.to_string(),
+    }
+}
+
+/// What the relay allows at most, per limit: `[relay.route_ceilings]`, then
+/// the built-in maxima.
+fn relay_ceilings(config: &Config) -> [u128; 8] {
+    let mut out = Ceilings::builtin();
+    for (slot, (_, set)) in out.iter_mut().zip(config.relay.route_ceilings.fields()) {
+        if let Some(v) = set {
+            *slot = v;
+        }
+    }
+    out
+}
+
+/// Grant problems: a ceiling above the relay's.
+fn grant_ceiling_problems(config: &Config, team: &str, grant: &Grant) -> Vec<(String, String)> {
+    let relay = relay_ceilings(config);
+    grant
+        .ceilings
+        .fields()
+        .iter()
+        .zip(relay)
+        .filter_map(|((name, set), max)| {
+            let v = (*set)?;
+            (v > max).then(|| {
+                (
+                    format!("grants.{team}.ceilings.{name}"),
+                    format!(
+                        "{} is above the relay's ceiling {} (relay.route_ceilings.{name})",
+                        shown(name, v),
+                        shown(name, max)
+                    ),
+                )
+            })
+        })
+        .collect()
+}
+
+/// A team route's limits above its grant's ceilings: (field, reason).
+fn route_ceiling_problems(
+    config: &Config,
+    team: &str,
+    grant: &Grant,
+    r: &RouteConfig,
+) -> Vec<(String, String)> {
+    let mut ceilings = relay_ceilings(config);
+    for (slot, (_, set)) in ceilings.iter_mut().zip(grant.ceilings.fields()) {
+        if let Some(v) = set {
+            *slot = (*slot).min(v);
+        }
+    }
+    let names = grant.ceilings.fields().map(|(n, _)| n);
+    route_limits(r)
+        .iter()
+        .zip(ceilings)
+        .zip(names)
+        .filter(|((v, max), _)| **v > *max)
+        .map(|((v, max), name)| {
+            (
+                name.to_string(),
+                format!(
+                    "{} is above team `{team}`'s ceiling {} (grants.{team}.ceilings.{name}, within relay.route_ceilings)",
+                    shown(name, *v),
+                    shown(name, max)
+                ),
+            )
+        })
+        .collect()
 }
 
 /// A team file.
@@ -341,6 +528,13 @@ pub fn merge(
         });
     }
     for (team, grant) in &config.grants {
+        for (key, reason) in grant_ceiling_problems(config, team, grant) {
+            merged.problems.push(ConfigError {
+                file: main.into(),
+                key,
+                reason,
+            });
+        }
         for s in &grant.sources {
             let shorthand = config.store.is_some() && s == super::DEFAULT_SOURCE;
             if !(config.sources.contains_key(s) || shorthand) {
@@ -601,6 +795,9 @@ fn merge_one(state: &mut State, file: &Path, text: &str) -> Vec<ConfigError> {
                     ),
                 );
             }
+        }
+        for (field, reason) in route_ceiling_problems(&state.config, &team.team, &grant, &route) {
+            bad(key(&field), reason);
         }
         for (sink, patterns) in &route.allow {
             let Some(granted) = grant.allow.get(sink) else {
