@@ -231,6 +231,9 @@ async fn kafka_broker_frozen_for_10s_then_everything_arrives_in_order() -> anyho
             tail.into_iter().rev().collect::<Vec<_>>().join("\n")
         );
     }
+    // Nothing lost is not enough: no phantom, and every aggregate's first
+    // deliveries in outbox order across the freeze (issue 49).
+    r.assert_clean();
     assert!(rss < 200.0);
     assert!(
         eventually(Duration::from_secs(30), || async {
