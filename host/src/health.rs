@@ -238,9 +238,13 @@ impl Health {
 }
 
 /// The parts `/readyz` looks at, replaced as a whole when a config reload
-/// changes them.
+/// changes them; and since when each sink has been connected or not (as
+/// the checks saw it: every second, and at every `/readyz`).
 #[derive(Clone, Default)]
-pub struct Readiness(Arc<std::sync::RwLock<ReadyView>>);
+pub struct Readiness(Arc<std::sync::RwLock<ReadyView>>, Arc<Mutex<SinkStates>>);
+
+/// Per sink: connected when last checked, and since when.
+type SinkStates = BTreeMap<String, (bool, DateTime<Utc>)>;
 
 #[derive(Clone, Default)]
 pub struct ReadyView {
@@ -387,13 +391,22 @@ impl Readiness {
         for (name, sink) in view.sinks.iter() {
             let connected = sink.connected().await;
             metrics::gauge!(m::SINK_UP, "sink" => name.clone()).set(f64::from(connected));
+            // When this sink was last seen changing state.
+            let changed = {
+                let mut seen = self.1.lock().unwrap_or_else(|e| e.into_inner());
+                let entry = seen.entry(name.clone()).or_insert((connected, Utc::now()));
+                if entry.0 != connected {
+                    *entry = (connected, Utc::now());
+                }
+                entry.1
+            };
             if !connected {
                 down_sinks.push(name.as_str());
                 problems.push(match sink.down_reason() {
                     Some((why, t)) => {
                         format!("sink `{name}` not connected since {}: {why}", since(t))
                     }
-                    None => format!("sink `{name}` not connected"),
+                    None => format!("sink `{name}` not connected since {}", since(changed)),
                 });
             }
         }
