@@ -228,8 +228,7 @@ impl Loaded {
         // other's rows: one outbox, one source.
         let mut seen: BTreeMap<(String, String), &str> = BTreeMap::new();
         for (source, sc) in &c.sources {
-            let at = sc.url.rsplit('@').next().unwrap_or(&sc.url).to_string();
-            if let Some(first) = seen.insert((at, sc.table().name), source) {
+            if let Some(first) = seen.insert(table_identity(&sc.url, &sc.table().name), source) {
                 err(
                     c.source_key(source),
                     format!("reads the same table as source `{first}`: one outbox, one source"),
@@ -508,4 +507,54 @@ fn check_pattern_for(sink: &SinkConfig, pattern: &str) -> Result<(), String> {
         _ => {}
     }
     Ok(())
+}
+
+/// Where a source's table lives, the same for every way of writing it:
+/// `postgres://` or `postgresql://`, with or without user, password, the
+/// default port or query options, `outbox` or `public.outbox` (the default
+/// schema). Host names compare without case; table names as written (they
+/// are quoted). `localhost` and `127.0.0.1` still count as two servers.
+fn table_identity(url: &str, table: &str) -> (String, String) {
+    let table = if table.contains('.') {
+        table.to_string()
+    } else {
+        format!("public.{table}")
+    };
+    let place = match url::Url::parse(url) {
+        Ok(u) if u.scheme().starts_with("postgres") => format!(
+            "postgres://{}:{}/{}",
+            u.host_str().unwrap_or_default().to_ascii_lowercase(),
+            u.port().unwrap_or(5432),
+            u.path().trim_start_matches('/')
+        ),
+        _ => url.split('?').next().unwrap_or(url).to_string(),
+    };
+    (place, table)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::table_identity;
+
+    #[test]
+    fn one_table_written_two_ways_is_one_table() {
+        let canonical = table_identity("postgres://relay:pw@Orders-DB/orders", "outbox");
+        for (url, table) in [
+            (
+                "postgresql://orders-db:5432/orders?sslmode=require",
+                "public.outbox",
+            ),
+            ("postgres://other@orders-db/orders", "outbox"),
+        ] {
+            assert_eq!(table_identity(url, table), canonical, "{url} {table}");
+        }
+        for (url, table) in [
+            ("postgres://orders-db/billing", "outbox"),
+            ("postgres://orders-db:5433/orders", "outbox"),
+            ("postgres://orders-db/orders", "audit.outbox"),
+            ("postgres://orders-db/orders", "Outbox"),
+        ] {
+            assert_ne!(table_identity(url, table), canonical, "{url} {table}");
+        }
+    }
 }
