@@ -237,9 +237,12 @@ impl Health {
     }
 }
 
+/// How often the sinks are checked between `/readyz` requests.
+const SINK_CHECK: Duration = Duration::from_secs(10);
+
 /// The parts `/readyz` looks at, replaced as a whole when a config reload
 /// changes them; and since when each sink has been connected or not (as
-/// the checks saw it: every second, and at every `/readyz`).
+/// the checks saw it: every [`SINK_CHECK`], and at every `/readyz`).
 #[derive(Clone, Default)]
 pub struct Readiness(Arc<std::sync::RwLock<ReadyView>>, Arc<Mutex<SinkStates>>);
 
@@ -425,13 +428,15 @@ impl Readiness {
     }
 
     /// Keep the gauges of the sinks and of routes waiting for one current
-    /// (sources and plugins set theirs as they change), every second.
+    /// (sources and plugins set theirs as they change), every
+    /// [`SINK_CHECK`]: asking a Kafka sink whether it is connected fetches
+    /// the cluster's metadata, not something to do every second.
     pub async fn watch(self, shutdown: tokio_util::sync::CancellationToken) {
         while !shutdown.is_cancelled() {
             self.assess(false).await;
             tokio::select! {
                 _ = shutdown.cancelled() => {},
-                _ = tokio::time::sleep(Duration::from_secs(1)) => {},
+                _ = tokio::time::sleep(SINK_CHECK) => {},
             }
         }
     }

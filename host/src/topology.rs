@@ -88,17 +88,6 @@ fn routed(loaded: &Loaded, name: &str) -> bool {
 /// table and warn when the claim has no lane index.
 pub async fn open_store(loaded: &Loaded, name: &str, relay_id: &str) -> Result<Store> {
     let mut store = Store::connect(&loaded.config, name, relay_id).await?;
-    if let Some(pg) = store.postgres() {
-        // Open the connections the workers and the lease keeper will use
-        // now, beside the checks below, not when the first batch needs them.
-        let pool = pg.pool().clone();
-        let n = (loaded.config.relay.concurrency as usize + 1)
-            .min(pool.options().get_max_connections() as usize);
-        tokio::spawn(async move {
-            let held = futures::future::join_all((0..n).map(|_| pool.acquire())).await;
-            drop(held);
-        });
-    }
     store.migrate(false).await?;
     store.check_table().await?;
     if let Some(ddl) = store.missing_index() {
@@ -116,6 +105,19 @@ pub async fn open_store(loaded: &Loaded, name: &str, relay_id: &str) -> Result<S
             "no usable lane index: every claim scans and sorts the whole backlog. \
              Run `outroute migrate --table -c <config>`, or: {ddl}"
         );
+    }
+    if let Some(pg) = store.postgres() {
+        // Open the connections the workers and the lease keeper will use
+        // now, not when the first batch needs them — once the checks
+        // passed: a source that is refused and tried again every 30 s
+        // must not open a pool's worth of connections each time.
+        let pool = pg.pool().clone();
+        let n = (loaded.config.relay.concurrency as usize + 1)
+            .min(pool.options().get_max_connections() as usize);
+        tokio::spawn(async move {
+            let held = futures::future::join_all((0..n).map(|_| pool.acquire())).await;
+            drop(held);
+        });
     }
     Ok(store)
 }
