@@ -753,11 +753,15 @@ pub enum OnFailure {
     Skip,
 }
 
-/// Selects events and names the plugin that routes them.
+/// Selects events and names the plugin that routes them. Routes are
+/// subscriptions: every route whose selection matches an event gets it,
+/// with its own plugin call, messages, retries, failures and per-aggregate
+/// order; the event is marked once every one of them delivered it.
 #[derive(PartialEq, Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
-    /// Route name (metrics label, failed-event filter).
+    /// Route name (metrics label, failed-event filter): 1–128 letters,
+    /// digits, `-`, `_` or `.`.
     pub name: String,
     /// Glob patterns over the aggregate type (default: all).
     #[serde(default = "match_all")]

@@ -1,8 +1,15 @@
 //! The batch pipeline: planned events → messages handed to sinks → broker
 //! acknowledgements → what becomes of each event (mark, hold, retry, fail).
 //!
+//! A batch here is a list of *deliveries*: an event and one route that
+//! selected it. Routes are subscriptions: an event three routes select is
+//! three deliveries, each with its own plugin answer, messages, retries and
+//! failure, and `relay/mod.rs` marks the event once every delivery went
+//! through (`Claim::route`, `Plan::Done`).
+//!
 //! This is where the ordering promise of `../shared/DESIGN.md` is kept. For
-//! one aggregate, under `relay.ordering`:
+//! one aggregate on one route, under `relay.ordering` (another route's
+//! deliveries of the aggregate are never held back by this one's):
 //!
 //! | what happens to an earlier event X1        | `aggregate`                        | `strict`                  | `none`        |
 //! |--------------------------------------------|------------------------------------|---------------------------|---------------|
@@ -52,6 +59,9 @@ pub enum Plan {
     /// An earlier event of the same aggregate did not go through: leave this
     /// one pending (it is claimed again once the earlier one is resolved).
     Held,
+    /// An earlier attempt already delivered the event on this route (its
+    /// other routes did not all go through then): nothing to send.
+    Done,
     /// Record a failed attempt (retry or failed state).
     Fail {
         route: Option<usize>,
@@ -219,12 +229,15 @@ pub struct Pipeline {
     pub source: String,
 }
 
-type Aggregate<'a> = (&'a str, &'a str);
+/// What order is kept within: one aggregate on one route. Routes are
+/// subscriptions, so a failure on one route never holds the aggregate's
+/// events back on another.
+type Aggregate<'a> = (Option<usize>, &'a str, &'a str);
 
 fn aggregate_of(c: &Claim) -> Aggregate<'_> {
     match &c.row {
-        Ok(e) => (&e.aggregate_type, &e.aggregate_id),
-        Err(b) => (&b.aggregate_type, &b.aggregate_id),
+        Ok(e) => (c.route, &e.aggregate_type, &e.aggregate_id),
+        Err(b) => (c.route, &b.aggregate_type, &b.aggregate_id),
     }
 }
 
@@ -286,7 +299,9 @@ impl Pipeline {
             for (claim, plan) in events.iter_mut() {
                 let claim: &Claim = claim;
                 let key = aggregate_of(claim);
-                if blocked.contains(&key) {
+                if matches!(plan, Plan::Done) {
+                    // Delivered by an earlier attempt: nothing to hold.
+                } else if blocked.contains(&key) {
                     *plan = Plan::Held;
                 } else if matches!(plan, Plan::Held | Plan::Defer { .. }) {
                     // Left for later (quarantine, batch split): so are the
@@ -333,12 +348,13 @@ impl Pipeline {
         let mut fates = Vec::with_capacity(events.len());
         for (i, (claim, plan)) in events.iter().enumerate() {
             let agg = aggregate_of(claim);
-            if ordered && blocked.contains(&agg) {
+            if ordered && blocked.contains(&agg) && !matches!(plan, Plan::Done) {
                 fates.push(Fate::Held);
                 continue;
             }
             let fate = match plan {
                 Plan::Held => Fate::Held,
+                Plan::Done => Fate::Publish,
                 Plan::Publish { route, .. } => match acks.get(&i) {
                     // Never sent (held back, or publishing stopped early).
                     None => Fate::Held,
@@ -463,6 +479,7 @@ impl Pipeline {
                 route = self.routes.0[*route].name(),
                 trace_id = ev.traceparent().and_then(|t| t.split('-').nth(1)).unwrap_or(""),
             );
+            let route_name = self.routes.0[*route].name();
             let default_key = self.routes.0[*route].config.default_key;
             let mut seen: HashMap<(&str, &str), usize> = HashMap::new();
             for msg in messages {
@@ -479,11 +496,12 @@ impl Pipeline {
                 };
                 let headers = envelope(ev, &self.source, &msg.headers);
                 // Broker-side dedup id (JetStream `Nats-Msg-Id`): source,
-                // event id and subject (plus a count for repeats), so the
-                // same message re-sent after a crash is dropped, while a
+                // event id, route and subject (plus a count for repeats), so
+                // the same message re-sent after a crash is dropped, while a
                 // plugin that changes its fan-out between attempts can never
                 // reuse an id — nor can another source's event with the same
-                // id (a table's ids are unique only in that table).
+                // id (a table's ids are unique only in that table), nor
+                // another route's copy of the event on the same subject.
                 let n = seen
                     .entry((msg.sink.as_str(), msg.topic.as_str()))
                     .or_insert(0);
@@ -493,11 +511,11 @@ impl Pipeline {
                 let (id, topic) = (ev.id.as_str(), msg.topic.as_str());
                 let source = self.source.as_str();
                 let mut dedup = match &repeat {
-                    None => [source, ":", id, ":", topic].concat(),
-                    Some(r) => [source, ":", id, ":", topic, ":", r].concat(),
+                    None => [source, ":", id, ":", route_name, ":", topic].concat(),
+                    Some(r) => [source, ":", id, ":", route_name, ":", topic, ":", r].concat(),
                 };
                 let nth = repeat.as_deref().unwrap_or("0");
-                let leg = [msg.sink.as_str(), "/", topic, "#", nth].concat();
+                let leg = crate::store::leg(route_name, &msg.sink, topic, nth);
                 *n += 1;
                 // Acknowledged by an earlier attempt (its sibling leg's
                 // broker was down): not sent again.
@@ -685,7 +703,7 @@ impl Pipeline {
 pub struct Sent {
     /// Per event index: every message acknowledged, or the (worst) error.
     pub acks: HashMap<usize, Result<(), PublishError>>,
-    /// Per event index: the legs (`sink/topic#n`) acknowledged.
+    /// Per event index: the legs (`route:sink/topic#n`) acknowledged.
     pub acked_legs: HashMap<usize, Vec<String>>,
     pub order_risks: usize,
 }
@@ -849,6 +867,10 @@ mod tests {
             name = "r"
             plugin = "p"
             allow = { k = ["t"], m = ["t"] }
+            [[routes]]
+            name = "copy"
+            plugin = "p"
+            allow = { k = ["t"] }
         "#;
         let config: Config = toml::from_str(toml).unwrap();
         let routes = Routes::compile(&config).unwrap();
@@ -888,6 +910,7 @@ mod tests {
                     done_legs: Vec::new(),
                     epoch: None,
                     captured: None,
+                    route: None,
                     row: Ok(ev),
                 };
                 let plan = Plan::Publish {
@@ -933,6 +956,72 @@ mod tests {
             sent,
             order_risks: d.order_risks,
         }
+    }
+
+    /// Routes are subscriptions: the same events on two routes are two
+    /// orders, and a failure on one never holds the other back.
+    #[tokio::test]
+    async fn a_failure_on_one_route_holds_back_only_that_route() {
+        for (ordering, script) in [
+            (Ordering::Aggregate, Script::FailSend(retry())),
+            (Ordering::Aggregate, Script::FailAck(retry())),
+            (Ordering::Strict, Script::FailAck(retry())),
+        ] {
+            let sink = Arc::new(ScriptedSink::default());
+            sink.script.lock().unwrap().insert("X1".into(), script);
+            let p = pipeline(ordering, sink.clone());
+            // Each event on route 0 (payloads X…) and on route 1 (Y…), an
+            // event's deliveries side by side as the relay plans them.
+            let mut events = Vec::new();
+            for ((mut x, mut xp), (mut y, yp)) in
+                batch(&["X1", "X2", "X3"]).into_iter().zip(batch(&["Y1", "Y2", "Y3"]))
+            {
+                x.route = Some(0);
+                y.route = Some(1);
+                if let Plan::Publish { route, .. } = &mut xp {
+                    *route = 0;
+                }
+                let yp = match yp {
+                    Plan::Publish { messages, .. } => Plan::Publish { route: 1, messages },
+                    other => other,
+                };
+                events.push((x, xp));
+                events.push((y, yp));
+            }
+            let d = p.deliver(&mut events, None).await;
+            let what = format!("{ordering:?}: {:?}", d.fates);
+            assert!(failed(&d.fates[0]), "{what}");
+            // Route 0: X2 and X3 wait for X1 (sent or not, never marked).
+            assert!(matches!(d.fates[2], Fate::Held | Fate::Fail { .. }), "{what}");
+            assert!(matches!(d.fates[4], Fate::Held | Fate::Fail { .. }), "{what}");
+            // Route 1: every copy delivered, in order.
+            assert_eq!(
+                [&d.fates[1], &d.fates[3], &d.fates[5]],
+                [&Fate::Publish; 3],
+                "{what}"
+            );
+            let stored = sink.stored.lock().unwrap().clone();
+            let ys: Vec<&String> = stored.iter().filter(|p| p.starts_with('Y')).collect();
+            assert_eq!(ys, ["Y1", "Y2", "Y3"], "{what}");
+        }
+    }
+
+    /// A delivery an earlier attempt made is not made again, and is not
+    /// held back by its route's failures in the batch.
+    #[tokio::test]
+    async fn a_route_done_before_sends_nothing() {
+        let sink = Arc::new(ScriptedSink::default());
+        sink.script
+            .lock()
+            .unwrap()
+            .insert("X1".into(), Script::FailSend(retry()));
+        let p = pipeline(Ordering::Aggregate, sink.clone());
+        let mut events = batch(&["X1", "X2"]);
+        events[1].1 = Plan::Done;
+        let d = p.deliver(&mut events, None).await;
+        assert!(failed(&d.fates[0]), "{:?}", d.fates);
+        assert_eq!(d.fates[1], Fate::Publish);
+        assert!(sink.sent.lock().unwrap().is_empty());
     }
 
     fn retry() -> PublishError {
@@ -1122,7 +1211,7 @@ mod tests {
         else {
             panic!("{:?}", d.fates);
         };
-        assert_eq!(done_legs, &["k/t#0".to_string()]);
+        assert_eq!(done_legs, &["r:k/t#0".to_string()]);
         // The retry sends only m's leg.
         m.script.lock().unwrap().clear();
         let d = p.deliver(&mut fan_out(done_legs.clone()), None).await;

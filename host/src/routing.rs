@@ -1,9 +1,9 @@
 //! Routes: which events a plugin sees, and what its messages may do.
 //!
 //! A route selects events by glob patterns over aggregate type and event
-//! type. The first matching route (in config order) handles an event; an
-//! event no route selects fails with that reason (nothing is dropped
-//! silently). Every message a plugin returns is checked against its route's
+//! type. Routes are subscriptions: every route that selects an event gets
+//! it, with its own plugin call, messages, retries and failures; an event no
+//! route selects fails with that reason (nothing is dropped silently). Every message a plugin returns is checked against its route's
 //! allow-list before anything is published: the sink must be allowed, the
 //! topic/subject must match one of the sink's patterns, the payload must fit
 //! the sink. This is how one shared relay keeps a team's plugin out of
@@ -283,7 +283,22 @@ impl Routes {
         Ok(Routes(out))
     }
 
-    /// The route that handles an event, if any.
+    /// Every route that selects an event (indexes, in config order): each
+    /// gets the event. Routes are subscriptions, not a first-match table,
+    /// so adding a route never takes events away from another.
+    pub fn selecting<'a>(
+        &'a self,
+        aggregate_type: &'a str,
+        event_type: &'a str,
+    ) -> impl Iterator<Item = usize> + 'a {
+        self.0
+            .iter()
+            .filter(move |r| r.selects(aggregate_type, event_type))
+            .map(|r| r.index)
+    }
+
+    /// The first route that selects an event, if any.
+    #[cfg(test)]
     pub fn select(&self, aggregate_type: &str, event_type: &str) -> Option<&Route> {
         self.0
             .iter()
@@ -379,10 +394,15 @@ mod tests {
     }
 
     #[test]
-    fn selection_is_first_match() {
+    fn every_route_that_selects_an_event_gets_it() {
         let r = routes();
-        assert_eq!(r.select("order", "created").unwrap().name(), "orders");
-        assert_eq!(r.select("customer", "created").unwrap().name(), "rest");
+        let names = |at: &str| -> Vec<&str> {
+            r.selecting(at, "created").map(|i| r.0[i].name()).collect()
+        };
+        // `rest` selects everything; `orders` only orders: an order event
+        // goes to both, in config order.
+        assert_eq!(names("order"), ["orders", "rest"]);
+        assert_eq!(names("customer"), ["rest"]);
     }
 
     #[test]

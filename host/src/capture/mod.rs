@@ -521,6 +521,7 @@ fn captured(row: Result<Event, Malformed>, commit_lsn: i64, at: DateTime<Utc>) -
             parked: false,
             committed_at: Some(at),
         }),
+        route: None,
         row,
     }
 }

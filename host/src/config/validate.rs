@@ -343,6 +343,23 @@ impl Loaded {
         let mut seen = std::collections::BTreeSet::new();
         for (i, r) in c.routes.iter().enumerate() {
             let key = |f: &str| format!("routes[{i}].{f}");
+            if r.name.is_empty()
+                || r.name.len() > 128
+                || !r
+                    .name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+            {
+                // The name is a metric label, a log field and part of the
+                // record of which routes delivered an event (`route:done`).
+                err(
+                    key("name"),
+                    format!(
+                        "route name {:?} must be 1–128 letters, digits, `-`, `_` or `.`",
+                        r.name
+                    ),
+                );
+            }
             if !seen.insert(r.name.clone()) {
                 err(
                     key("name"),

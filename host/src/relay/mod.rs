@@ -204,6 +204,17 @@ pub struct BatchReport {
     pub unsent: Vec<Claim>,
 }
 
+/// A planned batch: one delivery per (event, route that selects it).
+pub(crate) struct Planned {
+    /// The deliveries, events in claim order, an event's side by side. An
+    /// event no route takes (or a malformed row) is one delivery with no
+    /// route.
+    pub units: Vec<(Claim, Plan)>,
+    /// Per event, in claim order: where its deliveries are in `units`
+    /// (never empty).
+    pub events: Vec<std::ops::Range<usize>>,
+}
+
 /// A route's shadow: the candidate plugin and its file, for reports.
 pub struct Shadow {
     pub plugin: Arc<PluginHandle>,
@@ -747,11 +758,15 @@ impl Relay {
         let started = Instant::now();
         let mut report = BatchReport::default();
 
-        // 1–4. Rows → events → route → plugin → checked messages.
-        let mut events = self.plan(claims).await;
+        // 1–4. Rows → events → routes → plugin → checked messages.
+        let Planned {
+            units: mut events,
+            events: ranges,
+        } = self.plan(claims).await;
 
-        // 5–6. Messages → sinks → broker acks → what becomes of each event
-        //      (per-aggregate order is kept there: see pipeline.rs).
+        // 5–6. Messages → sinks → broker acks → what becomes of each
+        //      delivery (order per aggregate and route is kept there: see
+        //      pipeline.rs).
         if lease.as_deref_mut().is_some_and(|l| !l.held()) {
             anyhow::bail!(
                 "lane lease expired before publishing; leaving the batch to the next owner"
@@ -763,12 +778,22 @@ impl Relay {
             // Nothing went out: leave every event pending; the worker backs off.
             report.outage = true;
             report.outage_reason = Some(reason);
-            report.unsent = events.into_iter().map(|(claim, _)| claim).collect();
+            let mut units = events.into_iter();
+            for range in ranges {
+                let mut copies = units.by_ref().take(range.len()).map(|(c, _)| c);
+                if let Some(mut claim) = copies.next() {
+                    claim.route = None;
+                    report.unsent.push(claim);
+                }
+                copies.for_each(drop);
+            }
             return Ok(report);
         }
         failpoint::hit("after-ack");
 
-        // 7. Acked events → mark; failures → retry later or the failed state.
+        // 7. An event every route delivered → mark; otherwise record what
+        //    is left (retry later, wait, or the failed state), keeping the
+        //    routes that went through so they are not run again.
         let mut to_mark: Vec<&Claim> = Vec::new();
         let mut failures: Vec<Failure> = Vec::new();
         let mut without_messages: HashMap<String, u64> = HashMap::new();
@@ -777,55 +802,31 @@ impl Relay {
         let commit_to_ack = metrics::histogram!(m::COMMIT_TO_ACK, "source" => self.source.clone());
         let mut published: BTreeMap<usize, u64> = BTreeMap::new();
         let mut messages_sent: BTreeMap<(usize, &str), u64> = BTreeMap::new();
-        for ((claim, plan), fate) in events.iter().zip(&delivery.fates) {
-            match fate {
-                Fate::Held => {
-                    report.held += 1;
-                    // A captured event cannot stay "pending": the slot moves
-                    // on. It waits in the parked queue (once).
-                    if claim.captured.is_some_and(|c| !c.parked) {
-                        failures.push(crate::relay::Relay::waiting(self, claim));
+        for range in ranges {
+            let units = &events[range.clone()];
+            let fates = &delivery.fates[range];
+            for ((_, plan), fate) in units.iter().zip(fates) {
+                if let (Fate::Publish, Plan::Publish { route, messages }) = (fate, plan) {
+                    *published.entry(*route).or_default() += 1;
+                    if messages.is_empty() {
+                        let r = self.routes.0[*route].name().to_string();
+                        *without_messages.entry(r).or_default() += 1;
+                    }
+                    for msg in messages {
+                        *messages_sent
+                            .entry((*route, msg.sink.as_str()))
+                            .or_default() += 1;
                     }
                 }
-                Fate::Publish => {
-                    to_mark.push(claim);
-                    if let Some(at) = claim.committed_at() {
-                        commit_to_ack.record(seconds_since(at, now));
-                    }
-                    if let Plan::Publish { route, messages } = plan {
-                        *published.entry(*route).or_default() += 1;
-                        if messages.is_empty() {
-                            let r = self.routes.0[*route].name().to_string();
-                            *without_messages.entry(r).or_default() += 1;
-                        }
-                        for msg in messages {
-                            *messages_sent
-                                .entry((*route, msg.sink.as_str()))
-                                .or_default() += 1;
-                        }
-                    }
+            }
+            let claim = &units[0].0;
+            if fates.iter().all(|f| matches!(f, Fate::Publish)) {
+                to_mark.push(claim);
+                if let Some(at) = claim.committed_at() {
+                    commit_to_ack.record(seconds_since(at, now));
                 }
-                Fate::Fail {
-                    route,
-                    rejection,
-                    broker_retry,
-                    done_legs,
-                } => {
-                    let mut f = self.failure(claim, *route, rejection, &mut report, *broker_retry);
-                    f.done_legs = done_legs.clone();
-                    failures.push(f);
-                }
-                Fate::Defer {
-                    route,
-                    reason,
-                    delay,
-                } => {
-                    report.deferred += 1;
-                    let name = route.map_or("-", |r| self.routes.0[r].name()).to_string();
-                    metrics::counter!(m::EVENTS_DEFERRED, "route" => name, "source" => self.source.clone())
-                        .increment(1);
-                    failures.push(self.deferral(claim, *route, reason, *delay));
-                }
+            } else if let Some(f) = self.left_over(units, fates, &mut report) {
+                failures.push(f);
             }
         }
         for (route, n) in published {
@@ -875,14 +876,20 @@ impl Relay {
         Ok(report)
     }
 
-    /// Steps 1–4 of a batch: rows → events (malformed rows fail) → route
-    /// (first match) → plugin (one batch call per route) → messages checked
+    /// Steps 1–4 of a batch: rows → events (malformed rows fail) → the
+    /// routes that select each (every one of them: routes are
+    /// subscriptions) → plugin (one batch call per route) → messages checked
     /// against the route's allow-list. Also used by `replay`.
-    pub(crate) async fn plan(&self, claims: Vec<Claim>) -> Vec<(Claim, Plan)> {
+    pub(crate) async fn plan(&self, claims: Vec<Claim>) -> Planned {
         // 1. Rows → events. A malformed row fails right away, with the reason.
-        let mut events: Vec<(Claim, Plan)> = Vec::with_capacity(claims.len());
+        let mut planned = Planned {
+            units: Vec::with_capacity(claims.len()),
+            events: Vec::with_capacity(claims.len()),
+        };
+        let events = &mut planned.units;
         let mut to_route: Vec<(usize, usize)> = Vec::new(); // (index in batch, route)
-        for claim in claims {
+        for mut claim in claims {
+            let start = events.len();
             let plan = match &claim.row {
                 Err(bad) => {
                     tracing::warn!(event_id = %bad.id, reason = %bad.reason, "malformed outbox row");
@@ -896,35 +903,55 @@ impl Relay {
                         rejection: Rejection::Invalid(format!("malformed row: {}", bad.reason)),
                     }
                 }
-                // 2. Event → route (first match in config order).
-                Ok(ev) => match self.routes.select(&ev.aggregate_type, &ev.event_type) {
-                    Some(route) => {
-                        to_route.push((events.len(), route.index));
-                        Plan::Held // placeholder until the plugin answers
+                // 2. Event → every route that selects it, each a delivery
+                //    of its own (a copy of the claim per extra route).
+                Ok(ev) => {
+                    let selected: Vec<usize> = self
+                        .routes
+                        .selecting(&ev.aggregate_type, &ev.event_type)
+                        .collect();
+                    match selected.split_last() {
+                        Some((last, others)) => {
+                            for &route in others {
+                                let mut copy = claim.clone();
+                                copy.route = Some(route);
+                                let plan = self.first_plan(&copy, route, events.len(), &mut to_route);
+                                events.push((copy, plan));
+                            }
+                            claim.route = Some(*last);
+                            let plan = self.first_plan(&claim, *last, events.len(), &mut to_route);
+                            events.push((claim, plan));
+                            planned.events.push(start..events.len());
+                            continue;
+                        }
+                        // Its route may be a team's whose file is refused:
+                        // it waits for the file rather than fail.
+                        None if !self.teams_waiting.is_empty() => Plan::Defer {
+                            route: None,
+                            reason: format!(
+                                "no route selects aggregate type `{}` / event type `{}` while the file of team(s) {} \
+                                 is refused: waiting for it",
+                                ev.aggregate_type,
+                                ev.event_type,
+                                self.teams_waiting.join(", ")
+                            ),
+                            delay: TEAM_WAIT,
+                        },
+                        None => Plan::Fail {
+                            route: None,
+                            rejection: Rejection::Invalid(format!(
+                                "no route selects aggregate type `{}` / event type `{}`",
+                                ev.aggregate_type, ev.event_type
+                            )),
+                        },
                     }
-                    // Its route may be a team's whose file is refused:
-                    // it waits for the file rather than fail.
-                    None if !self.teams_waiting.is_empty() => Plan::Defer {
-                        route: None,
-                        reason: format!(
-                            "no route selects aggregate type `{}` / event type `{}` while the file of team(s) {} \
-                             is refused: waiting for it",
-                            ev.aggregate_type,
-                            ev.event_type,
-                            self.teams_waiting.join(", ")
-                        ),
-                        delay: TEAM_WAIT,
-                    },
-                    None => Plan::Fail {
-                        route: None,
-                        rejection: Rejection::Invalid(format!(
-                            "no route selects aggregate type `{}` / event type `{}`",
-                            ev.aggregate_type, ev.event_type
-                        )),
-                    },
-                },
+                }
             };
+            if let Plan::Fail { route, .. } = &plan {
+                claim.route = *route;
+            }
             events.push((claim, plan));
+            planned.events.push(start..events.len());
         }
 
         // 3. Route → plugin: one call per route, all routes at once, each on
@@ -1045,7 +1072,28 @@ impl Relay {
             }
         }
 
-        events
+        planned
+    }
+
+    /// A delivery's plan before its plugin answers: already delivered by an
+    /// earlier attempt (`Done`), or queued for the route's plugin call.
+    fn first_plan(
+        &self,
+        claim: &Claim,
+        route: usize,
+        at: usize,
+        to_route: &mut Vec<(usize, usize)>,
+    ) -> Plan {
+        let done = !claim.done_legs.is_empty()
+            && claim
+                .done_legs
+                .contains(&crate::store::route_done(self.routes.0[route].name()));
+        if done {
+            Plan::Done
+        } else {
+            to_route.push((at, route));
+            Plan::Held // placeholder until the plugin answers
+        }
     }
 
     /// Count a route's breaches; quarantine or resume it (recorded in the
@@ -1177,6 +1225,138 @@ impl Relay {
             return Ok(n + self.store.mark_published(b).await?);
         }
         self.store.mark_published(claims).await
+    }
+
+    /// What to record for an event some route did not deliver: `None` when
+    /// nothing changed (every delivery not done was held back, so the event
+    /// simply stays pending). Otherwise one record for the event: the
+    /// routes that went through are kept (`route:done` in its done legs,
+    /// with every acknowledged leg), and the event comes back for the rest
+    /// — failed for good only once no route is left to retry or wait for.
+    fn left_over(
+        &self,
+        units: &[(Claim, Plan)],
+        fates: &[Fate],
+        report: &mut BatchReport,
+    ) -> Option<Failure> {
+        let claim = &units[0].0;
+        let mut done_legs = claim.done_legs.clone();
+        let mut parts: Vec<Failure> = Vec::new();
+        let (mut delivered, mut held, mut deferred) = (Vec::new(), Vec::new(), false);
+        let mut wait: Option<Duration> = None;
+        for ((unit, plan), fate) in units.iter().zip(fates) {
+            match fate {
+                Fate::Publish => {
+                    if let Plan::Publish { route, .. } = plan {
+                        let name = self.routes.0[*route].name();
+                        delivered.push(name);
+                        done_legs.push(crate::store::route_done(name));
+                    }
+                }
+                Fate::Held => held.push(unit.route),
+                Fate::Fail {
+                    route,
+                    rejection,
+                    broker_retry,
+                    done_legs: legs,
+                } => {
+                    done_legs.extend(legs.iter().cloned());
+                    let f = self.failure(claim, *route, rejection, report, *broker_retry);
+                    if let FailureKind::Retry { delay } = f.kind {
+                        wait = Some(wait.map_or(delay, |w| w.min(delay)));
+                    }
+                    parts.push(f);
+                }
+                Fate::Defer {
+                    route,
+                    reason,
+                    delay,
+                } => {
+                    deferred = true;
+                    let name = route.map_or("-", |r| self.routes.0[r].name()).to_string();
+                    metrics::counter!(m::EVENTS_DEFERRED, "route" => name, "source" => self.source.clone())
+                        .increment(1);
+                    wait = Some(wait.map_or(*delay, |w| w.min(*delay)));
+                    parts.push(self.deferral(claim, *route, reason, *delay));
+                }
+            }
+        }
+        done_legs.sort_unstable();
+        done_legs.dedup();
+        if deferred {
+            report.deferred += 1;
+        }
+        let held_names = || {
+            held.iter()
+                .map(|r| r.map_or("-", |r| self.routes.0[r].name()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let mut record = match parts.len() {
+            0 if delivered.is_empty() => {
+                // Nothing went out and nothing failed: it stays pending. A
+                // streamed event cannot (the slot moves on): it waits in the
+                // parked queue (once).
+                report.held += 1;
+                if claim.captured.is_some_and(|c| !c.parked) {
+                    let mut f = self.waiting(claim);
+                    f.done_legs = done_legs;
+                    return Some(f);
+                }
+                return None;
+            }
+            0 => {
+                report.held += 1;
+                let first = held.first().copied().flatten();
+                self.record(
+                    claim,
+                    first,
+                    attempts_so_far(claim),
+                    format!(
+                        "delivered on route(s) {}; route(s) {} wait behind an earlier event of its aggregate",
+                        delivered.join(", "),
+                        held_names()
+                    ),
+                    FailureKind::Retry {
+                        delay: Duration::ZERO,
+                    },
+                )
+            }
+            1 => parts.remove(0),
+            _ => {
+                let reason = parts
+                    .iter()
+                    .map(|p| format!("route `{}`: {}", p.route.as_deref().unwrap_or("-"), p.reason))
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                let attempts = parts.iter().map(|p| p.attempts).max().unwrap_or(0);
+                let hold = parts
+                    .iter()
+                    .any(|p| matches!(p.kind, FailureKind::Failed { hold: true }));
+                let mut first = parts.remove(0);
+                first.reason = reason;
+                first.attempts = attempts;
+                first.kind = FailureKind::Failed { hold };
+                first
+            }
+        };
+        // Failed for good only when no route is left to retry or wait for:
+        // a route that may still deliver comes back (a route that failed
+        // for good is run again then, and fails again or goes through).
+        if let Some(delay) = wait {
+            record.kind = FailureKind::Retry { delay };
+        } else if !held.is_empty() && matches!(record.kind, FailureKind::Failed { .. }) {
+            record.kind = FailureKind::Retry {
+                delay: Duration::ZERO,
+            };
+            record.reason = format!(
+                "{} (route(s) {} wait behind an earlier event of its aggregate)",
+                record.reason,
+                held_names()
+            );
+        }
+        record.done_legs = done_legs;
+        Some(record)
     }
 
     /// The record of an event whose route is quarantined: it waits `delay`
@@ -1353,26 +1533,35 @@ impl Relay {
         claims: Vec<Claim>,
         run: &str,
     ) -> (Vec<String>, Vec<(String, String)>) {
-        let events = self.plan(claims).await;
-        let acks = self.pipeline.send_all(&events, Some(run), None).await.acks;
+        let planned = self.plan(claims).await;
+        let acks = self
+            .pipeline
+            .send_all(&planned.units, Some(run), None)
+            .await
+            .acks;
         let mut ok = Vec::new();
         let mut failed = Vec::new();
-        for (i, (claim, plan)) in events.iter().enumerate() {
-            match (plan, acks.get(&i)) {
-                (Plan::Publish { .. }, Some(Ok(()))) => ok.push(claim.id().to_string()),
-                (Plan::Publish { .. }, None) => {
-                    failed.push((claim.id().to_string(), "not sent".into()))
-                }
-                (Plan::Publish { .. }, Some(Err(e))) => {
-                    failed.push((claim.id().to_string(), e.to_string()))
-                }
-                (Plan::Fail { rejection, .. }, _) => {
-                    failed.push((claim.id().to_string(), rejection.reason().to_string()))
-                }
-                (Plan::Held, _) => failed.push((claim.id().to_string(), "held".into())),
-                (Plan::Defer { reason, .. }, _) => {
-                    failed.push((claim.id().to_string(), reason.clone()))
-                }
+        // An event went out when every route that selects it sent it.
+        for range in planned.events {
+            let id = planned.units[range.start].0.id().to_string();
+            let mut why: Vec<String> = Vec::new();
+            for i in range {
+                let (claim, plan) = &planned.units[i];
+                let route = claim.route.map_or("-", |r| self.routes.0[r].name());
+                let reason = match (plan, acks.get(&i)) {
+                    (Plan::Publish { .. }, Some(Ok(()))) | (Plan::Done, _) => continue,
+                    (Plan::Publish { .. }, None) => "not sent".to_string(),
+                    (Plan::Publish { .. }, Some(Err(e))) => e.to_string(),
+                    (Plan::Fail { rejection, .. }, _) => rejection.reason().to_string(),
+                    (Plan::Held, _) => "held".into(),
+                    (Plan::Defer { reason, .. }, _) => reason.clone(),
+                };
+                why.push(format!("route `{route}`: {reason}"));
+            }
+            if why.is_empty() {
+                ok.push(id);
+            } else {
+                failed.push((id, why.join("; ")));
             }
         }
         (ok, failed)

@@ -50,7 +50,26 @@ pub struct Claim {
     pub epoch: Option<i64>,
     /// Set for events read from a replication slot (`capture = "logical"`).
     pub captured: Option<Captured>,
+    /// The route this copy of the event goes to, set when its batch is
+    /// planned: routes are subscriptions, so an event several routes select
+    /// is one claim per route, each ordered, retried and failed on its own
+    /// (see `pipeline.rs`). `None` before planning, and for an event no
+    /// route takes.
+    pub route: Option<usize>,
     pub row: Result<Event, Malformed>,
+}
+
+/// The marker in [`Claim::done_legs`] saying a route has delivered the
+/// event (every message acknowledged, or none to send): a later attempt for
+/// the event's other routes does not run that route again.
+pub fn route_done(route: &str) -> String {
+    [route, ":done"].concat()
+}
+
+/// A fan-out leg's name in [`Claim::done_legs`]: route, sink, topic and the
+/// message's count among the route's messages to that topic.
+pub fn leg(route: &str, sink: &str, topic: &str, nth: &str) -> String {
+    [route, ":", sink, "/", topic, "#", nth].concat()
 }
 
 /// Where a logically captured event came from.

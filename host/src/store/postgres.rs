@@ -2828,6 +2828,7 @@ fn to_claim(r: &PgRow, payload_is_json: bool) -> Result<Claim> {
         done_legs: Vec::new(),
         epoch: None,
         captured: None,
+        route: None,
         row,
     })
 }

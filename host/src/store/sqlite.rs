@@ -535,6 +535,7 @@ fn to_claim(r: &SqliteRow) -> Result<Claim> {
         done_legs,
         epoch: None,
         captured: None,
+        route: None,
         row,
     })
 }

@@ -754,6 +754,7 @@ impl PgStore {
                     parked: true,
                     committed_at: None,
                 }),
+                route: None,
                 row,
             });
         }
