@@ -1567,6 +1567,47 @@ allow = { kafka = ["payments.*"] }
     }
 
     #[test]
+    fn a_grant_bounds_the_events_a_team_reads() {
+        let d = tmp();
+        let f = write(
+            &d,
+            &PLATFORM.replace(
+                "sources = [\"orders\"]\n",
+                "sources = [\"orders\"]\naggregate_types = [\"payment*\"]\n",
+            ),
+        );
+        // The default selection reads exactly what the grant allows.
+        team_file(&d, "payments.toml", PAYMENTS);
+        let l = load(&f).unwrap();
+        assert!(l.refused.is_empty(), "{:?}", l.refused);
+        let route = l.config.routes.iter().find(|r| r.name == "pay").unwrap();
+        assert_eq!(route.aggregate_types, ["payment*"]);
+        // A narrower selection is the team's to make.
+        team_file(
+            &d,
+            "payments.toml",
+            &format!("{PAYMENTS}aggregate_types = [\"payment.refund\"]\n"),
+        );
+        assert!(load(&f).unwrap().refused.is_empty());
+        // Another team's events are not.
+        let team = d.join("teams/payments.toml").display().to_string();
+        for pats in ["\"order\"", "\"payment\", \"*\""] {
+            team_file(
+                &d,
+                "payments.toml",
+                &format!("{PAYMENTS}aggregate_types = [{pats}]\n"),
+            );
+            let p = problems(&f);
+            assert!(
+                p.iter().any(|e| e.file == team
+                    && e.key == "routes[0].aggregate_types"
+                    && e.reason.contains("outside team `payments`'s grant")),
+                "{pats}: {p:?}"
+            );
+        }
+    }
+
+    #[test]
     fn team_routes_stay_under_their_grants_ceilings_and_grants_under_the_relays() {
         let d = tmp();
         let f = write(&d, PLATFORM);

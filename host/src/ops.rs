@@ -810,22 +810,24 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
                     }
                 };
                 println!(
-                    "{}{:<38} {:<12} {:<16} {:<20} {:>3}  reason",
+                    "{}{:<38} {:<12} {:<16} {:<20} {:<16} {:>3}  reason",
                     src("source"),
                     "id",
                     "aggregate",
                     "aggregate id",
                     "event type",
+                    "route",
                     "att"
                 );
                 for (source, e) in &list {
                     println!(
-                        "{}{:<38} {:<12} {:<16} {:<20} {:>3}  {}{}",
+                        "{}{:<38} {:<12} {:<16} {:<20} {:<16} {:>3}  {}{}",
                         src(source),
                         e.id,
                         e.aggregate_type,
                         e.aggregate_id,
                         e.event_type,
+                        e.route.as_deref().unwrap_or("-"),
                         e.attempts,
                         e.reason.as_deref().unwrap_or("-"),
                         if e.discarded_at.is_some() {

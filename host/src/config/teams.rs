@@ -42,10 +42,26 @@ pub struct Grant {
     /// (a route's pattern must lie within one of them).
     #[serde(default)]
     pub allow: BTreeMap<String, Vec<String>>,
+    /// The events the team's routes may read, by aggregate type (name
+    /// patterns, `*` any run of characters). Unset: every event of the
+    /// granted sources. A team route that leaves `aggregate_types` at its
+    /// default (`["*"]`) selects exactly these; one that names its own must
+    /// stay within them.
+    #[serde(default)]
+    pub aggregate_types: Option<Vec<String>>,
+    /// The same, by event type.
+    #[serde(default)]
+    pub event_types: Option<Vec<String>>,
     /// The most the team's routes may set for each limit (unset: the
     /// relay's `route_ceilings`; never above them).
     #[serde(default)]
     pub ceilings: Ceilings,
+}
+
+/// An aggregate/event type pattern in [`within`]'s terms: there `*` stops
+/// at `.`, in a name pattern it does not.
+fn name_pattern(p: &str) -> String {
+    p.replace("**", "*").replace('*', "**")
 }
 
 /// The most a team's route may set for each of its limits, so that no
@@ -796,6 +812,33 @@ fn merge_one(state: &mut State, file: &Path, text: &str) -> Vec<ConfigError> {
                 );
             }
         }
+        // What the team may read: a route at the default selection reads
+        // exactly the grant's; one of its own must stay inside it.
+        for (field, granted, patterns) in [
+            ("aggregate_types", &grant.aggregate_types, &mut route.aggregate_types),
+            ("event_types", &grant.event_types, &mut route.event_types),
+        ] {
+            let Some(granted) = granted else { continue };
+            if patterns.as_slice() == ["*"] {
+                patterns.clone_from(granted);
+                continue;
+            }
+            for p in patterns.iter() {
+                if !granted
+                    .iter()
+                    .any(|g| within(&name_pattern(p), &name_pattern(g)))
+                {
+                    bad(
+                        key(field),
+                        format!(
+                            "pattern `{p}` selects events outside team `{}`'s grant ({field}: {})",
+                            team.team,
+                            granted.join(", ")
+                        ),
+                    );
+                }
+            }
+        }
         for (field, reason) in route_ceiling_problems(&state.config, &team.team, &grant, &route) {
             bad(key(&field), reason);
         }
@@ -830,6 +873,17 @@ fn merge_one(state: &mut State, file: &Path, text: &str) -> Vec<ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::within;
+
+    #[test]
+    fn name_patterns_within_grants() {
+        use super::name_pattern as n;
+        assert!(within(&n("order"), &n("order*")));
+        assert!(within(&n("order.v2"), &n("order*")), "`*` spans dots in names");
+        assert!(within(&n("order*"), &n("*")));
+        assert!(!within(&n("*"), &n("order*")));
+        assert!(!within(&n("payment"), &n("order*")));
+        assert!(!within(&n("ord?r"), &n("order")), "unknown syntax is refused");
+    }
 
     #[test]
     fn route_patterns_within_grants() {

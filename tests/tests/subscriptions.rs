@@ -1,0 +1,246 @@
+//! Routes are subscriptions, on a shared relay (real PostgreSQL, tansu,
+//! NATS, file sink): every route that selects an event gets it, and one
+//! route can neither take another's events, nor hide them, nor hold them
+//! back.
+//!
+//! * A team whose file sorts first, with a route that selects everything
+//!   its grant allows and a plugin that returns no messages, takes nothing
+//!   from the team that owns the events: every event reaches the owner's
+//!   topic, and the first team sees exactly what its grant allows.
+//! * One route failing an event (retryable, then for good) holds back only
+//!   that route's later events of the aggregate: another route's copies of
+//!   them are delivered at once, in order, and never again when the first
+//!   route's later deliveries finally go.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use outroute_e2e::*;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_team_that_selects_everything_takes_nothing_from_another() -> Result<()> {
+    let db = TestDb::new().await?;
+    let t = tag();
+    let topic = format!("own{t}.events");
+    create_topic(&topic, 1).await?;
+    let dir = test_dir("subscriptions-teams");
+    let http = free_addr();
+    std::fs::create_dir_all(dir.join("teams"))?;
+    let config = dir.join("outroute.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "include = [\"teams/*.toml\"]\n[relay]\ncache_dir = \"{cache}\"\nlanes = 8\n\
+             [sources.orders]\nurl = \"{url}\"\n\
+             [sinks.kafka]\nkind = \"kafka\"\nbrokers = \"{KAFKA}\"\n\
+             [sinks.nats]\nkind = \"nats\"\nurl = \"{NATS}\"\n\
+             [grants.aaa]\nsources = [\"orders\"]\naggregate_types = [\"order\"]\nallow = {{ nats = [\"aaa{t}.**\"] }}\n\
+             [grants.payments]\nsources = [\"orders\"]\nallow = {{ kafka = [\"own{t}.*\"] }}\n\
+             [http]\nlisten = \"{http}\"\n",
+            cache = std::env::temp_dir().join("outroute-test-cache").display(),
+            url = db.url,
+        ),
+    )?;
+    // `aaa` sorts first and leaves its selection at the default: under
+    // first-match routing it took every event, published nothing and the
+    // rows were marked.
+    std::fs::write(
+        dir.join("teams/aaa.toml"),
+        format!(
+            "team = \"aaa\"\n[plugins.nothing]\npath = \"{}\"\n\
+             [[routes]]\nname = \"aaa-all\"\nplugin = \"nothing\"\nconfig = {{ mode = \"nothing\" }}\n\
+             allow = {{ nats = [\"aaa{t}.**\"] }}\n",
+            plugin("hostile").display()
+        ),
+    )?;
+    std::fs::write(
+        dir.join("teams/payments.toml"),
+        format!(
+            "team = \"payments\"\n[plugins.router]\npath = \"{}\"\n\
+             [[routes]]\nname = \"payments-own\"\nplugin = \"router\"\naggregate_types = [\"order\", \"payment\"]\n\
+             config = {{ sink = \"kafka\", topic = \"own{t}.events\" }}\nallow = {{ kafka = [\"own{t}.*\"] }}\n",
+            plugin("order-router").display()
+        ),
+    )?;
+    let (code, out, err) = cli(&["config", "check", "-c", &config.display().to_string()])?;
+    assert_eq!(code, 0, "{out}{err}");
+    db.migrate(&config)?;
+    let orders = produce(&db.pool, "o", 12, 4, 0).await?;
+    let payments = insert_events(&db.pool, "payment", 4, 3).await?;
+    let mut all = Workload::default();
+    all.committed.extend(orders.committed.iter().cloned());
+    all.committed.extend(payments.committed.iter().cloned());
+    all.committed.sort_by_key(|e| e.seq);
+
+    let relay = Relay::start(&config, &[])?;
+    let delivered = consume_kafka(&topic, 1, all.committed.len(), Duration::from_secs(60))?;
+    let report = check(&all, &delivered);
+    println!("owner's topic: {report}");
+    report.assert_clean();
+    assert_eq!(report.delivered_unique, all.committed.len(), "{report}");
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            db.unpublished("").await == 0
+        })
+        .await,
+        "rows left unmarked:\n{}",
+        relay.log_text()
+    );
+    // `aaa` got exactly its grant: every order event, no payment event.
+    let (_, metrics) = http_get(&http, "/metrics").await?;
+    let got = |route: &str| {
+        metric(
+            &metrics,
+            &format!("outroute_events_published_total{{route=\"{route}\"}}"),
+        )
+        .unwrap_or(0.0) as usize
+    };
+    assert_eq!(got("aaa-all"), orders.committed.len(), "{metrics}");
+    assert_eq!(got("payments-own"), all.committed.len(), "{metrics}");
+    Ok(())
+}
+
+/// One event of aggregate `x` and five more after it, interleaved with six
+/// of aggregate `y`; `x`'s first asks the `hostile` plugin for a retry.
+async fn write_events(db: &TestDb) -> Result<(Workload, String)> {
+    let mut w = Workload::default();
+    let mut x1 = String::new();
+    for n in 1..=6 {
+        for agg in ["x", "y"] {
+            let payload = if agg == "x" && n == 1 {
+                serde_json::json!({ "n": n, "hostile": "retry" })
+            } else {
+                serde_json::json!({ "n": n })
+            };
+            let id = uuid::Uuid::new_v4().to_string();
+            let seq: i64 = sqlx::query_scalar(
+                "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+                 VALUES ($1::uuid, 'order', $2, 'order-updated', $3) RETURNING seq",
+            )
+            .bind(&id)
+            .bind(agg)
+            .bind(payload)
+            .fetch_one(&db.pool)
+            .await?;
+            if agg == "x" && n == 1 {
+                x1 = id.clone();
+            }
+            w.committed.push(Expected {
+                id,
+                aggregate_id: agg.into(),
+                seq,
+            });
+        }
+    }
+    Ok((w, x1))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failure_on_one_route_holds_back_only_that_route() -> Result<()> {
+    let db = TestDb::new().await?;
+    let t = tag();
+    let topic = format!("pay{t}.order-updated");
+    create_topic(&topic, 1).await?;
+    let dir = test_dir("subscriptions-failure");
+    let copies = dir.join("analytics.jsonl");
+    let body = format!(
+        "[sinks.kafka]\nkind = \"kafka\"\nbrokers = \"{KAFKA}\"\n\
+         [sinks.file]\nkind = \"file\"\npath = \"{}\"\n\
+         [plugins.pay]\npath = \"{}\"\n[plugins.copy]\npath = \"{}\"\n\
+         [[routes]]\nname = \"payments\"\nplugin = \"pay\"\naggregate_types = [\"order\"]\n\
+         config = {{ sink = \"kafka\", topic = \"pay{t}.{{event_type}}\" }}\nallow = {{ kafka = [\"pay{t}.*\"] }}\n\
+         max_attempts = 3\nbackoff_min = \"3s\"\nbackoff_max = \"3s\"\n\
+         [[routes]]\nname = \"analytics\"\nplugin = \"copy\"\naggregate_types = [\"order\"]\n\
+         config = {{ sink = \"file\", topic = \"analytics.{{event_type}}\" }}\nallow = {{ file = [\"analytics.*\"] }}\n\
+         [http]\nlisten = \"\"\n",
+        copies.display(),
+        plugin("hostile").display(),
+        plugin("order-router").display(),
+    );
+    let config = write_config(&dir, &db.url, "lanes = 4", &body)?;
+    db.migrate(&config)?;
+    let (work, x1) = write_events(&db).await?;
+    let cfg = config.display().to_string();
+
+    let relay = Relay::start(&config, &[])?;
+    // Analytics: every copy, x's included, in order, while payments is
+    // still retrying x's first event (its retries are 1.5–3 s apart).
+    assert!(
+        file_sink_reaches(&copies, work.committed.len(), Duration::from_secs(30)).await,
+        "analytics copies: {}\n{}",
+        file_sink_deliveries(&copies).len(),
+        relay.log_text()
+    );
+    let state: Option<(i32, bool)> = sqlx::query_as(
+        "SELECT attempts, failed_at IS NULL FROM outroute_event_state WHERE event_id = $1",
+    )
+    .bind(&x1)
+    .fetch_optional(&db.pool)
+    .await?;
+    let (attempts, retrying) = state.expect("x1 has a retry state");
+    assert!(
+        retrying && attempts < 3,
+        "analytics waited for payments' retries (x1 attempts {attempts})"
+    );
+    let report = check(&work, &file_sink_deliveries(&copies));
+    report.assert_clean();
+    assert_eq!(report.delivered_unique, work.committed.len(), "{report}");
+
+    // Payments: y's events go; x's first fails for good after 3 attempts
+    // and holds x's later events on this route (order per route).
+    let failed = eventually(Duration::from_secs(30), || async {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT failed_at IS NOT NULL FROM outroute_event_state WHERE event_id = $1",
+        )
+        .bind(&x1)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap_or(false)
+    })
+    .await;
+    assert!(failed, "x1 never failed for good:\n{}", relay.log_text());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let paid = consume_kafka(&topic, 1, 7, Duration::from_secs(8))?;
+    let aggregates: Vec<&str> = paid.iter().map(|d| d.aggregate()).collect();
+    assert_eq!(aggregates, ["y"; 6], "payments' deliveries");
+    assert_eq!(db.unpublished("aggregate_id = 'x'").await, 6);
+    let (code, list, err) = cli(&["failed", "list", "-c", &cfg])?;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        list.contains(&x1) && list.contains("payments"),
+        "failed list:\n{list}"
+    );
+
+    // The operator gives up on x1: payments' x events go, in order, and
+    // analytics (done with them) sends nothing again.
+    let (code, out, err) = cli(&["failed", "discard", "--id", &x1, "-c", &cfg])?;
+    assert_eq!(code, 0, "{out}{err}");
+    let paid = consume_kafka(&topic, 1, 11, Duration::from_secs(30))?;
+    let xs: Vec<i64> = paid
+        .iter()
+        .filter(|d| d.aggregate() == "x")
+        .map(|d| {
+            serde_json::from_slice::<serde_json::Value>(&d.payload)
+                .ok()
+                .and_then(|v| v["n"].as_i64())
+                .unwrap_or(-1)
+        })
+        .collect();
+    assert_eq!(xs, [2, 3, 4, 5, 6], "payments' x deliveries");
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            db.unpublished("").await == 1
+        })
+        .await,
+        "only the discarded x1 stays unpublished"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let copies = file_sink_deliveries(&copies);
+    let report = check(&work, &copies);
+    assert_eq!(
+        report.duplicates, 0,
+        "analytics re-sent copies when payments went on: {report}"
+    );
+    assert_eq!(copies.len(), work.committed.len());
+    Ok(())
+}
