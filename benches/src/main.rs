@@ -104,6 +104,11 @@ struct Args {
     /// pickup too.
     #[arg(long, default_value = "kafka", value_parser = ["kafka", "nats"])]
     latency_sink: String,
+    /// Extra routes in the drain and latency runs that each select every
+    /// event (copies to topics of their own): what a route costs, since
+    /// routes are subscriptions.
+    #[arg(long, default_value_t = 0)]
+    extra_routes: usize,
 }
 
 /// How pre-filled tables are made (see `--aggregates`, `--analyse`).
@@ -119,6 +124,8 @@ static FILL: std::sync::OnceLock<Fill> = std::sync::OnceLock::new();
 static SSLMODE: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
 /// `--linger-ms`, for every Kafka sink the runs configure.
 static LINGER_MS: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+/// `--extra-routes`.
+static EXTRA_ROUTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
 /// `--latency-sink`.
 static LATENCY_SINK: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
@@ -201,6 +208,7 @@ async fn main() -> Result<()> {
     let _ = SSLMODE.set(args.pg_sslmode.clone());
     let _ = LINGER_MS.set(args.linger_ms);
     let _ = LATENCY_SINK.set(args.latency_sink.clone());
+    let _ = EXTRA_ROUTES.set(args.extra_routes);
     match args.marking.as_str() {
         "queue" => {}
         "published_at" => STAMP.store(true, Ordering::Relaxed),
@@ -219,6 +227,7 @@ async fn main() -> Result<()> {
     results.insert("events".into(), json!(args.events));
     results.insert("payload_bytes".into(), json!(PAYLOAD_BYTES));
     results.insert("marking".into(), json!(args.marking));
+    results.insert("extra_routes".into(), json!(args.extra_routes));
     let mut table: Vec<(String, String)> = Vec::new();
 
     if want("plugin") {
@@ -918,10 +927,25 @@ fn relay_body(sink: &str, t: &str, http: &str) -> String {
         ),
         _ => format!("[sinks.nats]\nkind = \"nats\"\nurl = \"{NATS}\"\n"),
     };
+    let mut copies = String::new();
+    for i in 1..=EXTRA_ROUTES.get().copied().unwrap_or(0) {
+        copies.push_str(&format!(
+            "[[routes]]\nname = \"copy{i}\"\nplugin = \"order-router\"\nconfig = {{ sink = \"{sink}\", topic = \"b{t}.c{i}.{{event_type}}\" }}\nallow = {{ {sink} = [\"b{t}.c{i}.*\"] }}\n"
+        ));
+    }
     format!(
-        "[http]\nlisten = \"{http}\"\n{sink_cfg}[plugins.order-router]\npath = \"{}\"\n[[routes]]\nname = \"orders\"\nplugin = \"order-router\"\nconfig = {{ sink = \"{sink}\", topic = \"b{t}.{{event_type}}\" }}\nallow = {{ {sink} = [\"b{t}.*\"] }}\n",
+        "[http]\nlisten = \"{http}\"\n{sink_cfg}[plugins.order-router]\npath = \"{}\"\n[[routes]]\nname = \"orders\"\nplugin = \"order-router\"\nconfig = {{ sink = \"{sink}\", topic = \"b{t}.{{event_type}}\" }}\nallow = {{ {sink} = [\"b{t}.*\"] }}\n{copies}",
         plugin("order-router").display()
     )
+}
+
+/// Create the Kafka topic of the bench's route and of each extra route.
+async fn create_topics(t: &str) -> Result<()> {
+    create_topic(&format!("b{t}.order-created"), 3).await?;
+    for i in 1..=EXTRA_ROUTES.get().copied().unwrap_or(0) {
+        create_topic(&format!("b{t}.c{i}.order-created"), 3).await?;
+    }
+    Ok(())
 }
 
 /// CPU seconds used so far by every process whose command line matches.
@@ -1099,7 +1123,7 @@ async fn drain_table(n: usize, sink: &str, concurrency: u32, shape: Shape) -> Re
     let db = bench_db().await?;
     let t = tag();
     if sink == "kafka" {
-        create_topic(&format!("b{t}.order-created"), 3).await?;
+        create_topics(&t).await?;
     } else {
         nats_stream(&format!("B{t}"), vec![format!("b{t}.>")]).await?;
     }
@@ -1186,7 +1210,7 @@ async fn drain_table(n: usize, sink: &str, concurrency: u32, shape: Shape) -> Re
 /// how far apart the sources finished (fair scheduling keeps it small).
 async fn drain_sources(n: usize, k: usize, concurrency: u32) -> Result<Value> {
     let t = tag();
-    create_topic(&format!("b{t}.order-created"), 3).await?;
+    create_topics(&t).await?;
     let mut dbs = Vec::new();
     for _ in 0..k {
         dbs.push(TestDb::new().await?);
@@ -1360,7 +1384,7 @@ fn push_claim_figures(table: &mut Vec<(String, String)>, label: &str, l: &Value)
 async fn drain_backlog(n: usize, concurrency: u32) -> Result<Value> {
     let db = TestDb::new().await?;
     let t = tag();
-    create_topic(&format!("b{t}.order-created"), 3).await?;
+    create_topics(&t).await?;
     let dir = test_dir("backlog");
     let http = outroute_e2e::free_addr();
     let config = write_config(
@@ -1814,7 +1838,7 @@ async fn source_outage(secs: u64, rate: u64) -> Result<Value> {
     let a = TestDb::new().await?;
     let b = TestDb::new_at(&cluster.admin_url()).await?;
     let t = tag();
-    create_topic(&format!("b{t}.order-created"), 3).await?;
+    create_topics(&t).await?;
     let dir = test_dir("outage");
     let http = outroute_e2e::free_addr();
     let body = format!(

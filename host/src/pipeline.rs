@@ -907,6 +907,7 @@ mod tests {
                     lane: 0,
                     tid: None,
                     has_state: false,
+                    held: Vec::new(),
                     done_legs: Vec::new(),
                     epoch: None,
                     captured: None,
@@ -973,8 +974,9 @@ mod tests {
             // Each event on route 0 (payloads X…) and on route 1 (Y…), an
             // event's deliveries side by side as the relay plans them.
             let mut events = Vec::new();
-            for ((mut x, mut xp), (mut y, yp)) in
-                batch(&["X1", "X2", "X3"]).into_iter().zip(batch(&["Y1", "Y2", "Y3"]))
+            for ((mut x, mut xp), (mut y, yp)) in batch(&["X1", "X2", "X3"])
+                .into_iter()
+                .zip(batch(&["Y1", "Y2", "Y3"]))
             {
                 x.route = Some(0);
                 y.route = Some(1);
@@ -992,8 +994,14 @@ mod tests {
             let what = format!("{ordering:?}: {:?}", d.fates);
             assert!(failed(&d.fates[0]), "{what}");
             // Route 0: X2 and X3 wait for X1 (sent or not, never marked).
-            assert!(matches!(d.fates[2], Fate::Held | Fate::Fail { .. }), "{what}");
-            assert!(matches!(d.fates[4], Fate::Held | Fate::Fail { .. }), "{what}");
+            assert!(
+                matches!(d.fates[2], Fate::Held | Fate::Fail { .. }),
+                "{what}"
+            );
+            assert!(
+                matches!(d.fates[4], Fate::Held | Fate::Fail { .. }),
+                "{what}"
+            );
             // Route 1: every copy delivered, in order.
             assert_eq!(
                 [&d.fates[1], &d.fates[3], &d.fates[5]],

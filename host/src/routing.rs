@@ -396,9 +396,8 @@ mod tests {
     #[test]
     fn every_route_that_selects_an_event_gets_it() {
         let r = routes();
-        let names = |at: &str| -> Vec<&str> {
-            r.selecting(at, "created").map(|i| r.0[i].name()).collect()
-        };
+        let names =
+            |at: &str| -> Vec<&str> { r.selecting(at, "created").map(|i| r.0[i].name()).collect() };
         // `rest` selects everything; `orders` only orders: an order event
         // goes to both, in config order.
         assert_eq!(names("order"), ["orders", "rest"]);

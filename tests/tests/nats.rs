@@ -66,7 +66,7 @@ async fn fanout_reaches_kafka_and_jetstream_and_replay_republishes_the_selection
     for m in &nats {
         assert_eq!(
             m.headers.get("Nats-Msg-Id").map(String::as_str),
-            Some(format!("/outroute/outbox:{}:{}", m.id(), m.topic).as_str())
+            Some(format!("/outroute/outbox:{}:fanout:{}", m.id(), m.topic).as_str())
         );
         assert!(
             m.topic.starts_with(&format!("f{t}.{}.", m.aggregate())),

@@ -52,7 +52,7 @@ use crate::failpoint;
 use crate::metrics as m;
 use crate::pipeline::{LeaseGuard, LeaseView};
 use crate::relay::{BatchReport, Relay, sleep_or_cancel};
-use crate::store::postgres::{CAPTURE_LANE, CapturedRows, PgStore};
+use crate::store::postgres::{CAPTURE_LANE, CapturedRows, HeldAggregates, PgStore};
 use crate::store::{Captured, Claim, Failure, FailureKind};
 
 pub mod pgoutput;
@@ -514,6 +514,7 @@ fn captured(row: Result<Event, Malformed>, commit_lsn: i64, at: DateTime<Utc>) -
         lane: CAPTURE_LANE,
         tid: None,
         has_state: false,
+        held: Vec::new(),
         done_legs: Vec::new(),
         epoch: None,
         captured: Some(Captured {
@@ -594,9 +595,9 @@ impl Partition {
         (aggregate_hash(aggregate) % of.max(1) as u64) as usize
     }
 
-    fn own(&self, all: HashSet<(String, String)>) -> HashSet<(String, String)> {
+    fn own(&self, all: HeldAggregates) -> HeldAggregates {
         all.into_iter()
-            .filter(|a| Self::of_aggregate(a, self.of) == self.index)
+            .filter(|(a, _)| Self::of_aggregate(a, self.of) == self.index)
             .collect()
     }
 }
@@ -607,8 +608,9 @@ const BATCHES_IN_FLIGHT: usize = 2;
 /// A partition worker's state between batches.
 struct Worker {
     part: Partition,
-    /// Aggregates with a parked queue: their stream events join it.
-    held: HashSet<(String, String)>,
+    /// Aggregates with a parked queue, and the routes it holds: their
+    /// stream events wait behind it on those routes.
+    held: HeldAggregates,
     outage_backoff: Duration,
     /// Batches handed on, oldest first.
     out: std::collections::VecDeque<Out>,
@@ -948,19 +950,28 @@ impl Relay {
     async fn hand_on(
         &self,
         mut claims: Vec<Claim>,
-        held: &HashSet<(String, String)>,
+        held: &HeldAggregates,
         lease: &mut LeaseGuard,
         stop: &CancellationToken,
         backoff: &mut Duration,
     ) -> Result<Option<(BatchReport, Vec<(String, String)>)>> {
         lease.stamp(&mut claims);
         // (The usual case, nothing parked, needs no per-event lookup.)
+        // An aggregate held on every route joins its queue untouched; one
+        // held on some routes goes on the others (`Claim::held`), and what
+        // its held routes did not take is parked by `process`.
         let (queue, mut go): (Vec<Claim>, Vec<Claim>) = if held.is_empty() {
             (Vec::new(), claims)
         } else {
+            let mut claims = claims;
+            for c in claims.iter_mut() {
+                if let Some(routes) = held.get(&aggregate_of(c)) {
+                    c.held.clone_from(routes);
+                }
+            }
             claims
                 .into_iter()
-                .partition(|c| held.contains(&aggregate_of(c)))
+                .partition(|c| c.held.iter().any(|r| r == "*"))
         };
         let report = loop {
             let mut report = self.process(go, Some(&mut *lease)).await?;
@@ -1199,7 +1210,9 @@ impl Relay {
                         .await?,
                 );
             }
-            w.held.extend(queued);
+            for aggregate in queued {
+                w.held.insert(aggregate, vec!["*".to_string()]);
+            }
         }
         let Some(out) = w.out.pop_front() else {
             return Ok(true);
@@ -1365,7 +1378,7 @@ impl Relay {
     pub(crate) async fn retry_parked(
         &self,
         pg: &PgStore,
-        aggregates: &HashSet<(String, String)>,
+        aggregates: &HeldAggregates,
         lease: &mut LeaseGuard,
     ) -> Result<u64> {
         let mut claims = pg

@@ -815,7 +815,11 @@ fn merge_one(state: &mut State, file: &Path, text: &str) -> Vec<ConfigError> {
         // What the team may read: a route at the default selection reads
         // exactly the grant's; one of its own must stay inside it.
         for (field, granted, patterns) in [
-            ("aggregate_types", &grant.aggregate_types, &mut route.aggregate_types),
+            (
+                "aggregate_types",
+                &grant.aggregate_types,
+                &mut route.aggregate_types,
+            ),
             ("event_types", &grant.event_types, &mut route.event_types),
         ] {
             let Some(granted) = granted else { continue };
@@ -878,11 +882,17 @@ mod tests {
     fn name_patterns_within_grants() {
         use super::name_pattern as n;
         assert!(within(&n("order"), &n("order*")));
-        assert!(within(&n("order.v2"), &n("order*")), "`*` spans dots in names");
+        assert!(
+            within(&n("order.v2"), &n("order*")),
+            "`*` spans dots in names"
+        );
         assert!(within(&n("order*"), &n("*")));
         assert!(!within(&n("*"), &n("order*")));
         assert!(!within(&n("payment"), &n("order*")));
-        assert!(!within(&n("ord?r"), &n("order")), "unknown syntax is refused");
+        assert!(
+            !within(&n("ord?r"), &n("order")),
+            "unknown syntax is refused"
+        );
     }
 
     #[test]

@@ -418,6 +418,7 @@ impl Relay {
             })
             .collect();
         let routes = Arc::new(routes);
+        store.set_routes(routes.0.iter().map(|r| r.name().to_string()).collect());
         let store_config = config.source(source)?.clone();
         let relay_id = store.relay_id().to_string();
         let table = store_config.table().name;
@@ -915,7 +916,8 @@ impl Relay {
                             for &route in others {
                                 let mut copy = claim.clone();
                                 copy.route = Some(route);
-                                let plan = self.first_plan(&copy, route, events.len(), &mut to_route);
+                                let plan =
+                                    self.first_plan(&copy, route, events.len(), &mut to_route);
                                 events.push((copy, plan));
                             }
                             claim.route = Some(*last);
@@ -1084,12 +1086,14 @@ impl Relay {
         at: usize,
         to_route: &mut Vec<(usize, usize)>,
     ) -> Plan {
+        let name = self.routes.0[route].name();
         let done = !claim.done_legs.is_empty()
-            && claim
-                .done_legs
-                .contains(&crate::store::route_done(self.routes.0[route].name()));
+            && claim.done_legs.contains(&crate::store::route_done(name));
         if done {
             Plan::Done
+        } else if !claim.held.is_empty() && claim.held.iter().any(|h| h == "*" || h == name) {
+            // An earlier event of its aggregate holds this route back.
+            Plan::Held
         } else {
             to_route.push((at, route));
             Plan::Held // placeholder until the plugin answers
@@ -1244,7 +1248,16 @@ impl Relay {
         let mut parts: Vec<Failure> = Vec::new();
         let (mut delivered, mut held, mut deferred) = (Vec::new(), Vec::new(), false);
         let mut wait: Option<Duration> = None;
+        // The routes still to deliver (`None`: every route — a delivery
+        // with no route stands for them all).
+        let mut waiting: Option<Vec<String>> = Some(Vec::new());
         for ((unit, plan), fate) in units.iter().zip(fates) {
+            if !matches!(fate, Fate::Publish) {
+                match (unit.route, waiting.as_mut()) {
+                    (Some(r), Some(w)) => w.push(self.routes.0[r].name().to_string()),
+                    _ => waiting = None,
+                }
+            }
             match fate {
                 Fate::Publish => {
                     if let Plan::Publish { route, .. } = plan {
@@ -1296,11 +1309,16 @@ impl Relay {
             0 if delivered.is_empty() => {
                 // Nothing went out and nothing failed: it stays pending. A
                 // streamed event cannot (the slot moves on): it waits in the
-                // parked queue (once).
+                // parked queue (once). Nor can one claimed although earlier
+                // events hold routes of it, for the routes that do not take
+                // it: it is recorded as waiting for its own routes (once),
+                // so claims step over it until they are free.
                 report.held += 1;
-                if claim.captured.is_some_and(|c| !c.parked) {
+                let streamed = claim.captured.is_some_and(|c| !c.parked);
+                if streamed || (!claim.held.is_empty() && !claim.has_state) {
                     let mut f = self.waiting(claim);
                     f.done_legs = done_legs;
+                    f.waiting_routes = waiting;
                     return Some(f);
                 }
                 return None;
@@ -1326,7 +1344,13 @@ impl Relay {
             _ => {
                 let reason = parts
                     .iter()
-                    .map(|p| format!("route `{}`: {}", p.route.as_deref().unwrap_or("-"), p.reason))
+                    .map(|p| {
+                        format!(
+                            "route `{}`: {}",
+                            p.route.as_deref().unwrap_or("-"),
+                            p.reason
+                        )
+                    })
                     .collect::<Vec<_>>()
                     .join("; ");
                 let attempts = parts.iter().map(|p| p.attempts).max().unwrap_or(0);
@@ -1356,6 +1380,7 @@ impl Relay {
             );
         }
         record.done_legs = done_legs;
+        record.waiting_routes = waiting;
         Some(record)
     }
 
@@ -1458,6 +1483,7 @@ impl Relay {
             attempts,
             reason,
             route: r.map(|r| r.name().to_string()),
+            waiting_routes: r.map(|r| vec![r.name().to_string()]),
             plugin: plugin.as_ref().map(|p| p.name.clone()),
             plugin_version: plugin.map(|p| p.version),
             kind,

@@ -41,6 +41,9 @@ pub struct Claim {
     pub tid: Option<String>,
     /// The event has a retry/failure state row (cleared when marked).
     pub has_state: bool,
+    /// Routes held back for this event by earlier events of its aggregate
+    /// (`*`: every route): on these it waits, on the others it goes.
+    pub held: Vec<String>,
     /// Fan-out legs already acknowledged by an earlier attempt (see
     /// [`Failure::done_legs`]): not sent again.
     pub done_legs: Vec<String>,
@@ -248,13 +251,17 @@ pub struct Failure {
     pub plugin: Option<String>,
     pub plugin_version: Option<String>,
     pub kind: FailureKind,
-    /// Legs (`sink/topic#n`) of a fan-out that were acknowledged: while
+    /// Legs (`route:sink/topic#n`, and `route:done` for a route that
+    /// delivered the event) that were acknowledged: while
     /// one sink is down, the legs that reached the others are not re-sent
     /// on every retry.
     pub done_legs: Vec<String>,
     /// A logically captured event waits in the state table itself (the
     /// stream has moved on): its commit LSN and the event.
     pub parked: Option<(i64, ParkedEvent)>,
+    /// The routes the event still waits for (`None`: every route); later
+    /// events of its aggregate are held back on these only.
+    pub waiting_routes: Option<Vec<String>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -488,6 +495,16 @@ impl Store {
     /// Give all lanes back (graceful shutdown).
     pub async fn release_all(&self) -> anyhow::Result<()> {
         bounded!(self, "releasing the lanes", s => s.release_all())
+    }
+
+    /// Name the routes that read this source: a claim needs them to know
+    /// whether an event with no state row may still go on some route while
+    /// earlier events of its aggregate hold others (PostgreSQL; SQLite holds
+    /// the whole aggregate).
+    pub fn set_routes(&self, names: Vec<String>) {
+        if let Store::Postgres(s) = self {
+            s.set_routes(names);
+        }
     }
 
     pub async fn claim(&self, lanes: &[i32], limit: u32) -> anyhow::Result<Vec<Claim>> {

@@ -99,7 +99,7 @@ pub struct OrphanWalk {
     /// listed was walked to its end.
     pub more: Vec<(i32, i64)>,
 }
-pub use logical::{CAPTURE_LANE, CapturedRows};
+pub use logical::{CAPTURE_LANE, CapturedRows, HeldAggregates};
 
 /// Quote a validated identifier (`schema.table` → `"schema"."table"`).
 fn quote(ident: &str) -> String {
@@ -400,15 +400,19 @@ impl TableSql {
                AND (s.failed_at IS NOT NULL OR s.next_attempt_at > now()) OFFSET 0) END",
             id = self.id
         );
+        // Routes are subscriptions: an earlier blocking event holds back
+        // only the routes it still waits for (`waiting_routes`, NULL: all).
+        // A row is skipped while every route *it* waits for is held: its
+        // own `waiting_routes` when it has a state row, else every route
+        // of the source (`$4`). A row some route may still take is claimed,
+        // and the claim says which routes are held (`held_routes`).
         let hold = match ordering {
             Ordering::Aggregate | Ordering::Strict => format!(
-                " AND CASE WHEN {NO_STATE} THEN TRUE ELSE NOT EXISTS (SELECT 1 FROM outroute_event_state b \
-                   WHERE b.source = $1 \
-                   AND b.aggregate_type = {at} AND b.aggregate_id = {ai} AND b.seq <= {seq} \
-                   AND b.event_id <> {id}::text AND b.blocks_until > now() OFFSET 0) END",
-                at = self.aggregate_type,
-                ai = self.aggregate_id,
-                seq = self.seq,
+                " AND CASE WHEN {NO_STATE} THEN TRUE ELSE NOT EXISTS (SELECT 1 FROM ({held}) h \
+                   WHERE h.held && '{{*}}'::text[] OR h.held @> coalesce((SELECT s.waiting_routes \
+                     FROM outroute_event_state s WHERE s.source = $1 AND s.event_id = {id}::text), $4::text[]) \
+                   OFFSET 0) END",
+                held = self.held_routes(),
                 id = self.id
             ),
             Ordering::None => String::new(),
@@ -416,12 +420,35 @@ impl TableSql {
         format!("{own}{hold}")
     }
 
+    /// The routes earlier blocking events of a row's aggregate hold (as
+    /// one array, `held`; `*`: every route; NULL: none).
+    fn held_routes(&self) -> String {
+        format!(
+            "SELECT array_agg(DISTINCT r) AS held FROM outroute_event_state b \
+               CROSS JOIN LATERAL unnest(coalesce(b.waiting_routes, '{{*}}'::text[])) r \
+               WHERE b.source = $1 AND b.aggregate_type = {at} AND b.aggregate_id = {ai} AND b.seq <= {seq} \
+               AND b.event_id <> {id}::text AND b.blocks_until > now()",
+            at = self.aggregate_type,
+            ai = self.aggregate_id,
+            seq = self.seq,
+            id = self.id
+        )
+    }
+
     /// Extra columns every claim returns: where the row is (for a cheap
-    /// mark) and its attempts so far (NULL: it has no state row).
-    fn claim_extras(&self) -> String {
+    /// mark), its attempts so far (NULL: it has no state row) and the
+    /// routes held by earlier events of its aggregate (NULL: none).
+    fn claim_extras(&self, ordering: Ordering) -> String {
+        let held = match ordering {
+            Ordering::None => "NULL::text[]".to_string(),
+            _ => format!(
+                "CASE WHEN {NO_STATE} THEN NULL ELSE ({}) END",
+                self.held_routes()
+            ),
+        };
         format!(
             "o.ctid::text AS tid, CASE WHEN {NO_STATE} THEN NULL ELSE (SELECT st.attempts FROM outroute_event_state st \
-               WHERE st.source = $1 AND st.event_id = {}::text) END AS state_attempts",
+               WHERE st.source = $1 AND st.event_id = {}::text) END AS state_attempts, {held} AS held_routes",
             self.id
         )
     }
@@ -432,7 +459,7 @@ impl TableSql {
         format!(
             "SELECT {cols}, {extras} FROM {table} o WHERE {rows} AND {pending} {state} ORDER BY {order} LIMIT $3",
             cols = self.select_cols,
-            extras = self.claim_extras(),
+            extras = self.claim_extras(ordering),
             table = self.table,
             pending = self.pending,
             state = self.state_filter(ordering),
@@ -441,7 +468,7 @@ impl TableSql {
     }
 
     /// The claim with the lane index: each owned lane's index is walked
-    /// from its floor (`$4`, see `postgres/floor.rs`) to its oldest pending
+    /// from its floor (`$5`, see `postgres/floor.rs`) to its oldest pending
     /// row and on, lane after lane (the first lane changes every claim),
     /// and the walk stops at `limit` rows. Cost: one index descent per lane
     /// plus the rows returned (and rows skipped as held), whatever the
@@ -452,7 +479,7 @@ impl TableSql {
             None => format!("{} = l.lane", self.lane),
         };
         format!(
-            "SELECT c.* FROM unnest($2::int[], $4::bigint[]) WITH ORDINALITY AS l(lane, floor, n) \
+            "SELECT c.* FROM unnest($2::int[], $5::bigint[]) WITH ORDINALITY AS l(lane, floor, n) \
              CROSS JOIN LATERAL ({}) c ORDER BY l.n LIMIT $3",
             self.next_pending(ordering, &rows)
         )
@@ -470,7 +497,7 @@ impl TableSql {
     /// the mark goes straight to it.
     fn claim_by_queue(&self, ordering: Ordering) -> String {
         format!(
-            "SELECT c.* FROM unnest($2::int[], $4::bigint[]) WITH ORDINALITY AS l(lane, floor, n) \
+            "SELECT c.* FROM unnest($2::int[], $5::bigint[]) WITH ORDINALITY AS l(lane, floor, n) \
              CROSS JOIN LATERAL (SELECT r.* FROM outroute_queue qq \
                CROSS JOIN LATERAL (SELECT {cols}, {extras} FROM {table} o \
                  WHERE {seqcol} = qq.seq AND {row_pending} {state} OFFSET 0) r \
@@ -479,9 +506,11 @@ impl TableSql {
             cols =
                 self.select_cols
                     .replacen(&format!("{} AS lane", self.lane), "qq.lane AS lane", 1),
-            extras = self
-                .claim_extras()
-                .replacen("o.ctid::text AS tid", "qq.ctid::text AS tid", 1),
+            extras = self.claim_extras(ordering).replacen(
+                "o.ctid::text AS tid",
+                "qq.ctid::text AS tid",
+                1
+            ),
             src = literal(&self.cfg.name),
             table = self.table,
             seqcol = self.seq,
@@ -599,6 +628,11 @@ pub struct PgStore {
     /// Where each lane's claim starts (lane-index claims of tables with a
     /// sequence column; see `postgres/floor.rs`).
     floors: std::sync::Mutex<floor::Floors>,
+    /// The names of the routes that read this source (the claim's `$4`:
+    /// what an event with no state row may still be waiting for), set by
+    /// the relay serving it; empty until then, which holds an aggregate
+    /// on every route while an earlier event of it blocks.
+    routes: std::sync::RwLock<Vec<String>>,
     /// The floor round statement, when the claim uses floors.
     floor_sql: Option<String>,
     /// Why the claim uses no floors although the table has a sequence
@@ -817,6 +851,7 @@ impl PgStore {
             claim_sql: String::new(),
             missing_index: None,
             floors: Default::default(),
+            routes: Default::default(),
             floor_sql: None,
             floors_off: None,
             seq_unique: false,
@@ -1250,7 +1285,8 @@ impl PgStore {
         let mut q = sqlx::query_scalar(&q)
             .bind(&self.source)
             .bind(lanes)
-            .bind(limit as i64);
+            .bind(limit as i64)
+            .bind(self.routes());
         if let Some(f) = floors {
             q = q.bind(f);
         }
@@ -1624,7 +1660,8 @@ impl PgStore {
         let mut q = sqlx::query(&self.claim_sql)
             .bind(&self.source)
             .bind(lanes)
-            .bind(limit as i64);
+            .bind(limit as i64)
+            .bind(self.routes());
         if let Some(f) = &floors {
             q = q.bind(f);
         }
@@ -1666,6 +1703,18 @@ impl PgStore {
         Ok(claims)
     }
 
+    /// Name the routes that read this source (see [`PgStore::routes`]).
+    pub fn set_routes(&self, names: Vec<String>) {
+        *self.routes.write().unwrap_or_else(|e| e.into_inner()) = names;
+    }
+
+    fn routes(&self) -> Vec<String> {
+        self.routes
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     fn floors_mut(&self) -> std::sync::MutexGuard<'_, floor::Floors> {
         // A poisoned lock only means a panic elsewhere mid-update; floors
         // are re-checked by every round and sweep.
@@ -1673,7 +1722,7 @@ impl PgStore {
     }
 
     /// The floors of these lanes, when the claim statement takes them
-    /// (`$4`); `None` for a claim by scan.
+    /// (`$5`); `None` for a claim by scan.
     fn current_floors(&self, lanes: &[i32]) -> Option<Vec<i64>> {
         if self.missing_index.is_some() {
             return None;
@@ -1950,15 +1999,16 @@ impl PgStore {
                    last_error = EXCLUDED.last_error, route = EXCLUDED.route, plugin = EXCLUDED.plugin, \
                    plugin_version = EXCLUDED.plugin_version, failed_at = EXCLUDED.failed_at, \
                    discarded_at = NULL, updated_at = now(), done_legs = EXCLUDED.done_legs, \
+                   waiting_routes = EXCLUDED.waiting_routes, \
                    event = COALESCE(EXCLUDED.event, st.event), commit_lsn = COALESCE(EXCLUDED.commit_lsn, st.commit_lsn)"
                     .to_string()
             };
             let q = format!(
                 "INSERT INTO outroute_event_state AS st (source, event_id, aggregate_type, aggregate_id, seq, event_type, \
                    attempts, next_attempt_at, blocks_until, last_error, route, plugin, plugin_version, failed_at, done_legs, \
-                   event, commit_lsn) \
+                   event, commit_lsn, waiting_routes) \
                  SELECT $1, $3, $4, $5, $6, $7, $9, {next}, {blocks_sql}, $11, $12, $13, $14, CASE WHEN $15 THEN now() END, $17, \
-                   $18::text::jsonb, $19 \
+                   $18::text::jsonb, $19, $21 \
                  WHERE EXISTS (SELECT 1 FROM outroute_lanes WHERE source = $1 AND owner = $2 AND lane = $16 AND lease_until > now() \
                    AND ($20::bigint IS NULL OR epoch = $20)) \
                  ON CONFLICT (source, event_id) {conflict}"
@@ -1988,6 +2038,7 @@ impl PgStore {
                 .bind(event)
                 .bind(commit_lsn)
                 .bind(f.epoch)
+                .bind(&f.waiting_routes)
                 .execute(&self.pool)
                 .await
                 .context("recording a failed attempt")?
@@ -2325,7 +2376,7 @@ impl PgStore {
         .rows_affected();
         let due = sqlx::query(
             "UPDATE outroute_event_state SET next_attempt_at = now(), blocks_until = now(), updated_at = now() \
-             WHERE source = $1 AND route = $2 AND failed_at IS NULL AND blocks_until > now()",
+             WHERE source = $1 AND (route = $2 OR $2 = ANY(waiting_routes)) AND failed_at IS NULL AND blocks_until > now()",
         )
         .bind(&self.source)
         .bind(route)
@@ -2771,9 +2822,10 @@ mod col {
     pub const LANE: usize = 9;
     pub const TID: usize = 10;
     pub const STATE_ATTEMPTS: usize = 11;
+    pub const HELD_ROUTES: usize = 12;
     /// The names, in order (checked against the SQL in a unit test).
     #[cfg(test)]
-    pub const NAMES: [&str; 12] = [
+    pub const NAMES: [&str; 13] = [
         "id",
         "seq",
         "aggregate_type",
@@ -2786,6 +2838,7 @@ mod col {
         "lane",
         "tid",
         "state_attempts",
+        "held_routes",
     ];
 }
 
@@ -2824,6 +2877,9 @@ fn to_claim(r: &PgRow, payload_is_json: bool) -> Result<Claim> {
     Ok(Claim {
         lane,
         tid: r.try_get_unchecked(col::TID)?,
+        held: r
+            .try_get_unchecked::<Option<Vec<String>>, _>(col::HELD_ROUTES)?
+            .unwrap_or_default(),
         has_state: state_attempts.is_some(),
         done_legs: Vec::new(),
         epoch: None,
@@ -2852,7 +2908,7 @@ mod tests {
         // The mark deletes the entry the claim walked: its lane, not the row's.
         assert!(by_queue.contains("qq.lane AS lane"), "{by_queue}");
         for sql in [
-            format!("{}, {}", s.select_cols, s.claim_extras()),
+            format!("{}, {}", s.select_cols, s.claim_extras(Ordering::Aggregate)),
             s.claim_by_lane(Ordering::Aggregate),
             by_queue,
         ] {

@@ -532,6 +532,7 @@ fn to_claim(r: &SqliteRow) -> Result<Claim> {
         lane: 0,
         tid: None,
         has_state: true,
+        held: Vec::new(),
         done_legs,
         epoch: None,
         captured: None,

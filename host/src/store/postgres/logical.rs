@@ -34,6 +34,10 @@ use crate::config::{Cleanup, LogicalInput};
 use crate::failpoint;
 use crate::store::{Captured, Claim, Leases, ParkedEvent, SlotStatus, Status};
 
+/// Aggregates with parked events, each with the routes its parked events
+/// wait for (`*`: every route).
+pub type HeldAggregates = std::collections::HashMap<(String, String), Vec<String>>;
+
 /// The lane number of the capture lease in `outroute_lanes`.
 pub const CAPTURE_LANE: i32 = -1;
 
@@ -656,16 +660,19 @@ impl PgStore {
         })
     }
 
-    /// The aggregates with parked events: the stream parks their later
-    /// events behind them.
-    pub async fn held_aggregates(&self) -> Result<HashSet<(String, String)>> {
-        let rows: Vec<(String, String)> = sqlx::query_as(&format!(
-            "SELECT DISTINCT aggregate_type, aggregate_id FROM outroute_event_state WHERE {HOLDING}"
+    /// The aggregates with parked events, each with the routes they wait
+    /// for (`*`: every route): the stream's later events of the aggregate
+    /// wait behind them on those routes, and go on the others.
+    pub async fn held_aggregates(&self) -> Result<HeldAggregates> {
+        let rows: Vec<(String, String, Vec<String>)> = sqlx::query_as(&format!(
+            "SELECT aggregate_type, aggregate_id, array_agg(DISTINCT r) FROM outroute_event_state \
+               CROSS JOIN LATERAL unnest(coalesce(waiting_routes, '{{*}}'::text[])) r \
+             WHERE {HOLDING} GROUP BY aggregate_type, aggregate_id"
         ))
         .bind(&self.source)
         .fetch_all(&self.pool)
         .await?;
-        Ok(rows.into_iter().collect())
+        Ok(rows.into_iter().map(|(t, i, r)| ((t, i), r)).collect())
     }
 
     /// The parked events whose turn came: for each aggregate whose queue
@@ -675,11 +682,11 @@ impl PgStore {
     /// speed; the pipeline keeps the order within the batch.
     pub async fn parked_heads(
         &self,
-        aggregates: &HashSet<(String, String)>,
+        aggregates: &HeldAggregates,
         limit: u32,
     ) -> Result<Vec<Claim>> {
         let (types, ids): (Vec<&str>, Vec<&str>) = aggregates
-            .iter()
+            .keys()
             .map(|(t, i)| (t.as_str(), i.as_str()))
             .unzip();
         let rows = sqlx::query(&format!(
@@ -747,6 +754,7 @@ impl PgStore {
                 lane: CAPTURE_LANE,
                 tid: None,
                 has_state: true,
+                held: Vec::new(),
                 done_legs,
                 epoch: None,
                 captured: Some(Captured {
