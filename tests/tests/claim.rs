@@ -103,6 +103,7 @@ fn failed_for_good(c: &Claim, hold: bool) -> anyhow::Result<outroute::store::Fai
         kind: outroute::store::FailureKind::Failed { hold },
         done_legs: Vec::new(),
         parked: None,
+        waiting_routes: None,
     })
 }
 

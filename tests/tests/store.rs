@@ -176,6 +176,7 @@ async fn a_batch_from_before_a_lane_changed_hands_and_came_back_is_not_marked() 
             },
             done_legs: Vec::new(),
             parked: None,
+            waiting_routes: None,
         })
     };
     assert_eq!(

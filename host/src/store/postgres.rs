@@ -2596,7 +2596,7 @@ impl PgStore {
         };
         // Ids compare as text on both sides, so the cursor works for any id type.
         let q = format!(
-            "SELECT {cols}, NULL::text AS tid, NULL::int AS state_attempts FROM {table} o WHERE {w} \
+            "SELECT {cols}, NULL::text AS tid, NULL::int AS state_attempts, NULL::text[] AS held_routes FROM {table} o WHERE {w} \
                AND ({seq} {cmp} $6 OR ({seq} = $6 AND {id}::text {cmp} $8)) ORDER BY {seq}{dir}, {id}::text{dir} LIMIT $7",
             cols = s.select_cols,
             table = s.table,
@@ -2807,8 +2807,8 @@ fn scans_of(plan: &serde_json::Value, alias: &str) -> Vec<(String, f64)> {
 }
 
 /// Positions of the columns every claim statement returns: `select_cols`,
-/// then `tid` and `state_attempts` (read by position: a lookup by name
-/// hashes the name, twelve times per row).
+/// then `tid`, `state_attempts` and `held_routes` (read by position: a
+/// lookup by name hashes the name, thirteen times per row).
 mod col {
     pub const ID: usize = 0;
     pub const SEQ: usize = 1;

@@ -477,7 +477,7 @@ impl PgStore {
         let s = self.sql()?;
         let min = i64::MIN;
         let q = format!(
-            "SELECT {cols}, NULL::text AS tid, NULL::int AS state_attempts \
+            "SELECT {cols}, NULL::text AS tid, NULL::int AS state_attempts, NULL::text[] AS held_routes \
              FROM {table} o, outroute_capture_backfill b \
              WHERE b.source = $1 AND {seq} <= b.upto AND {seq} >= coalesce(b.done_seq, {min}) \
                AND ({seq} > coalesce(b.done_seq, {min}) OR {id}::text > coalesce(b.done_id, '')) \
