@@ -1458,6 +1458,7 @@ brokers = "127.0.0.1:9092"
 [grants.payments]
 sources = ["orders"]
 allow = { kafka = ["payments.*"] }
+plugin_dirs = ["."]
 "#;
 
     fn team_file(dir: &Path, name: &str, body: &str) {
@@ -1549,7 +1550,7 @@ allow = { kafka = ["payments.*"] }
         let f = write(
             &d,
             &format!(
-                "{PLATFORM}[grants.billing]\nsources = [\"billing\"]\nallow = {{ kafka = [\"billing.*\"] }}\n"
+                "{PLATFORM}[grants.billing]\nsources = [\"billing\"]\nallow = {{ kafka = [\"billing.*\"] }}\nplugin_dirs = [\".\"]\n"
             ),
         );
         team_file(
@@ -1564,6 +1565,57 @@ allow = { kafka = ["payments.*"] }
                 .any(|e| e.key == "routes[0].name" && e.reason.contains("already declared by")),
             "{p:?}"
         );
+    }
+
+    #[test]
+    fn team_plugin_files_stay_in_the_teams_directories() {
+        let d = tmp();
+        // No `plugin_dirs`: only the team file's own directory.
+        let f = write(&d, &PLATFORM.replace("plugin_dirs = [\".\"]\n", ""));
+        let team = d.join("teams/payments.toml").display().to_string();
+        let outside = std::env::temp_dir().join("outroute-not-the-teams");
+        std::fs::create_dir_all(&outside).unwrap();
+        std::fs::create_dir_all(d.join("teams")).unwrap();
+        let link = d.join("teams/linked");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&outside, &link).unwrap();
+        for path in [
+            "../p.wasm".to_string(),
+            outside.join("p.wasm").display().to_string(),
+            "linked/p.wasm".to_string(),
+            "sub/../../p.wasm".to_string(),
+        ] {
+            team_file(&d, "payments.toml", &PAYMENTS.replace("../p.wasm", &path));
+            let p = problems(&f);
+            assert!(
+                p.iter().any(|e| e.file == team
+                    && e.key == "plugins.pay.path"
+                    && e.reason.contains("outside team `payments`'s directories")),
+                "{path}: {p:?}"
+            );
+        }
+        // The shadow too.
+        team_file(
+            &d,
+            "payments.toml",
+            &PAYMENTS.replace(
+                "path = \"../p.wasm\"",
+                "path = \"p.wasm\"\nshadow = \"../cand.wasm\"",
+            ),
+        );
+        let p = problems(&f);
+        assert!(p.iter().any(|e| e.key == "plugins.pay.shadow"), "{p:?}");
+        // Inside the team's directory (a file not there yet included), or
+        // one its grant names: accepted.
+        team_file(
+            &d,
+            "payments.toml",
+            &PAYMENTS.replace("../p.wasm", "plugins/p.wasm"),
+        );
+        assert!(load(&f).unwrap().refused.is_empty());
+        let f = write(&d, PLATFORM);
+        team_file(&d, "payments.toml", PAYMENTS);
+        assert!(load(&f).unwrap().refused.is_empty());
     }
 
     #[test]
@@ -1689,7 +1741,7 @@ allow = { kafka = ["payments.*"] }
         let d = tmp();
         let main = format!(
             "{PLATFORM}[relay]\ncache_dir = \"{}\"\n\
-             [grants.billing]\nsources = [\"billing\"]\nallow = {{ kafka = [\"billing.*\"] }}\n",
+             [grants.billing]\nsources = [\"billing\"]\nallow = {{ kafka = [\"billing.*\"] }}\nplugin_dirs = [\".\"]\n",
             d.join("cache").display()
         );
         let f = write(&d, &main);

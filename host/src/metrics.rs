@@ -52,6 +52,10 @@ pub const PICKUP: &str = "outroute_pickup_seconds";
 /// Events acknowledged after an earlier event of their aggregate failed at
 /// ack time: their first delivery was out of order (re-sent after it).
 pub const ORDER_RISK: &str = "outroute_order_risk_total";
+/// JetStream answered "duplicate" (a message with that `Nats-Msg-Id` is
+/// already stored): a re-send after a crash or timeout, or — if it grows
+/// without those — two events sharing a dedup id.
+pub const DUPLICATE_ACKS: &str = "outroute_duplicate_acks_total";
 /// Events a plugin answered with no messages (marked published, nothing sent).
 pub const EVENTS_WITHOUT_MESSAGES: &str = "outroute_events_without_messages_total";
 

@@ -68,9 +68,10 @@ async fn seed_shipping(db: &TestDb, from: i32, to: i32) -> Result<()> {
 fn grants_and_sinks(out: &Path, payments_sources: &str) -> String {
     format!(
         "[sinks.file]\nkind = \"file\"\npath = \"{}\"\n\
-         [grants.payments]\nsources = [{payments_sources}]\nallow = {{ file = [\"payments.*\"] }}\n\
-         [grants.logistics]\nsources = [\"shipping\"]\nallow = {{ file = [\"logistics.**\"] }}\n",
+         [grants.payments]\nsources = [{payments_sources}]\nallow = {{ file = [\"payments.*\"] }}\nplugin_dirs = [\"{dist}\"]\n\
+         [grants.logistics]\nsources = [\"shipping\"]\nallow = {{ file = [\"logistics.**\"] }}\nplugin_dirs = [\"{dist}\"]\n",
         out.display(),
+        dist = plugin_dist().display(),
     )
 }
 
@@ -83,6 +84,12 @@ fn team(name: &str, plugin: &str, route: &str, extra: &str) -> String {
 
 fn plugin_path(name: &str) -> std::path::PathBuf {
     plugin(name)
+}
+
+/// Where the built plugins are: the platform's shared directory the grants
+/// let team files use.
+fn plugin_dist() -> std::path::PathBuf {
+    workspace().join("plugins/dist")
 }
 
 fn cache() -> String {

@@ -36,10 +36,12 @@ async fn a_team_that_selects_everything_takes_nothing_from_another() -> Result<(
              [sinks.kafka]\nkind = \"kafka\"\nbrokers = \"{KAFKA}\"\n\
              [sinks.nats]\nkind = \"nats\"\nurl = \"{NATS}\"\n\
              [grants.aaa]\nsources = [\"orders\"]\naggregate_types = [\"order\"]\nallow = {{ nats = [\"aaa{t}.**\"] }}\n\
-             [grants.payments]\nsources = [\"orders\"]\nallow = {{ kafka = [\"own{t}.*\"] }}\n\
+             plugin_dirs = [\"{dist}\"]\n\
+             [grants.payments]\nsources = [\"orders\"]\nallow = {{ kafka = [\"own{t}.*\"] }}\nplugin_dirs = [\"{dist}\"]\n\
              [http]\nlisten = \"{http}\"\n",
             cache = std::env::temp_dir().join("outroute-test-cache").display(),
             url = db.url,
+            dist = workspace().join("plugins/dist").display(),
         ),
     )?;
     // `aaa` sorts first and leaves its selection at the default: under

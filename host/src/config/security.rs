@@ -104,6 +104,12 @@ pub struct TlsConfig {
     /// PEM private key of `cert_file` (unencrypted).
     #[serde(default)]
     pub key_file: Option<PathBuf>,
+    /// Kafka only: accept any certificate, for any host name (a test
+    /// cluster with self-signed certificates). The one way to turn those
+    /// checks off (the librdkafka options that do it are refused): an
+    /// explicit opt-in, warned about by `config check` and at every start.
+    #[serde(default)]
+    pub insecure_skip_verify: bool,
 }
 
 /// How strictly the store's connection uses TLS (PostgreSQL's `sslmode`).
@@ -449,6 +455,17 @@ pub fn transport_warnings(config: &Config) -> Vec<String> {
     }
     for (name, sink) in &config.sinks {
         match sink {
+            SinkConfig::Kafka(k) if k.tls.as_ref().is_some_and(|t| t.insecure_skip_verify) => {
+                out.push(format!(
+                    "sinks.{name}.tls.insecure_skip_verify: the brokers' certificates and host names are not checked \
+                     (anyone on the way can read or change messages{}): remove it outside a test cluster",
+                    if k.sasl.is_some() {
+                        " and take the SASL credentials"
+                    } else {
+                        ""
+                    }
+                ));
+            }
             SinkConfig::Kafka(k) if k.tls.is_none() => {
                 if let Some(host) = k
                     .brokers
@@ -522,6 +539,10 @@ mod tests {
             [sinks.nt]
             kind = "nats"
             url = "tls://nats.internal:4222"
+            [sinks.kinsecure]
+            kind = "kafka"
+            brokers = "127.0.0.1:9093"
+            tls = { insecure_skip_verify = true }
             "#,
         )
         .unwrap_or_else(|e| panic!("{e}"));
@@ -531,6 +552,8 @@ mod tests {
             "sources.prefer",
             "sinks.k: brokers such as kafka-2",
             "sinks.n:",
+            // Even on loopback: the opt-in is always said out loud.
+            "sinks.kinsecure.tls.insecure_skip_verify: the brokers' certificates and host names are not checked",
         ] {
             assert!(w.contains(named), "{named}: {w}");
         }

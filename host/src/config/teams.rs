@@ -2,8 +2,10 @@
 //! grant per team); each service team owns a file of its plugins and routes,
 //! pulled in with `include = ["teams/*.toml"]`.
 //!
-//! A grant says what a team's routes may do: which sources they may read
-//! and which topic/subject patterns on which sinks they may publish to. A
+//! A grant says what a team's routes may do: which sources (and, if it
+//! says so, which aggregate/event types) they may read, which topic/subject
+//! patterns on which sinks they may publish to, which directories their
+//! plugin files may be in, and how much they may spend (ceilings). A
 //! team file is named after its team (`teams/payments.toml` is team
 //! `payments`): who a file speaks for is the platform's to say, never the
 //! file's. A team file is refused — naming the file and key — when its
@@ -14,7 +16,8 @@
 //! by another file (a team cannot replace another team's routes); or when
 //! the config's checks fail on something it declares. A team route without
 //! `sources` reads the grant's sources. Plugin paths are relative to the
-//! team file.
+//! team file and must stay in its directory or a grant's `plugin_dirs`
+//! (after `..` and symlinks).
 //!
 //! **A refused team file costs only its team.** The other teams' files are
 //! merged as usual; the refused team runs its last known good copy (kept
@@ -52,6 +55,13 @@ pub struct Grant {
     /// The same, by event type.
     #[serde(default)]
     pub event_types: Option<Vec<String>>,
+    /// Directories besides the team file's own that the team's plugin and
+    /// shadow files may be in (relative to the main file), e.g. a shared
+    /// directory of reviewed builds. A team plugin path that leads anywhere
+    /// else, after `..` and symlinks are resolved, is refused.
+    #[serde(default)]
+    #[schemars(with = "Vec<String>")]
+    pub plugin_dirs: Vec<PathBuf>,
     /// The most the team's routes may set for each limit (unset: the
     /// relay's `route_ceilings`; never above them).
     #[serde(default)]
@@ -414,6 +424,44 @@ struct State {
     plugin_files: BTreeMap<String, String>,
     /// Team → its file.
     teams: BTreeMap<String, PathBuf>,
+    /// The main file's directory (grants' `plugin_dirs` are relative to it).
+    base: PathBuf,
+}
+
+/// `path` as the file system resolves it: symlinks and `..` followed as
+/// far as the path exists (a plugin file may not be there yet), the rest
+/// taken as written.
+fn resolved(path: &Path) -> PathBuf {
+    if let Ok(p) = std::fs::canonicalize(path) {
+        return p;
+    }
+    let mut rest = Vec::new();
+    let mut at = path;
+    while let Some(parent) = at.parent() {
+        if let Some(name) = at.file_name() {
+            rest.push(name.to_os_string());
+        } else {
+            // `..` or a root: cannot be taken apart without resolving.
+            break;
+        }
+        if let Ok(p) = std::fs::canonicalize(parent) {
+            return rest.iter().rev().fold(p, |p, n| p.join(n));
+        }
+        at = parent;
+    }
+    path.to_path_buf()
+}
+
+/// Is `path` (resolved) inside one of `dirs` (resolved)? A path with a
+/// `..` left after resolving is never inside.
+fn confined(path: &Path, dirs: &[PathBuf]) -> bool {
+    let p = resolved(path);
+    if p.components()
+        .any(|c| matches!(c, std::path::Component::ParentDir))
+    {
+        return false;
+    }
+    dirs.iter().any(|d| p.starts_with(resolved(d)))
 }
 
 /// Read the includes of `config` and merge their plugins and routes into
@@ -449,6 +497,7 @@ pub fn merge(
             dirs: Vec::new(),
         },
         teams: BTreeMap::new(),
+        base: base.to_path_buf(),
         config: config.clone(),
     };
     let mut dirs = Vec::new();
@@ -752,6 +801,36 @@ fn merge_one(state: &mut State, file: &Path, text: &str) -> Vec<ConfigError> {
             && shadow.is_relative()
         {
             *shadow = dir.join(&*shadow);
+        }
+        // Only the team's own directory, and those its grant names: a team
+        // cannot run (or point a promote at) a file it does not own.
+        let allowed: Vec<PathBuf> = std::iter::once(dir.clone())
+            .chain(grant.plugin_dirs.iter().map(|d| state.base.join(d)))
+            .collect();
+        let shown_dirs = || {
+            allowed
+                .iter()
+                .map(|d| d.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        for (field, path) in [
+            ("path", Some(&plugin.path)),
+            ("shadow", plugin.shadow.as_ref()),
+        ] {
+            let Some(path) = path else { continue };
+            if !confined(path, &allowed) {
+                bad(
+                    format!("plugins.{name}.{field}"),
+                    format!(
+                        "{} is outside team `{}`'s directories ({}; more only through grants.{}.plugin_dirs)",
+                        path.display(),
+                        team.team,
+                        shown_dirs(),
+                        team.team
+                    ),
+                );
+            }
         }
         state.plugin_files.insert(name.clone(), shown.clone());
         state

@@ -283,6 +283,14 @@ impl Loaded {
                 if let Err(e) = check_nats_url(&n.url) {
                     err(format!("sinks.{name}.url"), e);
                 }
+                if n.tls.as_ref().is_some_and(|t| t.insecure_skip_verify) {
+                    err(
+                        format!("sinks.{name}.tls.insecure_skip_verify"),
+                        "is for Kafka sinks only: a NATS server's certificate is always checked \
+                         (give its authority with tls.ca_file)"
+                            .into(),
+                    );
+                }
                 if n.max_in_flight == 0 {
                     err(
                         format!("sinks.{name}.max_in_flight"),

@@ -1,12 +1,12 @@
 //! The relay: the path every event takes, top to bottom.
 //!
 //! ```text
-//!   claim rows ─► validate ─► select route ─► plugin ─► check messages
-//!        ▲                                                   │
-//!        │                                    hold later events of an aggregate
-//!        │                                    whose earlier event did not go
-//!        │                                                   │
-//!   record failures ◄─ mark published ◄─ broker acks ◄─ publish to sinks
+//!   claim rows ─► validate ─► every route that selects it ─► plugin ─► check messages
+//!        ▲              (one delivery per event and route)               │
+//!        │                                     hold later events of an aggregate on a
+//!        │                                     route whose earlier event did not go
+//!        │                                                               │
+//!   record what is left ◄─ mark (every route delivered) ◄─ broker acks ◄─ publish
 //! ```
 //!
 //! [`Relay::run`] starts a lease keeper (which lanes this relay owns), `relay.concurrency`
@@ -907,21 +907,29 @@ impl Relay {
                 // 2. Event → every route that selects it, each a delivery
                 //    of its own (a copy of the claim per extra route).
                 Ok(ev) => {
-                    let selected: Vec<usize> = self
-                        .routes
-                        .selecting(&ev.aggregate_type, &ev.event_type)
-                        .collect();
-                    match selected.split_last() {
-                        Some((last, others)) => {
-                            for &route in others {
+                    // (Most events have one route: no list is made for them.)
+                    let mut selecting = self.routes.selecting(&ev.aggregate_type, &ev.event_type);
+                    match selecting.next() {
+                        Some(first) => {
+                            let more: Vec<usize> = selecting.collect();
+                            // Copies for every route but the last, which
+                            // takes the claim itself.
+                            let (last, others) = match more.split_last() {
+                                Some((last, rest)) => (*last, Some(rest)),
+                                None => (first, None),
+                            };
+                            let others = others.into_iter().flat_map(|rest| {
+                                std::iter::once(first).chain(rest.iter().copied())
+                            });
+                            for route in others {
                                 let mut copy = claim.clone();
                                 copy.route = Some(route);
                                 let plan =
                                     self.first_plan(&copy, route, events.len(), &mut to_route);
                                 events.push((copy, plan));
                             }
-                            claim.route = Some(*last);
-                            let plan = self.first_plan(&claim, *last, events.len(), &mut to_route);
+                            claim.route = Some(last);
+                            let plan = self.first_plan(&claim, last, events.len(), &mut to_route);
                             events.push((claim, plan));
                             planned.events.push(start..events.len());
                             continue;

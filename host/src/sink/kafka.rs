@@ -87,11 +87,11 @@ pub const PROTECTED_OPTIONS: &[(&str, &str)] = &[
     ("ssl.key.location", "set from sinks.<name>.tls.key_file"),
     (
         "enable.ssl.certificate.verification",
-        "the brokers' certificates are verified",
+        "the brokers' certificates are verified; a test cluster may opt out with tls.insecure_skip_verify",
     ),
     (
         "ssl.endpoint.identification.algorithm",
-        "a broker's certificate must name its host",
+        "a broker's certificate must name its host; a test cluster may opt out with tls.insecure_skip_verify",
     ),
 ];
 
@@ -517,6 +517,11 @@ fn secure(cc: &mut ClientConfig, c: &KafkaSinkConfig) {
         if let (Some(cert), Some(key)) = (&t.cert_file, &t.key_file) {
             cc.set("ssl.certificate.location", cert.display().to_string())
                 .set("ssl.key.location", key.display().to_string());
+        }
+        if t.insecure_skip_verify {
+            // The explicit opt-in (warned about at start and by `config check`).
+            cc.set("enable.ssl.certificate.verification", "false")
+                .set("ssl.endpoint.identification.algorithm", "none");
         }
     }
     if let Some(s) = &c.sasl {
