@@ -1258,7 +1258,9 @@ impl Relay {
         let mut wait: Option<Duration> = None;
         // The routes still to deliver (`None`: every route — a delivery
         // with no route stands for them all).
-        let mut waiting: Option<Vec<String>> = Some(Vec::new());
+        // A row that is not an event holds every route: which ones would
+        // select it is not known.
+        let mut waiting: Option<Vec<String>> = claim.row.is_ok().then(Vec::new);
         for ((unit, plan), fate) in units.iter().zip(fates) {
             if !matches!(fate, Fate::Publish) {
                 match (unit.route, waiting.as_mut()) {
