@@ -456,6 +456,14 @@ impl Delivered {
             .map(String::as_str)
             .unwrap_or("")
     }
+    /// The payload's `n` field (the tests' event numbers), or -1.
+    pub fn number(&self) -> i64 {
+        serde_json::from_slice::<serde_json::Value>(&self.payload)
+            .ok()
+            .and_then(|v| v["n"].as_i64())
+            .unwrap_or(-1)
+    }
+
     pub fn seq(&self) -> i64 {
         self.headers
             .get("ce_sequence")

@@ -25,10 +25,7 @@ fn check_numbered(delivered: &[Delivered], source: &str, want: usize) {
         if !seen.insert(d.id().to_string()) {
             continue;
         }
-        let n = serde_json::from_slice::<serde_json::Value>(&d.payload)
-            .ok()
-            .and_then(|v| v["n"].as_i64())
-            .unwrap_or(-1);
+        let n = d.number();
         let prev = last.insert(d.aggregate().to_string(), n).unwrap_or(0);
         assert!(
             n > prev,

@@ -369,12 +369,7 @@ async fn existing_tables_relay_without_migration() -> anyhow::Result<()> {
             d.headers.get("ce_aggregatetype").map(String::as_str) == Some("order")
                 && ids1.contains(&d.id().to_string())
         })
-        .map(|d| {
-            serde_json::from_slice::<serde_json::Value>(&d.payload)
-                .ok()
-                .and_then(|v| v["n"].as_i64())
-                .unwrap_or(-1)
-        })
+        .map(Delivered::number)
         .collect();
     assert_eq!(order, (0..20).collect::<Vec<_>>());
     // Marked in the table's own style.

@@ -290,12 +290,7 @@ async fn failure_on_one_route(logical: bool) -> Result<()> {
     let xs: Vec<i64> = paid
         .iter()
         .filter(|d| d.aggregate() == "x")
-        .map(|d| {
-            serde_json::from_slice::<serde_json::Value>(&d.payload)
-                .ok()
-                .and_then(|v| v["n"].as_i64())
-                .unwrap_or(-1)
-        })
+        .map(Delivered::number)
         .collect();
     assert_eq!(xs, [2, 3, 4, 5, 6, 7], "payments' x deliveries");
     // Only the discarded x1 is left (lease mode: unpublished; log-based
