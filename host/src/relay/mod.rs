@@ -207,8 +207,8 @@ pub struct BatchReport {
 /// A planned batch: one delivery per (event, route that selects it).
 pub(crate) struct Planned {
     /// The deliveries, events in claim order, an event's side by side. An
-    /// event no route takes (or a malformed row) is one delivery with no
-    /// route.
+    /// event no route takes is one delivery with no route; a malformed row
+    /// is one, on the first route that selects what can be read of it.
     pub units: Vec<(Claim, Plan)>,
     /// Per event, in claim order: where its deliveries are in `units`
     /// (never empty).
@@ -761,7 +761,7 @@ impl Relay {
 
         // 1–4. Rows → events → routes → plugin → checked messages.
         let Planned {
-            units: mut events,
+            mut units,
             events: ranges,
         } = self.plan(claims).await;
 
@@ -773,15 +773,15 @@ impl Relay {
                 "lane lease expired before publishing; leaving the batch to the next owner"
             );
         }
-        let delivery = self.pipeline.deliver(&mut events, lease).await;
+        let delivery = self.pipeline.deliver(&mut units, lease).await;
         report.order_risks = delivery.order_risks;
         if let Some(reason) = delivery.outage {
             // Nothing went out: leave every event pending; the worker backs off.
             report.outage = true;
             report.outage_reason = Some(reason);
-            let mut units = events.into_iter();
+            let mut all = units.into_iter();
             for range in ranges {
-                let mut copies = units.by_ref().take(range.len()).map(|(c, _)| c);
+                let mut copies = all.by_ref().take(range.len()).map(|(c, _)| c);
                 if let Some(mut claim) = copies.next() {
                     claim.route = None;
                     report.unsent.push(claim);
@@ -804,9 +804,9 @@ impl Relay {
         let mut published: BTreeMap<usize, u64> = BTreeMap::new();
         let mut messages_sent: BTreeMap<(usize, &str), u64> = BTreeMap::new();
         for range in ranges {
-            let units = &events[range.clone()];
+            let event = &units[range.clone()];
             let fates = &delivery.fates[range];
-            for ((_, plan), fate) in units.iter().zip(fates) {
+            for ((_, plan), fate) in event.iter().zip(fates) {
                 if let (Fate::Publish, Plan::Publish { route, messages }) = (fate, plan) {
                     *published.entry(*route).or_default() += 1;
                     if messages.is_empty() {
@@ -820,13 +820,13 @@ impl Relay {
                     }
                 }
             }
-            let claim = &units[0].0;
+            let claim = &event[0].0;
             if fates.iter().all(|f| matches!(f, Fate::Publish)) {
                 to_mark.push(claim);
                 if let Some(at) = claim.committed_at() {
                     commit_to_ack.record(seconds_since(at, now));
                 }
-            } else if let Some(f) = self.left_over(units, fates, &mut report) {
+            } else if let Some(f) = self.left_over(event, fates, &mut report) {
                 failures.push(f);
             }
         }
@@ -887,10 +887,10 @@ impl Relay {
             units: Vec::with_capacity(claims.len()),
             events: Vec::with_capacity(claims.len()),
         };
-        let events = &mut planned.units;
+        let units = &mut planned.units;
         let mut to_route: Vec<(usize, usize)> = Vec::new(); // (index in batch, route)
         for mut claim in claims {
-            let start = events.len();
+            let start = units.len();
             let plan = match &claim.row {
                 Err(bad) => {
                     tracing::warn!(event_id = %bad.id, reason = %bad.reason, "malformed outbox row");
@@ -907,7 +907,7 @@ impl Relay {
                 // 2. Event → every route that selects it, each a delivery
                 //    of its own (a copy of the claim per extra route).
                 Ok(ev) => {
-                    // (Most events have one route: no list is made for them.)
+                    // (Most units have one route: no list is made for them.)
                     let mut selecting = self.routes.selecting(&ev.aggregate_type, &ev.event_type);
                     match selecting.next() {
                         Some(first) => {
@@ -925,13 +925,13 @@ impl Relay {
                                 let mut copy = claim.clone();
                                 copy.route = Some(route);
                                 let plan =
-                                    self.first_plan(&copy, route, events.len(), &mut to_route);
-                                events.push((copy, plan));
+                                    self.first_plan(&copy, route, units.len(), &mut to_route);
+                                units.push((copy, plan));
                             }
                             claim.route = Some(last);
-                            let plan = self.first_plan(&claim, last, events.len(), &mut to_route);
-                            events.push((claim, plan));
-                            planned.events.push(start..events.len());
+                            let plan = self.first_plan(&claim, last, units.len(), &mut to_route);
+                            units.push((claim, plan));
+                            planned.events.push(start..units.len());
                             continue;
                         }
                         // Its route may be a team's whose file is refused:
@@ -960,22 +960,22 @@ impl Relay {
             if let Plan::Fail { route, .. } = &plan {
                 claim.route = *route;
             }
-            events.push((claim, plan));
-            planned.events.push(start..events.len());
+            units.push((claim, plan));
+            planned.events.push(start..units.len());
         }
 
         // 3. Route → plugin: one call per route, all routes at once, each on
-        //    a blocking thread; a quarantined route's events wait instead.
+        //    a blocking thread; a quarantined route's units wait instead.
         let mut by_route: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
         for (i, r) in &to_route {
             by_route.entry(*r).or_default().push(*i);
         }
         let mut calls = Vec::new();
         for (route_idx, mut idxs) in by_route {
-            // A route whose plugin is not loaded: its events wait for it.
+            // A route whose plugin is not loaded: its units wait for it.
             if let Some((why, _)) = self.plugin_parts[route_idx].why_down() {
                 for i in idxs {
-                    events[i].1 = Plan::Defer {
+                    units[i].1 = Plan::Defer {
                         route: Some(route_idx),
                         reason: format!("plugin not loaded: {why}"),
                         delay: PLUGIN_WAIT,
@@ -992,7 +992,7 @@ impl Relay {
             };
             if let Some((reason, delay)) = why {
                 for i in deferred {
-                    events[i].1 = Plan::Defer {
+                    units[i].1 = Plan::Defer {
                         route: Some(route_idx),
                         reason: reason.clone(),
                         delay,
@@ -1002,10 +1002,10 @@ impl Relay {
             if idxs.is_empty() {
                 continue;
             }
-            // Made here, once: the events stay in the batch, their WIT
+            // Made here, once: the units stay in the batch, their WIT
             // records go to the plugin's thread.
             let batch = PluginInputs::from_events(
-                idxs.iter().filter_map(|i| events[*i].0.row.as_ref().ok()),
+                idxs.iter().filter_map(|i| units[*i].0.row.as_ref().ok()),
             );
             calls.push(async move {
                 let answers = match &self.shadows[route_idx] {
@@ -1031,7 +1031,7 @@ impl Relay {
                 //    allow-list.
                 let checked = match answer {
                     Answer::Later { .. } => {
-                        events[i].1 = Plan::Held;
+                        units[i].1 = Plan::Held;
                         continue;
                     }
                     Answer::Breach { limit, reason } => {
@@ -1041,7 +1041,7 @@ impl Relay {
                         .map_err(|r| (r, None))
                         .and_then(|msgs| check_messages(route, msgs)),
                 };
-                events[i].1 = match checked {
+                units[i].1 = match checked {
                     Ok(messages) => {
                         breaches.push(None);
                         Plan::Publish {
@@ -1069,10 +1069,10 @@ impl Relay {
             self.quarantine_change(route_idx, &breaches).await;
         }
 
-        // A batch publishes at most `relay.max_batch_bytes`: the events after
+        // A batch publishes at most `relay.max_batch_bytes`: the units after
         // the one that reaches it wait for the next batch.
         let mut bytes: u64 = 0;
-        for (_, plan) in events.iter_mut() {
+        for (_, plan) in units.iter_mut() {
             if let Plan::Publish { messages, .. } = plan {
                 if bytes >= self.config.max_batch_bytes {
                     *plan = Plan::Held;
