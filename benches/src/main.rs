@@ -109,6 +109,14 @@ struct Args {
     /// routes are subscriptions.
     #[arg(long, default_value_t = 0)]
     extra_routes: usize,
+    /// One more route, `payments` (the `hostile` plugin), that selects
+    /// every event and, in the latency run, fails the first event of one
+    /// aggregate (`w0-0`: retryable, then for good after 3 attempts, so
+    /// its later events wait on that route). The latency figures stay the
+    /// measured route's (`orders`), that aggregate's shown apart: whether
+    /// one route's failure delays another's deliveries.
+    #[arg(long)]
+    failing_route: bool,
 }
 
 /// How pre-filled tables are made (see `--aggregates`, `--analyse`).
@@ -126,6 +134,8 @@ static SSLMODE: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new()
 static LINGER_MS: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
 /// `--extra-routes`.
 static EXTRA_ROUTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+/// `--failing-route`.
+static FAILING_ROUTE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 /// `--latency-sink`.
 static LATENCY_SINK: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
@@ -209,6 +219,7 @@ async fn main() -> Result<()> {
     let _ = LINGER_MS.set(args.linger_ms);
     let _ = LATENCY_SINK.set(args.latency_sink.clone());
     let _ = EXTRA_ROUTES.set(args.extra_routes);
+    let _ = FAILING_ROUTE.set(args.failing_route);
     match args.marking.as_str() {
         "queue" => {}
         "published_at" => STAMP.store(true, Ordering::Relaxed),
@@ -406,6 +417,21 @@ async fn main() -> Result<()> {
                 l["relay_cores"].as_f64().unwrap_or(0.0)
             ),
         ));
+        if args.failing_route {
+            let x = &l["failing_aggregate"];
+            table.push((
+                "  its aggregate w0-0 (failed on route payments)".into(),
+                format!(
+                    "{} of {} received; p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms; payments failed {}",
+                    x["received"],
+                    x["committed"],
+                    x["commit_to_consumer_ms"]["p50"].as_f64().unwrap_or(0.0),
+                    x["commit_to_consumer_ms"]["p99"].as_f64().unwrap_or(0.0),
+                    x["commit_to_consumer_ms"]["max"].as_f64().unwrap_or(0.0),
+                    x["failed_on_failing_route"]
+                ),
+            ));
+        }
         push_claim_figures(&mut table, "", &l);
         results.insert("latency".into(), l);
     }
@@ -933,6 +959,14 @@ fn relay_body(sink: &str, t: &str, http: &str) -> String {
             "[[routes]]\nname = \"copy{i}\"\nplugin = \"order-router\"\nconfig = {{ sink = \"{sink}\", topic = \"b{t}.c{i}.{{event_type}}\" }}\nallow = {{ {sink} = [\"b{t}.c{i}.*\"] }}\n"
         ));
     }
+    if FAILING_ROUTE.get().copied().unwrap_or(false) {
+        copies.push_str(&format!(
+            "[plugins.hostile]\npath = \"{}\"\n[[routes]]\nname = \"payments\"\nplugin = \"hostile\"\n\
+             config = {{ sink = \"{sink}\", topic = \"b{t}.pay.{{event_type}}\" }}\nallow = {{ {sink} = [\"b{t}.pay.*\"] }}\n\
+             max_attempts = 3\nbackoff_min = \"1s\"\nbackoff_max = \"2s\"\n",
+            plugin("hostile").display()
+        ));
+    }
     format!(
         "[http]\nlisten = \"{http}\"\n{sink_cfg}[plugins.order-router]\npath = \"{}\"\n[[routes]]\nname = \"orders\"\nplugin = \"order-router\"\nconfig = {{ sink = \"{sink}\", topic = \"b{t}.{{event_type}}\" }}\nallow = {{ {sink} = [\"b{t}.*\"] }}\n{copies}",
         plugin("order-router").display()
@@ -944,6 +978,9 @@ async fn create_topics(t: &str) -> Result<()> {
     create_topic(&format!("b{t}.order-created"), 3).await?;
     for i in 1..=EXTRA_ROUTES.get().copied().unwrap_or(0) {
         create_topic(&format!("b{t}.c{i}.order-created"), 3).await?;
+    }
+    if FAILING_ROUTE.get().copied().unwrap_or(false) {
+        create_topic(&format!("b{t}.pay.order-created"), 3).await?;
     }
     Ok(())
 }
@@ -1552,8 +1589,9 @@ async fn latency(
     if sink == "nats" {
         nats_stream(&format!("B{t}"), vec![format!("b{t}.>")]).await?;
     } else {
-        create_topic(&topic, 3).await?;
+        create_topics(&t).await?;
     }
+    let failing = FAILING_ROUTE.get().copied().unwrap_or(false);
     let dir = test_dir("latency");
     let http = outroute_e2e::free_addr();
     let config = write_config_with(
@@ -1696,7 +1734,8 @@ async fn latency(
     for w in 0..4 {
         let pool = db.pool.clone();
         writers.push(tokio::spawn(async move {
-            let mut committed: Vec<(String, Instant)> = Vec::new();
+            // (id, committed at, of the aggregate the failing route fails)
+            let mut committed: Vec<(String, Instant, bool)> = Vec::new();
             let mut tx_ms: Vec<f64> = Vec::new();
             let mut next = Instant::now();
             let mut i = 0usize;
@@ -1706,15 +1745,20 @@ async fn latency(
                 // After the pool's acquire (and its ping): from BEGIN on.
                 let began = Instant::now();
                 let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+                let failing_aggregate = w == 0 && i.is_multiple_of(100);
+                let mut body = payload(i);
+                if failing && failing_aggregate && i == 0 {
+                    body["hostile"] = json!("retry");
+                }
                 sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'order', $2, 'order-created', $3)")
                     .bind(id)
                     .bind(format!("w{w}-{}", i % 100))
-                    .bind(payload(i))
+                    .bind(body)
                     .execute(&mut *tx)
                     .await?;
                 tx.commit().await?;
                 let done = Instant::now();
-                committed.push((id.to_string(), done));
+                committed.push((id.to_string(), done, failing_aggregate));
                 tx_ms.push(done.duration_since(began).as_secs_f64() * 1000.0);
                 i += 1;
                 next += per_writer;
@@ -1723,14 +1767,14 @@ async fn latency(
             anyhow::Ok((committed, tx_ms))
         }));
     }
-    let mut committed: HashMap<String, Instant> = HashMap::new();
+    let mut committed: HashMap<String, (Instant, bool)> = HashMap::new();
     // BEGIN to COMMIT acknowledged, per producer transaction: lease mode's
     // pickup starts at `created_at` (the transaction's start), so it
     // includes this.
     let mut tx_ms: Vec<f64> = Vec::new();
     for w in writers {
         let (c, t) = w.await??;
-        committed.extend(c);
+        committed.extend(c.into_iter().map(|(id, at, x)| (id, (at, x))));
         tx_ms.extend(t);
     }
     tx_ms.sort_by(f64::total_cmp);
@@ -1743,17 +1787,25 @@ async fn latency(
         c.abort();
     }
     let mut lat: Vec<f64> = Vec::new();
+    // The same, for the events of the aggregate `--failing-route` fails.
+    let mut lat_x: Vec<f64> = Vec::new();
     // The first receipt of each event (a re-sent duplicate would count again).
     let mut seen = std::collections::HashSet::new();
     for (id, at) in rx.try_iter() {
         if !seen.insert(id.clone()) {
             continue;
         }
-        if let Some(c) = committed.get(&id) {
-            lat.push(at.saturating_duration_since(*c).as_secs_f64() * 1000.0);
+        if let Some((c, x)) = committed.get(&id) {
+            let ms = at.saturating_duration_since(*c).as_secs_f64() * 1000.0;
+            lat.push(ms);
+            if *x {
+                lat_x.push(ms);
+            }
         }
     }
     lat.sort_by(f64::total_cmp);
+    lat_x.sort_by(f64::total_cmp);
+    let of_x = committed.values().filter(|(_, x)| *x).count();
     let (_, metrics) = outroute_e2e::http_get(&http, "/metrics")
         .await
         .unwrap_or_default();
@@ -1771,6 +1823,12 @@ async fn latency(
         "received": lat.len(),
         "achieved_rate": committed.len() as f64 / secs as f64,
         "commit_to_consumer_ms": {"p50": percentile(&lat, 0.5), "p99": percentile(&lat, 0.99), "max": lat.last().copied().unwrap_or(0.0)},
+        "failing_aggregate": {
+            "committed": of_x,
+            "received": lat_x.len(),
+            "commit_to_consumer_ms": {"p50": percentile(&lat_x, 0.5), "p99": percentile(&lat_x, 0.99), "max": lat_x.last().copied().unwrap_or(0.0)},
+            "failed_on_failing_route": outroute_e2e::metric(&metrics, "outroute_events_failed_total{route=\"payments\"}"),
+        },
         "commit_to_ack_ms_bucket": {
             "p50": bucket_quantile(&metrics, "outroute_commit_to_ack_seconds", 0.5),
             "p99": bucket_quantile(&metrics, "outroute_commit_to_ack_seconds", 0.99),

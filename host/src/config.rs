@@ -773,6 +773,12 @@ pub struct RouteConfig {
     /// Unset: every source.
     #[serde(default)]
     pub sources: Vec<String>,
+    /// This route alone gets the events it selects: routes that are not
+    /// exclusive do not get them, though they select them too (every
+    /// exclusive route that selects an event gets it). A team route may be
+    /// exclusive only over aggregate types its grant `owns`.
+    #[serde(default)]
+    pub exclusive: bool,
     /// Name of a plugin in `[plugins]`.
     pub plugin: String,
     /// Static configuration handed to the plugin's `init` (any JSON).
@@ -1657,6 +1663,83 @@ plugin_dirs = ["."]
                 "{pats}: {p:?}"
             );
         }
+    }
+
+    #[test]
+    fn only_an_owner_keeps_events_from_copies() {
+        let d = tmp();
+        let owner = PLATFORM.replace(
+            "sources = [\"orders\"]\n",
+            "sources = [\"orders\"]\nowns = [\"payment*\"]\n",
+        );
+        let f = write(&d, &owner);
+        let team = d.join("teams/payments.toml").display().to_string();
+        // Exclusive over what the team owns (its default selection, or a
+        // narrower one): accepted.
+        for extra in [
+            "aggregate_types = [\"payment\"]\n",
+            "aggregate_types = [\"payment.*\"]\n",
+        ] {
+            team_file(
+                &d,
+                "payments.toml",
+                &format!("{PAYMENTS}exclusive = true\n{extra}"),
+            );
+            let l = load(&f).unwrap();
+            assert!(l.refused.is_empty(), "{extra}: {:?}", l.refused);
+            assert!(l.config.routes[0].exclusive);
+        }
+        // Over anything it does not own (here, its default selection: every
+        // event of the source): refused, naming the key.
+        team_file(
+            &d,
+            "payments.toml",
+            &format!("{PAYMENTS}exclusive = true\n"),
+        );
+        let p = problems(&f);
+        assert!(
+            p.iter().any(|e| e.file == team
+                && e.key == "routes[0].exclusive"
+                && e.reason
+                    .contains("pattern `*` is not owned by team `payments`")),
+            "{p:?}"
+        );
+        // A team that owns nothing cannot be exclusive at all.
+        let f = write(&d, PLATFORM);
+        team_file(
+            &d,
+            "payments.toml",
+            &format!("{PAYMENTS}exclusive = true\naggregate_types = [\"payment\"]\n"),
+        );
+        let p = problems(&f);
+        assert!(
+            p.iter().any(|e| e.key == "routes[0].exclusive"
+                && e.reason
+                    .contains("owns no aggregate types (grants.payments.owns)")),
+            "{p:?}"
+        );
+        // An aggregate type has one owner; and a team owns only what it
+        // may read.
+        let f = write(
+            &d,
+            &format!(
+                "{owner}[grants.billing]\nsources = [\"orders\"]\nowns = [\"payment\"]\n\
+                 [grants.audit]\nsources = [\"orders\"]\naggregate_types = [\"audit\"]\nowns = [\"order\"]\n"
+            ),
+        );
+        let p = load(&f).unwrap_err().0;
+        assert!(
+            p.iter().any(|e| e.key == "grants.payments.owns"
+                && e.reason
+                    .contains("`payment*` overlaps `payment`, owned by team `billing`")),
+            "{p:?}"
+        );
+        assert!(
+            p.iter().any(|e| e.key == "grants.audit.owns"
+                && e.reason
+                    .contains("`order` is outside what team `audit` may read")),
+            "{p:?}"
+        );
     }
 
     #[test]

@@ -11,7 +11,10 @@
 
 use globset::{GlobBuilder, GlobMatcher};
 
-use crate::config::{Config, RouteConfig};
+use crate::config::{Config, Grant, RouteConfig};
+
+/// How the stand-in route of a team whose file is refused is named.
+const WAITING_PREFIX: &str = "team:";
 use crate::event::Message;
 
 /// Compile a topic/subject pattern: `*` is any run of characters except
@@ -192,6 +195,52 @@ impl Route {
         &self.config.name
     }
 
+    /// The stand-in route of team `team`, whose file is refused and that
+    /// has no last known good copy running: it selects what the team's
+    /// grant lets it read (or, `exclusive`, what it owns: its own routes
+    /// may have kept those from copies) and never delivers. So the team's
+    /// events wait for it — nothing is marked for a route that did not run
+    /// — while other routes deliver them. Named `team:<team>` (a `:` no
+    /// route name has).
+    pub fn waiting_for(
+        team: &str,
+        grant: &Grant,
+        exclusive: bool,
+        index: usize,
+    ) -> Result<Route, String> {
+        let all = || vec!["*".to_string()];
+        let aggregate_types = if exclusive {
+            grant.owns.clone()
+        } else {
+            grant.aggregate_types.clone().unwrap_or_else(all)
+        };
+        let event_types = grant.event_types.clone().unwrap_or_else(all);
+        let config: RouteConfig = serde_json::from_value(serde_json::json!({
+            "name": format!("{WAITING_PREFIX}{team}"),
+            "plugin": "",
+            "allow": {},
+            "aggregate_types": aggregate_types,
+            "event_types": event_types,
+            "exclusive": exclusive,
+        }))
+        .map_err(|e| format!("team `{team}`'s stand-in route: {e}"))?;
+        let names = |pats: &[String]| -> Result<Vec<GlobMatcher>, String> {
+            pats.iter().map(|p| name_matcher(p)).collect()
+        };
+        Ok(Route {
+            index,
+            aggregate_types: names(&config.aggregate_types)?,
+            event_types: names(&config.event_types)?,
+            config,
+            allowed: Vec::new(),
+        })
+    }
+
+    /// The team this route stands in for (see [`Route::waiting_for`]).
+    pub fn waiting_team(&self) -> Option<&str> {
+        self.config.name.strip_prefix(WAITING_PREFIX)
+    }
+
     pub fn selects(&self, aggregate_type: &str, event_type: &str) -> bool {
         self.aggregate_types
             .iter()
@@ -285,15 +334,24 @@ impl Routes {
 
     /// Every route that selects an event (indexes, in config order): each
     /// gets the event. Routes are subscriptions, not a first-match table,
-    /// so adding a route never takes events away from another.
+    /// so adding a route never takes events away from another — unless an
+    /// `exclusive` route (its owner's, see `grants.<team>.owns`) selects
+    /// the event: then only the exclusive routes that select it get it.
     pub fn selecting<'a>(
         &'a self,
         aggregate_type: &'a str,
         event_type: &'a str,
     ) -> impl Iterator<Item = usize> + 'a {
+        // (Most relays have no exclusive route: a flag per route, no match.)
+        let exclusive = self
+            .0
+            .iter()
+            .any(|r| r.config.exclusive && r.selects(aggregate_type, event_type));
         self.0
             .iter()
-            .filter(move |r| r.selects(aggregate_type, event_type))
+            .filter(move |r| {
+                (r.config.exclusive || !exclusive) && r.selects(aggregate_type, event_type)
+            })
             .map(|r| r.index)
     }
 
@@ -402,6 +460,74 @@ mod tests {
         // goes to both, in config order.
         assert_eq!(names("order"), ["orders", "rest"]);
         assert_eq!(names("customer"), ["rest"]);
+    }
+
+    #[test]
+    fn an_exclusive_route_keeps_what_it_selects_from_the_others() {
+        let mut config: Config = toml::from_str(
+            r#"
+            [store]
+            url = "postgres://x/y"
+            [sinks.kafka]
+            kind = "kafka"
+            brokers = "b:9092"
+            [plugins.p]
+            path = "p.wasm"
+            [[routes]]
+            name = "copy"
+            plugin = "p"
+            allow = { kafka = ["copy"] }
+            [[routes]]
+            name = "payments"
+            aggregate_types = ["payment"]
+            exclusive = true
+            plugin = "p"
+            allow = { kafka = ["pay"] }
+            [[routes]]
+            name = "refunds"
+            aggregate_types = ["payment"]
+            event_types = ["refunded"]
+            exclusive = true
+            plugin = "p"
+            allow = { kafka = ["pay"] }
+            "#,
+        )
+        .unwrap();
+        let r = Routes::compile(&config).unwrap();
+        let names = |r: &Routes, at: &str, et: &str| -> Vec<String> {
+            r.selecting(at, et)
+                .map(|i| r.0[i].name().to_string())
+                .collect()
+        };
+        assert_eq!(names(&r, "order", "created"), ["copy"]);
+        assert_eq!(names(&r, "payment", "paid"), ["payments"]);
+        // Every exclusive route that selects an event gets it.
+        assert_eq!(names(&r, "payment", "refunded"), ["payments", "refunds"]);
+        // Without the flag, the copy gets payments too.
+        for route in &mut config.routes {
+            route.exclusive = false;
+        }
+        let r = Routes::compile(&config).unwrap();
+        assert_eq!(names(&r, "payment", "paid"), ["copy", "payments"]);
+    }
+
+    #[test]
+    fn a_waiting_team_stands_in_for_its_grant() {
+        let grant = Grant {
+            aggregate_types: Some(vec!["payment*".into()]),
+            owns: vec!["payment".into()],
+            ..Grant::default()
+        };
+        let all = Route::waiting_for("payments", &grant, false, 0).unwrap();
+        assert_eq!(all.name(), "team:payments");
+        assert_eq!(all.waiting_team(), Some("payments"));
+        assert!(all.selects("payment.refund", "x") && !all.selects("order", "x"));
+        assert!(!all.config.exclusive);
+        let owned = Route::waiting_for("payments", &grant, true, 1).unwrap();
+        assert!(owned.config.exclusive);
+        assert!(owned.selects("payment", "x") && !owned.selects("payment.refund", "x"));
+        // A real route is never taken for a stand-in.
+        assert_eq!(routes().0[0].waiting_team(), None);
     }
 
     #[test]

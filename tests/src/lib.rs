@@ -631,6 +631,11 @@ impl Relay {
         }
     }
 
+    /// SIGHUP: read the configuration again (as `outroute reload` does).
+    pub fn reload(&self) {
+        self.signal(libc::SIGHUP);
+    }
+
     /// kill -9: no cleanup at all.
     pub fn kill(&mut self) {
         self.signal(libc::SIGKILL);

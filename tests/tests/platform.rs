@@ -227,13 +227,6 @@ async fn one_relay_three_sources_two_teams() -> Result<()> {
     Ok(())
 }
 
-fn hup(relay: &Relay) {
-    // SAFETY: plain kill(2) on our own child's pid.
-    unsafe {
-        libc::kill(relay.child.id() as i32, libc::SIGHUP);
-    }
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_team_file_change_applies_without_restart() -> Result<()> {
     let orders = TestDb::new().await?;
@@ -309,7 +302,7 @@ async fn a_team_file_change_applies_without_restart() -> Result<()> {
     )?;
     let (code, o, e) = cli(&["config", "check", "-c", &c])?;
     assert_eq!(code, 0, "{o}{e}");
-    hup(&relay);
+    relay.reload();
     let applied = eventually(Duration::from_secs(30), || async {
         shipped(&file_sink_deliveries(&out)) >= 100
     })
@@ -348,7 +341,7 @@ async fn a_team_file_change_applies_without_restart() -> Result<()> {
             && e.contains("runs the team's last known good copy instead"),
         "{e}"
     );
-    hup(&relay);
+    relay.reload();
     let refused = eventually(Duration::from_secs(20), || async {
         http_get(&http, "/metrics")
             .await

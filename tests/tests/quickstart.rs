@@ -182,7 +182,7 @@ fn shipped_example_configs_pass_config_check() -> anyhow::Result<()> {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        text.contains("(3 sources, 4 routes, 2 sinks, 4 plugins, 3 included files)"),
+        text.contains("(3 sources, 5 routes, 2 sinks, 4 plugins, 3 included files)"),
         "{text}"
     );
     assert!(!text.contains("s3cr3t"), "a secret was printed: {text}");

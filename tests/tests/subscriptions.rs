@@ -323,3 +323,164 @@ async fn failure_on_one_route(logical: bool) -> Result<()> {
     assert_eq!(copies.len(), work.committed.len());
     Ok(())
 }
+
+/// A team whose file has never passed (no last known good copy) does not
+/// run, but its events wait for it: another team's copy of them goes out,
+/// the rows are not marked, and once the file is fixed the team gets every
+/// one of them, in order, while the copy is not sent again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_team_whose_file_never_passed_gets_its_events_once_it_does() -> Result<()> {
+    waiting_owner(false).await
+}
+
+/// The same for a team that owns its aggregate type and keeps it from
+/// copies (`grants.<team>.owns`, an `exclusive` route): the copying team
+/// never sees those events — neither while the owner's file is refused
+/// (its routes may have been exclusive) nor after.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_owner_keeps_its_events_from_copies() -> Result<()> {
+    waiting_owner(true).await
+}
+
+async fn waiting_owner(exclusive: bool) -> Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir(if exclusive {
+        "subscriptions-exclusive"
+    } else {
+        "subscriptions-waiting"
+    });
+    let copies = dir.join("copies.jsonl");
+    let owned = dir.join("owned.jsonl");
+    let http = free_addr();
+    std::fs::create_dir_all(dir.join("teams"))?;
+    let config = dir.join("outroute.toml");
+    let owns = if exclusive {
+        "owns = [\"payment\"]\n"
+    } else {
+        ""
+    };
+    std::fs::write(
+        &config,
+        format!(
+            "include = [\"teams/*.toml\"]\n[relay]\ncache_dir = \"{cache}\"\nlanes = 4\n\
+             [sources.orders]\nurl = \"{url}\"\n\
+             [sinks.copies]\nkind = \"file\"\npath = \"{copies}\"\n\
+             [sinks.owned]\nkind = \"file\"\npath = \"{owned}\"\n\
+             [grants.analytics]\nsources = [\"orders\"]\nallow = {{ copies = [\"copy.*\"] }}\nplugin_dirs = [\"{dist}\"]\n\
+             [grants.payments]\nsources = [\"orders\"]\naggregate_types = [\"payment\"]\n{owns}\
+             allow = {{ owned = [\"pay.*\"] }}\nplugin_dirs = [\"{dist}\"]\n\
+             [http]\nlisten = \"{http}\"\n",
+            cache = std::env::temp_dir().join("outroute-test-cache").display(),
+            url = db.url,
+            copies = copies.display(),
+            owned = owned.display(),
+            dist = workspace().join("plugins/dist").display(),
+        ),
+    )?;
+    std::fs::write(
+        dir.join("teams/analytics.toml"),
+        format!(
+            "team = \"analytics\"\n[plugins.copy]\npath = \"{}\"\n\
+             [[routes]]\nname = \"copy-all\"\nplugin = \"copy\"\n\
+             config = {{ sink = \"copies\", topic = \"copy.{{event_type}}\" }}\nallow = {{ copies = [\"copy.*\"] }}\n",
+            plugin("order-router").display()
+        ),
+    )?;
+    // Payments' first file does not parse: the team has never run.
+    let payments_file = dir.join("teams/payments.toml");
+    std::fs::write(&payments_file, "team = \"payments\"\n[[routes]\n")?;
+    db.migrate(&config)?;
+    let orders = insert_events(&db.pool, "order", 4, 2).await?;
+    let payments = insert_events(&db.pool, "payment", 2, 3).await?;
+    let copied = if exclusive {
+        orders.committed.len()
+    } else {
+        orders.committed.len() + payments.committed.len()
+    };
+
+    let relay = Relay::start(&config, &[])?;
+    assert!(
+        file_sink_reaches(&copies, copied, Duration::from_secs(30)).await,
+        "copies: {} of {copied}\n{}",
+        file_sink_deliveries(&copies).len(),
+        relay.log_text()
+    );
+    // The orders are done; the payment events wait for payments' file.
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            db.unpublished("").await == payments.committed.len() as i64
+        })
+        .await,
+        "{} rows unpublished\n{}",
+        db.unpublished("").await,
+        relay.log_text()
+    );
+    let (_, ready) = http_get(&http, "/readyz").await?;
+    assert!(
+        ready.contains("route `team:payments` waiting") && ready.contains("teams/payments.toml"),
+        "{ready}"
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        db.unpublished("").await,
+        payments.committed.len() as i64,
+        "still waiting, not marked"
+    );
+    assert!(
+        file_sink_deliveries(&owned).is_empty(),
+        "nothing ran for payments"
+    );
+
+    // The file is fixed: payments gets every one of its events.
+    let route = if exclusive { "exclusive = true\n" } else { "" };
+    std::fs::write(
+        &payments_file,
+        format!(
+            "team = \"payments\"\n[plugins.router]\npath = \"{}\"\n\
+             [[routes]]\nname = \"payments-own\"\nplugin = \"router\"\n{route}\
+             config = {{ sink = \"owned\", topic = \"pay.{{event_type}}\" }}\nallow = {{ owned = [\"pay.*\"] }}\n",
+            plugin("order-router").display()
+        ),
+    )?;
+    let (code, out, err) = cli(&["config", "check", "-c", &config.display().to_string()])?;
+    assert_eq!(code, 0, "{out}{err}");
+    relay.reload();
+    assert!(
+        file_sink_reaches(&owned, payments.committed.len(), Duration::from_secs(30)).await,
+        "payments got {} of {}\n{}",
+        file_sink_deliveries(&owned).len(),
+        payments.committed.len(),
+        relay.log_text()
+    );
+    let report = check(&payments, &file_sink_deliveries(&owned));
+    println!("payments: {report}");
+    report.assert_clean();
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            db.unpublished("").await == 0
+        })
+        .await,
+        "rows left unmarked\n{}",
+        relay.log_text()
+    );
+    // The copies went out once each, and (exclusive) never a payment event.
+    let copies = file_sink_deliveries(&copies);
+    let mut ids: Vec<&str> = copies.iter().map(|d| d.id()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(copies.len(), copied, "no copy sent twice");
+    assert_eq!(ids.len(), copied);
+    let payment_copies = copies
+        .iter()
+        .filter(|d| payments.committed.iter().any(|e| e.id == d.id()))
+        .count();
+    assert_eq!(
+        payment_copies,
+        if exclusive {
+            0
+        } else {
+            payments.committed.len()
+        }
+    );
+    Ok(())
+}

@@ -55,6 +55,12 @@ pub struct Grant {
     /// The same, by event type.
     #[serde(default)]
     pub event_types: Option<Vec<String>>,
+    /// The aggregate types the team owns (name patterns): its routes may be
+    /// `exclusive` over them, so that no other team's route gets a copy.
+    /// An aggregate type has one owner: two grants' patterns may not be
+    /// the same or one within the other.
+    #[serde(default)]
+    pub owns: Vec<String>,
     /// Directories besides the team file's own that the team's plugin and
     /// shadow files may be in (relative to the main file), e.g. a shared
     /// directory of reviewed builds. A team plugin path that leads anywhere
@@ -223,6 +229,44 @@ fn grant_ceiling_problems(config: &Config, team: &str, grant: &Grant) -> Vec<(St
             })
         })
         .collect()
+}
+
+/// Grants whose `owns` overlap another's (an aggregate type has one
+/// owner) or reach outside what the team may read: (key, reason).
+fn ownership_problems(grants: &BTreeMap<String, Grant>) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let overlap = |a: &str, b: &str| {
+        within(&name_pattern(a), &name_pattern(b)) || within(&name_pattern(b), &name_pattern(a))
+    };
+    for (i, (team, grant)) in grants.iter().enumerate() {
+        let key = format!("grants.{team}.owns");
+        for p in &grant.owns {
+            if let Some(readable) = &grant.aggregate_types
+                && !readable
+                    .iter()
+                    .any(|r| within(&name_pattern(p), &name_pattern(r)))
+            {
+                out.push((
+                    key.clone(),
+                    format!(
+                        "`{p}` is outside what team `{team}` may read (grants.{team}.aggregate_types: {})",
+                        readable.join(", ")
+                    ),
+                ));
+            }
+            for (other, theirs) in grants.iter().take(i) {
+                if let Some(q) = theirs.owns.iter().find(|q| overlap(p, q)) {
+                    out.push((
+                        key.clone(),
+                        format!(
+                            "`{p}` overlaps `{q}`, owned by team `{other}`: an aggregate type has one owner"
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    out
 }
 
 /// A team route's limits above its grant's ceilings: (field, reason).
@@ -592,6 +636,13 @@ pub fn merge(
             last_good: ran,
         });
     }
+    for (key, reason) in ownership_problems(&config.grants) {
+        merged.problems.push(ConfigError {
+            file: main.into(),
+            key,
+            reason,
+        });
+    }
     for (team, grant) in &config.grants {
         for (key, reason) in grant_ceiling_problems(config, team, grant) {
             merged.problems.push(ConfigError {
@@ -918,6 +969,34 @@ fn merge_one(state: &mut State, file: &Path, text: &str) -> Vec<ConfigError> {
                             team.team,
                             granted.join(", ")
                         ),
+                    );
+                }
+            }
+        }
+        // Keeping a copy from other teams is the owner's right only.
+        if route.exclusive {
+            for p in &route.aggregate_types {
+                if !grant
+                    .owns
+                    .iter()
+                    .any(|o| within(&name_pattern(p), &name_pattern(o)))
+                {
+                    bad(
+                        key("exclusive"),
+                        if grant.owns.is_empty() {
+                            format!(
+                                "team `{}` owns no aggregate types (grants.{}.owns): its routes cannot be exclusive",
+                                team.team, team.team
+                            )
+                        } else {
+                            format!(
+                                "aggregate type pattern `{p}` is not owned by team `{}` (grants.{}.owns: {}): \
+                                 a route can be exclusive only over what its team owns",
+                                team.team,
+                                team.team,
+                                grant.owns.join(", ")
+                            )
+                        },
                     );
                 }
             }

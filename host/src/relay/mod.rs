@@ -49,10 +49,6 @@ mod background;
 /// they are looked at again (the plugin's file is checked every second).
 const PLUGIN_WAIT: Duration = Duration::from_secs(2);
 
-/// How long an event no route selects waits, while a team that may read
-/// this source has its file refused, before it is looked at again.
-const TEAM_WAIT: Duration = Duration::from_secs(5);
-
 /// The lanes with events in a batch in flight: a lane is in at most one
 /// batch at a time, so the events of one aggregate are never in two
 /// batches (the ordering rules in `pipeline.rs` work within a batch).
@@ -177,10 +173,6 @@ pub struct Relay {
     pub relay_id: String,
     /// Lanes in a batch in flight (lease mode).
     pub in_flight: InFlight,
-    /// Teams granted this source whose file is refused and that have no
-    /// last known good copy running: an event no route selects may be
-    /// theirs, so it waits instead of failing.
-    pub teams_waiting: Vec<String>,
 }
 
 /// How many events a batch published, held and failed.
@@ -304,6 +296,27 @@ impl RoutePlugins {
         routes
             .0
             .retain(|r| crate::config::Config::route_reads(&r.config, source));
+        // A team granted this source whose file is refused, with no last
+        // known good copy running: a stand-in route holds its events.
+        for refused in loaded.refused.iter().filter(|r| !r.last_good) {
+            let Some(team) = refused.file.file_stem().map(|s| s.to_string_lossy()) else {
+                continue;
+            };
+            let Some(grant) = config.grants.get(team.as_ref()) else {
+                continue;
+            };
+            if !grant.sources.iter().any(|s| s == source) {
+                continue;
+            }
+            if !grant.owns.is_empty() {
+                routes
+                    .0
+                    .push(Route::waiting_for(&team, grant, true, 0).map_err(anyhow::Error::msg)?);
+            }
+            routes
+                .0
+                .push(Route::waiting_for(&team, grant, false, 0).map_err(anyhow::Error::msg)?);
+        }
         // From here on a route's index is its place in this relay's list
         // (the plugin handles and quarantine slots follow it).
         for (i, r) in routes.0.iter_mut().enumerate() {
@@ -313,6 +326,19 @@ impl RoutePlugins {
         let loads = routes.0.iter().map(|r| {
             let runtime = &runtime;
             async move {
+                if let Some(team) = r.waiting_team() {
+                    let handle = PluginHandle::waiting(
+                        runtime,
+                        std::path::Path::new(""),
+                        serde_json::Value::Null,
+                        Limits::of(&r.config),
+                    );
+                    let why = format!(
+                        "team `{team}`'s file is refused and no last known good copy of it runs: \
+                         the events its grant selects wait for it"
+                    );
+                    return anyhow::Ok((Arc::new(handle), None, None, Some(why)));
+                }
                 let pc = config.plugins.get(&r.config.plugin).ok_or_else(|| {
                     anyhow::anyhow!("routes.{}: no plugin `{}`", r.name(), r.config.plugin)
                 })?;
@@ -455,18 +481,6 @@ impl Relay {
             relay_id,
             store_config,
             in_flight: InFlight::default(),
-            teams_waiting: loaded
-                .refused
-                .iter()
-                .filter(|r| !r.last_good)
-                .filter_map(|r| Some(r.file.file_stem()?.to_string_lossy().into_owned()))
-                .filter(|team| {
-                    config
-                        .grants
-                        .get(team)
-                        .is_some_and(|g| g.sources.iter().any(|s| s == source))
-                })
-                .collect(),
         })
     }
 
@@ -934,19 +948,6 @@ impl Relay {
                             planned.events.push(start..units.len());
                             continue;
                         }
-                        // Its route may be a team's whose file is refused:
-                        // it waits for the file rather than fail.
-                        None if !self.teams_waiting.is_empty() => Plan::Defer {
-                            route: None,
-                            reason: format!(
-                                "no route selects aggregate type `{}` / event type `{}` while the file of team(s) {} \
-                                 is refused: waiting for it",
-                                ev.aggregate_type,
-                                ev.event_type,
-                                self.teams_waiting.join(", ")
-                            ),
-                            delay: TEAM_WAIT,
-                        },
                         None => Plan::Fail {
                             route: None,
                             rejection: Rejection::Invalid(format!(
@@ -974,10 +975,14 @@ impl Relay {
         for (route_idx, mut idxs) in by_route {
             // A route whose plugin is not loaded: its units wait for it.
             if let Some((why, _)) = self.plugin_parts[route_idx].why_down() {
+                let reason = match self.routes.0[route_idx].waiting_team() {
+                    Some(_) => why,
+                    None => format!("plugin not loaded: {why}"),
+                };
                 for i in idxs {
                     units[i].1 = Plan::Defer {
                         route: Some(route_idx),
-                        reason: format!("plugin not loaded: {why}"),
+                        reason: reason.clone(),
                         delay: PLUGIN_WAIT,
                     };
                 }
