@@ -778,3 +778,68 @@ async fn without_wal_level_logical_the_source_waits_naming_the_setting() -> anyh
     db.drop_db().await;
     Ok(())
 }
+
+/// One producer transaction of 300,000 rows, with the relay's statement
+/// timeout at 200 ms (deleting them in one statement takes ~0.7 s here): the captured rows are deleted a chunk at a time, each
+/// within the timeout. As one statement (before) the delete never finished:
+/// the cleaner stopped, the stream restarted at the transaction and sent
+/// all of it again, over and over, while the WAL piled up.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_huge_transaction_is_cleaned_up_in_chunks() -> anyhow::Result<()> {
+    const ROWS: i64 = 300_000;
+    let db = TestDb::new_logical().await?;
+    let dir = test_dir("logical-huge-tx");
+    let out = dir.join("out.jsonl");
+    let config = write_config_with(
+        &dir,
+        &db.url,
+        &format!("{LOGICAL}\nstatement_timeout = \"200ms\""),
+        "batch_size = 1000",
+        &relay_body(
+            "",
+            &[TestSink::File(&out)],
+            "order-router",
+            "orders",
+            FILE_ROUTE,
+        ),
+    )?;
+    db.migrate(&config)?;
+    let relay = Relay::start(&config, &[])?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    sqlx::query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'order', 'a' || (g % 1000), 'order-created', jsonb_build_object('n', g) \
+         FROM generate_series(1, $1::int8) g",
+    )
+    .bind(ROWS)
+    .execute(&db.pool)
+    .await?;
+    let cleaned = eventually(Duration::from_secs(240), || async {
+        db.count("SELECT count(*) FROM outbox").await == 0
+    })
+    .await;
+    let sent = file_sink_deliveries(&out);
+    let unique: std::collections::HashSet<&str> = sent.iter().map(|d| d.id()).collect();
+    assert!(
+        cleaned,
+        "{} rows left, {} sent ({} distinct)\n{}",
+        db.count("SELECT count(*) FROM outbox").await,
+        sent.len(),
+        unique.len(),
+        relay.log_text()
+    );
+    assert_eq!(unique.len() as i64, ROWS);
+    // The cleaner never gave up on a delete (each statement well within the
+    // timeout). Given up, a delete may still finish on the server, but the
+    // cleaner stops, the slot is not confirmed and the stream restarts.
+    let log = relay.log_text();
+    assert!(
+        !log.contains("deleting captured rows failed"),
+        "a cleanup statement timed out:\n{log}"
+    );
+    // Sent once (a restart would have sent the transaction again).
+    assert_eq!(sent.len() as i64, ROWS, "{}", relay.log_text());
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}

@@ -51,7 +51,7 @@ use crate::event::{Event, Malformed, RawRow};
 use crate::failpoint;
 use crate::metrics as m;
 use crate::pipeline::{LeaseGuard, LeaseView};
-use crate::relay::{BatchReport, Relay, sleep_or_cancel};
+use crate::relay::{AbortOnDrop, BatchReport, Relay, sleep_or_cancel};
 use crate::store::postgres::{CAPTURE_LANE, CapturedRows, HeldAggregates, PgStore};
 use crate::store::{Captured, Claim, Failure, FailureKind};
 
@@ -927,8 +927,7 @@ impl Relay {
             };
             published += report.published;
             failpoint::hit("mid-mark");
-            pg.bounded("deleting captured rows", pg.delete_captured(&rows))
-                .await?;
+            pg.delete_captured(&rows).await?;
             if !pg
                 .bounded(
                     "recording backfill progress",
@@ -1250,10 +1249,7 @@ impl Relay {
             .is_some_and(|l| l.input == LogicalInput::Table);
         while let Some(job) = work.recv().await {
             if table && !job.rows.is_empty() {
-                match pg
-                    .bounded("deleting captured rows", pg.delete_captured(&job.rows))
-                    .await
-                {
+                match pg.delete_captured(&job.rows).await {
                     Ok(n) if n > 0 => {
                         metrics::counter!(m::PURGED, "source" => self.source.clone()).increment(n)
                     }
@@ -1414,15 +1410,6 @@ impl Relay {
                 delay: Duration::ZERO,
             },
         )
-    }
-}
-
-/// Abort the reader task when the streaming session ends, however it ends.
-struct AbortOnDrop<T = ()>(tokio::task::JoinHandle<T>);
-
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 

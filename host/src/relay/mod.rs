@@ -233,6 +233,17 @@ pub(crate) fn seconds_since(then: chrono::DateTime<Utc>, now: chrono::DateTime<U
     ((now - then).num_microseconds().unwrap_or(0) as f64 / 1e6).max(0.0)
 }
 
+/// A task aborted when this is dropped: a task that must not outlive its
+/// owner (a detached task would keep running after a shutdown gave up on
+/// it).
+pub(crate) struct AbortOnDrop<T = ()>(pub tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Spawn a task in the current span (so a source's background tasks and
 /// workers log with its `source` field).
 fn spawn_here<F>(f: F) -> tokio::task::JoinHandle<F::Output>
@@ -510,11 +521,20 @@ impl Relay {
             let capture = spawn_here(self.clone().run_capture(lease_rx, shutdown.clone()));
             shutdown.cancelled().await;
             tracing::info!(source = %self.source, "stopping: finishing the in-flight batch");
-            if tokio::time::timeout(self.config.shutdown_timeout, capture)
+            let mut capture = AbortOnDrop(capture);
+            if tokio::time::timeout(self.config.shutdown_timeout, &mut capture.0)
                 .await
                 .is_err()
             {
-                tracing::warn!("the in-flight batch did not finish in time; the slot re-reads it");
+                // Stopped, not left running: a successor in this process
+                // streams from the confirmed position under the same relay
+                // id, and must not meet this session still publishing,
+                // cleaning up or recording.
+                capture.0.abort();
+                let _ = (&mut capture.0).await;
+                tracing::warn!(
+                    "the in-flight batch did not finish in time: stopped; the slot re-reads it"
+                );
             }
             stop_leasing.cancel();
             for t in background {
@@ -554,24 +574,31 @@ impl Relay {
                 shutdown.clone(),
             )));
         }
-        let workers: Vec<_> = (0..self.config.concurrency)
-            .map(|i| {
-                spawn_here(self.clone().supervise(
-                    i,
-                    lease_rx.clone(),
-                    wake.clone(),
-                    shutdown.clone(),
-                ))
-            })
-            .collect();
+        let mut workers = tokio::task::JoinSet::new();
+        for i in 0..self.config.concurrency {
+            workers.spawn(
+                self.clone()
+                    .supervise(i, lease_rx.clone(), wake.clone(), shutdown.clone())
+                    .in_current_span(),
+            );
+        }
 
         shutdown.cancelled().await;
         tracing::info!(source = %self.source, "stopping: finishing in-flight batches");
-        let drained = tokio::time::timeout(self.config.shutdown_timeout, join_all(workers)).await;
+        let drained = tokio::time::timeout(self.config.shutdown_timeout, async {
+            while workers.join_next().await.is_some() {}
+        })
+        .await;
         if drained.is_err() {
+            // Stopped, not left running: a successor in this process (a
+            // reload) claims the same lanes under the same relay id, and
+            // must not meet these batches still publishing, marking or
+            // recording a hold behind its back.
+            workers.abort_all();
+            while workers.join_next().await.is_some() {}
             tracing::warn!(
                 timeout = ?self.config.shutdown_timeout,
-                "in-flight batches did not finish in time; their rows stay pending and lanes lapse after lease_ttl"
+                "in-flight batches did not finish in time: stopped; their rows stay pending (sent messages may go out again) and lanes lapse after lease_ttl"
             );
         }
         stop_leasing.cancel();
@@ -600,13 +627,14 @@ impl Relay {
         shutdown: CancellationToken,
     ) {
         loop {
-            let worker = spawn_here(self.clone().work(
+            // Aborted with its supervisor (a shutdown that timed out).
+            let mut worker = AbortOnDrop(spawn_here(self.clone().work(
                 index,
                 leases.clone(),
                 wake.clone(),
                 shutdown.clone(),
-            ));
-            match worker.await {
+            )));
+            match (&mut worker.0).await {
                 Ok(()) => return,
                 Err(e) => {
                     tracing::error!(

@@ -41,6 +41,10 @@ pub type HeldAggregates = std::collections::HashMap<(String, String), Vec<String
 /// The lane number of the capture lease in `outroute_lanes`.
 pub const CAPTURE_LANE: i32 = -1;
 
+/// Most captured rows one cleanup statement deletes (at ~10 µs an index
+/// probe, well within any `statement_timeout`).
+pub const CLEANUP_CHUNK: usize = 5_000;
+
 /// The table rows of handled captured events, for the cleanup: their
 /// sequence numbers, and their ids when the sequence column is not known
 /// to be unique ([`PgStore::deletes_by_id`]).
@@ -793,19 +797,42 @@ impl PgStore {
         Ok(n)
     }
 
-    /// Delete the rows of handled captured events, in one statement: by
+    /// Delete the rows of handled captured events, a statement per
+    /// [`CLEANUP_CHUNK`] rows, each under `store.statement_timeout`: by
     /// their sequence numbers (one index probe each, exactly the rows
     /// handled), or by id when the sequence column is not unique (a number
     /// would also take an unread or lease-mode failed row sharing it).
     ///
     /// (It used to delete runs of consecutive numbers, a statement per run:
     /// with producers committing concurrently runs are a few rows long, and
-    /// the round trips cost the relay 15 % of its CPU in a drain.)
+    /// the round trips cost the relay 15 % of its CPU in a drain. And it
+    /// used to be one statement, however many rows: one producer transaction
+    /// of a million rows then never finished within the timeout, and the
+    /// stream re-published that transaction over and over.)
     pub async fn delete_captured(&self, rows: &CapturedRows) -> Result<u64> {
+        let mut deleted = 0;
+        if self.seq_unique {
+            for seqs in rows.seqs.chunks(CLEANUP_CHUNK) {
+                deleted += self
+                    .bounded("deleting captured rows", self.delete_chunk(seqs, &[]))
+                    .await?;
+            }
+        } else {
+            for ids in rows.ids.chunks(CLEANUP_CHUNK) {
+                deleted += self
+                    .bounded("deleting captured rows", self.delete_chunk(&[], ids))
+                    .await?;
+            }
+        }
+        Ok(deleted)
+    }
+
+    /// One statement of [`PgStore::delete_captured`]: `seqs` or `ids`.
+    async fn delete_chunk(&self, seqs: &[i64], ids: &[String]) -> Result<u64> {
         let Some(seq) = self.cleanup_column() else {
             return Ok(0);
         };
-        if rows.is_empty() {
+        if seqs.is_empty() && ids.is_empty() {
             return Ok(0);
         }
         let sql = if self.seq_unique {
@@ -825,9 +852,9 @@ impl PgStore {
         };
         let q = sqlx::query(&sql);
         let q = if self.seq_unique {
-            q.bind(&rows.seqs)
+            q.bind(seqs)
         } else {
-            q.bind(&rows.ids)
+            q.bind(ids)
         };
         Ok(q.execute(&self.pool)
             .await
