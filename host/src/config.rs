@@ -135,7 +135,8 @@ pub struct RelayConfig {
     pub notify_channel: Option<String>,
     /// Ordering mode: `aggregate` (default), `strict` or `none`.
     pub ordering: Ordering,
-    /// How long SIGTERM waits for in-flight batches before exiting.
+    /// How long SIGTERM (or a reload that changes a source) waits for
+    /// in-flight batches; then they are stopped, their rows left pending.
     #[serde(with = "humantime_serde")]
     #[schemars(with = "String")]
     pub shutdown_timeout: Duration,
