@@ -87,6 +87,9 @@ impl RawRow {
                 None => Some(format!("{col} is NULL")),
                 Some(_) => None,
             };
+            if self.id.is_empty() {
+                return Some("id is NULL or empty".into());
+            }
             let Some(payload) = &self.payload else {
                 return Some("payload is NULL".into());
             };

@@ -843,3 +843,108 @@ async fn a_huge_transaction_is_cleaned_up_in_chunks() -> anyhow::Result<()> {
     db.drop_db().await;
     Ok(())
 }
+
+/// Ids reused within a table without a unique id, and NULL ids: the second
+/// event under a taken id fails alone, recorded under an id of its own
+/// (`<id>@<commit lsn>/<seq>`, with the reason), and the stream moves on.
+/// Before, its record found the id taken, recorded nothing, the batch was
+/// never confirmed and the stream restarted at it for ever.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reused_or_null_id_fails_that_event_alone() -> anyhow::Result<()> {
+    let db = TestDb::new_logical().await?;
+    sqlx::query(
+        "CREATE TABLE ev (id text, pos bigserial, aggregate_id text NOT NULL, \
+         event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
+    )
+    .execute(&db.pool)
+    .await?;
+    let dir = test_dir("logical-taken-ids");
+    let out = dir.join("out.jsonl");
+    let body = format!(
+        "{}\n{}",
+        own_table("ev", "pos"),
+        relay_body("", &[TestSink::File(&out)], "hostile", "orders", FILE_ROUTE)
+    );
+    let config = write_config_with(&dir, &db.url, LOGICAL, "lease_ttl = \"2s\"", &body)?;
+    db.migrate(&config)?;
+    let relay = Relay::start(&config, &[])?;
+    let add = |id: Option<&'static str>, agg: &'static str, payload: serde_json::Value| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query(
+                "INSERT INTO ev (id, aggregate_id, event_type, payload) VALUES ($1, $2, 'created', $3)",
+            )
+            .bind(id)
+            .bind(agg)
+            .bind(payload)
+            .execute(&pool)
+            .await
+        }
+    };
+    // `dup` fails (and holds X); the next X event, under the same id,
+    // waits behind it and needs a record of its own.
+    add(Some("dup"), "X", serde_json::json!({"hostile": "reject"})).await?;
+    add(Some("dup"), "X", serde_json::json!({})).await?;
+    // Two rows without an id: each fails (malformed), the second under a
+    // taken (empty) id.
+    add(None, "N", serde_json::json!({})).await?;
+    add(None, "M", serde_json::json!({})).await?;
+    add(Some("after"), "Z", serde_json::json!({})).await?;
+    let written: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+        .fetch_one(&db.pool)
+        .await?;
+    assert!(
+        file_sink_reaches(&out, 1, Duration::from_secs(30)).await,
+        "the stream did not move on past the taken ids\n{}",
+        relay.log_text()
+    );
+    // The slot is confirmed past them (before, it never was: the WAL piled
+    // up until the slot was invalidated).
+    let confirmed = eventually(Duration::from_secs(30), || async {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT bool_or(confirmed_flush_lsn >= $1::pg_lsn) FROM pg_replication_slots \
+             WHERE database = current_database()",
+        )
+        .bind(&written)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap_or(false)
+    })
+    .await;
+    assert!(
+        confirmed,
+        "the slot was not confirmed past the taken ids\n{}",
+        relay.log_text()
+    );
+    assert_eq!(delivered_ids(&out), vec!["after".to_string()]);
+    let failed: Vec<(String, String)> = sqlx::query_as(
+        "SELECT event_id, last_error FROM outroute_event_state WHERE failed_at IS NOT NULL ORDER BY seq",
+    )
+    .fetch_all(&db.pool)
+    .await?;
+    assert_eq!(failed.len(), 4, "{failed:?}");
+    assert_eq!(failed[0].0, "dup");
+    assert!(
+        failed[1].0.starts_with("dup@")
+            && failed[1].1.contains("id `dup` is taken by another event"),
+        "{failed:?}"
+    );
+    assert!(
+        failed[2].0.is_empty() && failed[2].1.contains("id is NULL or empty"),
+        "{failed:?}"
+    );
+    assert!(
+        failed[3].0.starts_with('@') && failed[3].1.contains("is taken"),
+        "{failed:?}"
+    );
+    assert!(
+        !relay
+            .log_text()
+            .contains("capture lease lost while recording"),
+        "{}",
+        relay.log_text()
+    );
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}

@@ -1964,6 +1964,13 @@ impl PgStore {
     }
 
     pub async fn record_failures(&self, failures: &[Failure]) -> Result<u64> {
+        self.record_failures_as(failures, true).await
+    }
+
+    /// [`PgStore::record_failures`]; `alias`: a streamed event whose id
+    /// another waiting or failed event of the source already has is
+    /// recorded under an id of its own (see below).
+    async fn record_failures_as(&self, failures: &[Failure], alias: bool) -> Result<u64> {
         let s = self.sql()?;
         let mut recorded = 0;
         for f in failures {
@@ -2044,6 +2051,28 @@ impl PgStore {
                 .context("recording a failed attempt")?
                 .rows_affected();
             if done == 0 {
+                // A streamed event whose id is taken by another event of
+                // the source that still waits or failed (a table without a
+                // unique id, ids reused, NULLs): recorded, failed, under an
+                // id of its own (`<id>@<commit lsn>/<seq>`, the id it goes
+                // by from now on), so that it fails alone and the stream
+                // moves on. (Recording nothing would leave the batch
+                // unconfirmed, and the stream would restart at it forever.)
+                // Nothing is recorded when the capture lease is lost.
+                if alias && let Some((lsn, _)) = &f.parked {
+                    let own = format!("{}@{lsn}/{}", f.id, f.sequence);
+                    let mut taken = f.clone();
+                    taken.reason = format!(
+                        "id `{}` is taken by another event of this source that waits or failed (ids must be unique \
+                         per source): this event is kept as `{own}`; {}",
+                        f.id, f.reason
+                    );
+                    taken.id = own;
+                    taken.kind = FailureKind::Failed { hold: false };
+                    recorded +=
+                        Box::pin(self.record_failures_as(std::slice::from_ref(&taken), false))
+                            .await?;
+                }
                 continue; // fenced: the lane is no longer ours
             }
             recorded += 1;
