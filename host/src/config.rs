@@ -1667,6 +1667,53 @@ plugin_dirs = ["."]
     }
 
     #[test]
+    fn a_grant_bounds_the_event_types_a_team_reads() {
+        let d = tmp();
+        let f = write(
+            &d,
+            &PLATFORM.replace(
+                "sources = [\"orders\"]\n",
+                "sources = [\"orders\"]\nevent_types = [\"payment.*\"]\n",
+            ),
+        );
+        team_file(&d, "payments.toml", PAYMENTS);
+        let l = load(&f).unwrap();
+        assert!(l.refused.is_empty(), "{:?}", l.refused);
+        assert_eq!(l.config.routes[0].event_types, ["payment.*"]);
+        team_file(
+            &d,
+            "payments.toml",
+            &format!("{PAYMENTS}event_types = [\"payment.refunded\"]\n"),
+        );
+        assert!(load(&f).unwrap().refused.is_empty());
+        // `*`, written out, is the default: it reads the grant's.
+        team_file(
+            &d,
+            "payments.toml",
+            &format!("{PAYMENTS}event_types = [\"*\"]\n"),
+        );
+        let l = load(&f).unwrap();
+        assert!(l.refused.is_empty(), "{:?}", l.refused);
+        assert_eq!(l.config.routes[0].event_types, ["payment.*"]);
+        let team = d.join("teams/payments.toml").display().to_string();
+        for pats in ["\"order.created\"", "\"payment.*\", \"order.*\""] {
+            team_file(
+                &d,
+                "payments.toml",
+                &format!("{PAYMENTS}event_types = [{pats}]\n"),
+            );
+            let p = problems(&f);
+            assert!(
+                p.iter().any(|e| e.file == team
+                    && e.key == "routes[0].event_types"
+                    && e.reason
+                        .contains("outside team `payments`'s grant (event_types: payment.*)")),
+                "{pats}: {p:?}"
+            );
+        }
+    }
+
+    #[test]
     fn only_an_owner_keeps_events_from_copies() {
         let d = tmp();
         let owner = PLATFORM.replace(
