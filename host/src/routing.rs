@@ -40,6 +40,12 @@ pub fn name_matcher(pattern: &str) -> Result<GlobMatcher, String> {
         .map_err(|e| format!("bad pattern `{pattern}`: {e}"))
 }
 
+/// Compile a list of name patterns (a route's `aggregate_types` or
+/// `event_types`).
+fn name_matchers(patterns: &[String]) -> Result<Vec<GlobMatcher>, String> {
+    patterns.iter().map(|p| name_matcher(p)).collect()
+}
+
 /// A topic as [`topic_matcher`]'s matchers see it.
 pub fn topic_key(topic: &str) -> String {
     topic.replace('/', "\u{1}").replace('.', "/")
@@ -224,13 +230,10 @@ impl Route {
             "exclusive": exclusive,
         }))
         .map_err(|e| format!("team `{team}`'s stand-in route: {e}"))?;
-        let names = |pats: &[String]| -> Result<Vec<GlobMatcher>, String> {
-            pats.iter().map(|p| name_matcher(p)).collect()
-        };
         Ok(Route {
             index,
-            aggregate_types: names(&config.aggregate_types)?,
-            event_types: names(&config.event_types)?,
+            aggregate_types: name_matchers(&config.aggregate_types)?,
+            event_types: name_matchers(&config.event_types)?,
             config,
             allowed: Vec::new(),
         })
@@ -297,9 +300,6 @@ impl Routes {
     pub fn compile(config: &Config) -> Result<Self, String> {
         let mut out = Vec::new();
         for (index, r) in config.routes.iter().enumerate() {
-            let names = |pats: &[String]| -> Result<Vec<GlobMatcher>, String> {
-                pats.iter().map(|p| name_matcher(p)).collect()
-            };
             let mut allowed = Vec::new();
             for (sink, pats) in &r.allow {
                 let sink_cfg = config
@@ -324,8 +324,8 @@ impl Routes {
             out.push(Route {
                 index,
                 config: r.clone(),
-                aggregate_types: names(&r.aggregate_types)?,
-                event_types: names(&r.event_types)?,
+                aggregate_types: name_matchers(&r.aggregate_types)?,
+                event_types: name_matchers(&r.event_types)?,
                 allowed,
             });
         }
