@@ -2104,6 +2104,25 @@ plugin_dirs = ["."]
     }
 
     #[test]
+    fn the_queue_needs_a_failed_marker() {
+        let d = tmp();
+        let table = "[store.table]\nname = \"ev\"\nid = \"id\"\nsequence = \"seq\"\naggregate_id = \"a\"\n\
+            aggregate_type_value = \"order\"\nevent_type = \"e\"\npayload = \"p\"\ncreated_at = \"c\"\n\
+            marking = { style = \"queue\" }\n";
+        let body = GOOD.replace("[sinks.kafka]", &format!("{table}[sinks.kafka]"));
+        let text = load(&write(&d, &body)).unwrap_err().to_string();
+        assert!(
+            text.contains("store.table.failed_at") && text.contains("count as published"),
+            "{text}"
+        );
+        let body = GOOD.replace(
+            "[sinks.kafka]",
+            &format!("{table}failed_at = \"f\"\n[sinks.kafka]"),
+        );
+        assert!(load(&write(&d, &body)).is_ok());
+    }
+
+    #[test]
     fn redacts_passwords() {
         assert_eq!(
             redact_url("postgres://u:secret@h/db"),

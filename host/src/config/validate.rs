@@ -71,6 +71,15 @@ impl Loaded {
                             .into(),
                     );
                 }
+                if t.failed_at.is_none() {
+                    err(
+                        format!("{key}.table.failed_at"),
+                        "style `queue` takes an event that failed for good off the queue, so the row must \
+                         say it failed: set `failed_at` to a nullable timestamp column (without it the row \
+                         would count as published, be purged by retention and re-sent by replay)"
+                            .into(),
+                    );
+                }
                 if sc.url.starts_with("sqlite:") || sc.capture == CaptureMode::Logical {
                     err(
                         format!("{key}.table.marking"),

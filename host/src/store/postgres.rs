@@ -169,6 +169,10 @@ impl Shape {
     }
 }
 
+/// The start of the key of a row without an id (NULL or ''): followed by
+/// the row's place in the table (`no-id@(0,4)`), see [`TableSql::id_key`].
+pub const NO_ID: &str = "no-id@";
+
 /// True when no event of the source (`$1`) has a state row: uncorrelated,
 /// so PostgreSQL evaluates it once per statement (an InitPlan).
 const NO_STATE: &str =
@@ -205,6 +209,9 @@ pub struct TableSql {
     /// The payload column is `json`/`jsonb` (set by `check_table`): rows
     /// are not parsed again to check it.
     payload_is_json: bool,
+    /// The id column may hold NULL or '' (set by `check_table`): state rows
+    /// then key such a row by its place in the table ([`TableSql::id_key`]).
+    id_may_be_missing: bool,
     /// The lane index: its name and `CREATE INDEX` statement (the pending
     /// queue's set-up under `marking = queue`).
     index_name: String,
@@ -373,10 +380,45 @@ impl TableSql {
             published,
             select_cols,
             payload_is_json: false,
+            id_may_be_missing: false,
             index_name,
             index_ddl,
             cfg: t.clone(),
         }
+    }
+
+    /// The key of a row's state rows (`outroute_event_state.event_id`): its
+    /// id as text, or, for a row without one (NULL or ''), where it lies in
+    /// the table ([`no_id_key`]), so that such a row fails alone and the
+    /// rows after it flow. A producer that sets the id later gives the row
+    /// its real key: it is claimed again and published.
+    fn id_key(&self) -> String {
+        if self.id_may_be_missing {
+            format!(
+                "coalesce(nullif({id}::text, ''), '{NO_ID}' || o.ctid::text)",
+                id = self.id
+            )
+        } else {
+            format!("{}::text", self.id)
+        }
+    }
+
+    /// A condition on alias `o`: the row is one of `keys` (SQL for a
+    /// `text[]` of state keys, see [`Self::id_key`]): by the id's index, and
+    /// for rows without an id by their place, re-checked against the key
+    /// (a slot freed since may hold another row by now).
+    fn is_one_of(&self, keys: &str) -> String {
+        if !self.id_may_be_missing {
+            return format!("{} = ANY(({keys})::{}[])", self.id, self.id_type);
+        }
+        format!(
+            "o.ctid = ANY(ARRAY(SELECT x.ctid FROM {table} x WHERE x.{id} = ANY(ARRAY(SELECT k FROM unnest({keys}) k                WHERE k NOT LIKE '{NO_ID}%')::{ty}[])                UNION ALL SELECT substr(k, {from})::tid FROM unnest({keys}) k WHERE k LIKE '{NO_ID}%'))              AND {key} = ANY({keys})",
+            table = self.table,
+            id = quote(&self.cfg.id),
+            ty = self.id_type,
+            from = NO_ID.len() + 1,
+            key = self.id_key(),
+        )
     }
 
     /// `$n` cast to an array of the id column's type.
@@ -396,9 +438,9 @@ impl TableSql {
     fn state_filter(&self, ordering: Ordering) -> String {
         let own = format!(
             "AND CASE WHEN {NO_STATE} THEN TRUE ELSE NOT EXISTS (SELECT 1 FROM outroute_event_state s \
-               WHERE s.source = $1 AND s.event_id = {id}::text \
+               WHERE s.source = $1 AND s.event_id = {id} \
                AND (s.failed_at IS NOT NULL OR s.next_attempt_at > now()) OFFSET 0) END",
-            id = self.id
+            id = self.id_key()
         );
         // Routes are subscriptions: an earlier blocking event holds back
         // only the routes it still waits for (`waiting_routes`, NULL: all).
@@ -410,10 +452,10 @@ impl TableSql {
             Ordering::Aggregate | Ordering::Strict => format!(
                 " AND CASE WHEN {NO_STATE} THEN TRUE ELSE NOT EXISTS (SELECT 1 FROM ({held}) h \
                    WHERE h.held && '{{*}}'::text[] OR h.held @> coalesce((SELECT s.waiting_routes \
-                     FROM outroute_event_state s WHERE s.source = $1 AND s.event_id = {id}::text), $4::text[]) \
+                     FROM outroute_event_state s WHERE s.source = $1 AND s.event_id = {id}), $4::text[]) \
                    OFFSET 0) END",
                 held = self.held_routes(),
-                id = self.id
+                id = self.id_key()
             ),
             Ordering::None => String::new(),
         };
@@ -427,11 +469,11 @@ impl TableSql {
             "SELECT array_agg(DISTINCT r) AS held FROM outroute_event_state b \
                CROSS JOIN LATERAL unnest(coalesce(b.waiting_routes, '{{*}}'::text[])) r \
                WHERE b.source = $1 AND b.aggregate_type = {at} AND b.aggregate_id = {ai} AND b.seq <= {seq} \
-               AND b.event_id <> {id}::text AND b.blocks_until > now()",
+               AND b.event_id <> {id} AND b.blocks_until > now()",
             at = self.aggregate_type,
             ai = self.aggregate_id,
             seq = self.seq,
-            id = self.id
+            id = self.id_key()
         )
     }
 
@@ -448,8 +490,8 @@ impl TableSql {
         };
         format!(
             "o.ctid::text AS tid, CASE WHEN {NO_STATE} THEN NULL ELSE (SELECT st.attempts FROM outroute_event_state st \
-               WHERE st.source = $1 AND st.event_id = {}::text) END AS state_attempts, {held} AS held_routes",
-            self.id
+               WHERE st.source = $1 AND st.event_id = {}) END AS state_attempts, {held} AS held_routes",
+            self.id_key()
         )
     }
 
@@ -968,27 +1010,41 @@ impl PgStore {
         }
         // Every mapped column's type in one round trip.
         let names: Vec<&str> = cols.iter().map(|(_, c)| c.as_str()).collect();
-        let types: std::collections::HashMap<String, String> = sqlx::query_as::<_, (String, String)>(
-            "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod) FROM pg_attribute a \
-             WHERE a.attrelid = to_regclass($1) AND a.attname::text = ANY($2::text[]) AND NOT a.attisdropped AND a.attnum > 0",
-        )
-        .bind(quote(&t.name))
-        .bind(&names)
-        .fetch_all(&self.pool)
-        .await?
-        .into_iter()
-        .collect();
+        let types: std::collections::HashMap<String, (String, bool)> =
+            sqlx::query_as::<_, (String, String, bool)>(
+                "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), a.attnotnull FROM pg_attribute a \
+                 WHERE a.attrelid = to_regclass($1) AND a.attname::text = ANY($2::text[]) AND NOT a.attisdropped AND a.attnum > 0",
+            )
+            .bind(quote(&t.name))
+            .bind(&names)
+            .fetch_all(&self.pool)
+            .await?
+            .into_iter()
+            .map(|(name, ty, not_null)| (name, (ty, not_null)))
+            .collect();
         let mut id_type = String::new();
+        let mut id_may_be_missing = false;
         let mut payload_is_json = false;
         for (key, col) in cols {
-            match types.get(col.as_str()) {
+            match types
+                .get(col.as_str())
+                .map(|(ty, not_null)| (ty, *not_null))
+            {
                 None => bail!(
                     "{}.table.{key}: column `{col}` not found in table `{}`",
                     self.key,
                     t.name
                 ),
-                Some(ty) if key == "id" => id_type = ty.clone(),
-                Some(ty) if key == "payload" => {
+                Some((ty, not_null)) if key == "id" => {
+                    id_type = ty.clone();
+                    // Text ids may be empty, nullable ones NULL: such rows
+                    // go by their place in the table (see `TableSql::id_key`).
+                    id_may_be_missing = !not_null
+                        || ["text", "character", "character varying"]
+                            .iter()
+                            .any(|t| ty == t || ty.starts_with(&format!("{t}(")));
+                }
+                Some((ty, _)) if key == "payload" => {
                     payload_is_json = ty == "json" || ty == "jsonb";
                     if ty == "jsonb" {
                         tracing::info!(
@@ -1025,6 +1081,7 @@ impl PgStore {
         }
         let mut sql = TableSql::new(t, self.lanes, &base);
         sql.payload_is_json = payload_is_json;
+        sql.id_may_be_missing = id_may_be_missing;
         if let Some(seq) = &t.sequence
             && self.logical.is_none()
             && let Some(why) = self.floors_unsafe(seq).await?
@@ -2010,7 +2067,7 @@ impl PgStore {
                    event = COALESCE(EXCLUDED.event, st.event), commit_lsn = COALESCE(EXCLUDED.commit_lsn, st.commit_lsn)"
                     .to_string()
             };
-            let q = format!(
+            let insert = format!(
                 "INSERT INTO outroute_event_state AS st (source, event_id, aggregate_type, aggregate_id, seq, event_type, \
                    attempts, next_attempt_at, blocks_until, last_error, route, plugin, plugin_version, failed_at, done_legs, \
                    event, commit_lsn, waiting_routes) \
@@ -2020,11 +2077,35 @@ impl PgStore {
                    AND ($20::bigint IS NULL OR epoch = $20)) \
                  ON CONFLICT (source, event_id) {conflict}"
             );
+            // Failed for good in lease mode: in the same statement (one
+            // round trip, nothing half done after a crash) the row's own
+            // failed marker is set and, under `marking = queue`, its entry
+            // leaves the pending queue (`failed retry` puts it back). A
+            // queued row off the queue without its marker would count as
+            // published.
+            let mut q = format!("WITH recorded AS ({insert} RETURNING 1)");
+            if failed && self.logical.is_none() && f.parked.is_none() {
+                if matches!(s.cfg.marking, Marking::Queue { .. }) {
+                    q.push_str(
+                        ", off AS (DELETE FROM outroute_queue WHERE source = $1 AND lane = $16 AND seq = $6 \
+                           AND EXISTS (SELECT 1 FROM recorded))",
+                    );
+                }
+                if let Some(c) = &s.cfg.failed_at {
+                    q.push_str(&format!(
+                        ", flagged AS (UPDATE {table} o SET {c} = now() WHERE {row} AND EXISTS (SELECT 1 FROM recorded))",
+                        table = s.table,
+                        c = quote(c),
+                        row = s.is_one_of("ARRAY[$3::text]"),
+                    ));
+                }
+            }
+            q.push_str(" SELECT count(*) FROM recorded");
             let (commit_lsn, event) = match &f.parked {
                 Some((lsn, ev)) => (Some(*lsn), Some(serde_json::to_string(ev)?)),
                 None => (None, None),
             };
-            let done = sqlx::query(&q)
+            let done: i64 = sqlx::query_scalar(&q)
                 .bind(&self.source)
                 .bind(&self.relay_id)
                 .bind(&f.id)
@@ -2046,10 +2127,9 @@ impl PgStore {
                 .bind(commit_lsn)
                 .bind(f.epoch)
                 .bind(&f.waiting_routes)
-                .execute(&self.pool)
+                .fetch_one(&self.pool)
                 .await
-                .context("recording a failed attempt")?
-                .rows_affected();
+                .context("recording a failed attempt")?;
             if done == 0 {
                 // A streamed event whose id is taken by another event of
                 // the source that still waits or failed (a table without a
@@ -2079,21 +2159,6 @@ impl PgStore {
             if self.logical.is_some() {
                 continue; // the table row is not the record of a captured event
             }
-            if failed && matches!(s.cfg.marking, Marking::Queue { .. }) {
-                // Failed for good: off the pending queue (`failed retry`
-                // puts it back). Left there, it is only skipped by claims.
-                if let Err(e) = sqlx::query(
-                    "DELETE FROM outroute_queue WHERE source = $1 AND lane = $2 AND seq = $3",
-                )
-                .bind(&self.source)
-                .bind(f.lane)
-                .bind(f.sequence)
-                .execute(&self.pool)
-                .await
-                {
-                    tracing::warn!(event_id = %f.id, "could not take a failed event off the pending queue: {e:#}");
-                }
-            }
             // The state row is what counts; a legacy column too narrow for
             // the reason must not stop the rest of the batch's failures.
             if let Err(e) = self.mirror_failure(s, f, failed).await {
@@ -2113,9 +2178,7 @@ impl PgStore {
             sets.push(format!("{} = $3", quote(c)));
         }
         if failed {
-            if let Some(c) = &s.cfg.failed_at {
-                sets.push(format!("{} = now()", quote(c)));
-            }
+            // (`failed_at` was set with the record itself)
             if let Marking::Status {
                 column,
                 failed: Some(v),
@@ -2129,11 +2192,10 @@ impl PgStore {
             return Ok(());
         }
         let q = format!(
-            "UPDATE {} o SET {} WHERE {} = ($1::text)::{}",
+            "UPDATE {} o SET {} WHERE {}",
             s.table,
             sets.join(", "),
-            s.id,
-            s.id_type
+            s.is_one_of("ARRAY[$1::text]")
         );
         sqlx::query(&q)
             .bind(&f.id)
@@ -2163,8 +2225,8 @@ impl PgStore {
         let created = format!("o.{}::timestamptz", quote(&s.cfg.created_at));
         let not_failed = format!(
             "NOT EXISTS (SELECT 1 FROM outroute_event_state st WHERE st.source = $1 \
-               AND st.event_id = {}::text AND st.failed_at IS NOT NULL OFFSET 0)",
-            s.id
+               AND st.event_id = {} AND st.failed_at IS NOT NULL OFFSET 0)",
+            s.id_key()
         );
         let q = if self.missing_index.is_some() {
             format!(
@@ -2288,8 +2350,8 @@ impl PgStore {
         // pending in a table with nowhere to mark them are not backlog.
         let not_failed = format!(
             "NOT EXISTS (SELECT 1 FROM outroute_event_state st WHERE st.source = $1 \
-               AND st.event_id = {}::text AND st.failed_at IS NOT NULL)",
-            s.id
+               AND st.event_id = {} AND st.failed_at IS NOT NULL)",
+            s.id_key()
         );
         let by_type_q = match &s.cfg.marking {
             // The queue lists exactly the pending rows: read those.
@@ -2519,30 +2581,50 @@ impl PgStore {
 
     pub async fn failed_retry(&self, f: &Filter) -> Result<u64> {
         let s = self.sql()?;
+        let queue = matches!(s.cfg.marking, Marking::Queue { .. }) && self.logical.is_none();
         let mut tx = self.pool.begin().await?;
+        // Under `marking = queue` a retried event is put back by queuing its
+        // row again: one whose row is gone (purged, deleted by hand) cannot
+        // be. It stays failed and is named, never counted as put back.
+        let gone: Vec<String> = if queue {
+            let q = format!(
+                "SELECT st.event_id FROM outroute_event_state st WHERE {} \
+                 AND NOT EXISTS (SELECT 1 FROM {table} o WHERE {row})",
+                Self::failed_where(f),
+                table = s.table,
+                row = s.is_one_of("ARRAY[st.event_id]"),
+            );
+            self.bind_failed(sqlx::query(&q), f)
+                .fetch_all(&mut *tx)
+                .await?
+                .iter()
+                .map(|r| r.try_get(0))
+                .collect::<Result<_, _>>()?
+        } else {
+            Vec::new()
+        };
         let q = format!(
             "UPDATE outroute_event_state st SET failed_at = NULL, discarded_at = NULL, attempts = 0, \
                next_attempt_at = now(), blocks_until = '-infinity', updated_at = now() \
-             WHERE {} RETURNING event_id",
+             WHERE {} AND st.event_id <> ALL($7::text[]) RETURNING event_id",
             Self::failed_where(f)
         );
         let ids: Vec<String> = self
             .bind_failed(sqlx::query(&q), f)
+            .bind(&gone)
             .fetch_all(&mut *tx)
             .await?
             .iter()
             .map(|r| r.try_get(0))
             .collect::<Result<_, _>>()?;
-        // Under `marking = queue` a retried event is queued again.
-        if matches!(s.cfg.marking, Marking::Queue { .. }) && !ids.is_empty() {
+        if queue && !ids.is_empty() {
             let q = format!(
                 "INSERT INTO outroute_queue (source, lane, seq) SELECT $1, {lane}, {seq} FROM {table} o \
-                 WHERE {id} = ANY({ids}) ON CONFLICT DO NOTHING",
+                 WHERE {row} ON CONFLICT DO NOTHING",
                 lane = s.lane,
                 seq = s.seq,
                 table = s.table,
-                id = s.id,
-                ids = s.ids_param(2),
+                row = s.is_one_of("$2::text[]"),
             );
             sqlx::query(&q)
                 .bind(&self.source)
@@ -2566,15 +2648,24 @@ impl PgStore {
         }
         if !sets.is_empty() && !ids.is_empty() && self.logical.is_none() {
             let q = format!(
-                "UPDATE {} o SET {} WHERE {} = ANY({})",
+                "UPDATE {} o SET {} WHERE {}",
                 s.table,
                 sets.join(", "),
-                s.id,
-                s.ids_param(1)
+                s.is_one_of("$1::text[]")
             );
             sqlx::query(&q).bind(&ids).execute(&mut *tx).await?;
         }
         tx.commit().await?;
+        if !gone.is_empty() {
+            bail!(
+                "{} event(s) put back in line; {} could not be: their rows are no longer in `{}` \
+                 (purged or deleted): {} (`outroute failed discard --id …` records that they are given up)",
+                ids.len(),
+                gone.len(),
+                s.cfg.name,
+                gone.join(", ")
+            );
+        }
         Ok(ids.len() as u64)
     }
 
@@ -2880,7 +2971,8 @@ mod col {
 /// a row, measured — proves nothing; a value of another type still fails
 /// to decode, as an error.
 fn to_claim(r: &PgRow, payload_is_json: bool) -> Result<Claim> {
-    let id: String = r.try_get_unchecked(col::ID)?;
+    let id: Option<String> = r.try_get_unchecked(col::ID)?;
+    let tid: Option<String> = r.try_get_unchecked(col::TID)?;
     let lane: i32 = r.try_get_unchecked(col::LANE)?;
     let state_attempts: Option<i32> = r.try_get_unchecked(col::STATE_ATTEMPTS)?;
     let read = |id: String| -> Result<RawRow, sqlx::Error> {
@@ -2898,14 +2990,25 @@ fn to_claim(r: &PgRow, payload_is_json: bool) -> Result<Claim> {
             payload_is_json,
         })
     };
-    // A row that cannot even be read fails on its own, with the reason.
-    let row = match read(id.clone()) {
-        Ok(raw) => raw.validate(),
-        Err(e) => Err(super::unreadable(r, id, e)),
+    // A row that cannot even be read fails on its own, with the reason;
+    // one without an id goes by its place in the table (`TableSql::id_key`).
+    let row = match id.filter(|id| !id.is_empty()) {
+        None => {
+            let key = format!("{NO_ID}{}", tid.as_deref().unwrap_or("?"));
+            let mut m = super::unreadable(r, key.clone(), sqlx::Error::RowNotFound);
+            m.reason = format!(
+                "id is NULL or empty: the row is kept as `{key}` (its place in the table) until its id is set"
+            );
+            Err(m)
+        }
+        Some(id) => match read(id.clone()) {
+            Ok(raw) => raw.validate(),
+            Err(e) => Err(super::unreadable(r, id, e)),
+        },
     };
     Ok(Claim {
         lane,
-        tid: r.try_get_unchecked(col::TID)?,
+        tid,
         held: r
             .try_get_unchecked::<Option<Vec<String>>, _>(col::HELD_ROUTES)?
             .unwrap_or_default(),
