@@ -549,6 +549,87 @@ async fn floors(mapping: &str, save: Option<&str>, repend: &str) -> anyhow::Resu
     Ok(())
 }
 
+/// One row with an explicit sequence number far above the rest (an import,
+/// a `setval` backwards) lifts only its own lane's claim floor: the other
+/// lanes' next rows are claimed at once, not after the 30 s sweep, and its
+/// own lane is back to the ordinary numbers after one sweep.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_imported_high_sequence_number_lifts_only_its_own_lanes_floor() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("claim-floor-import");
+    let config = write_config(&dir, &db.url, "lanes = 4", &file_body(&dir, ""))?;
+    db.migrate(&config)?;
+    fill(&db, 1, 200).await?;
+    let store = open_store(&config, "floor-import").await?;
+    let lanes = store.lease_round().await?.lanes;
+    assert_eq!(drain(&store, &lanes).await?.len(), 200);
+    sqlx::query(
+        "INSERT INTO outbox (seq, id, aggregate_type, aggregate_id, event_type, payload) OVERRIDING SYSTEM VALUE \
+         VALUES (1000000000000, gen_random_uuid(), 'order', 'import', 'order-created', '{}')",
+    )
+    .execute(&db.pool)
+    .await?;
+    assert_eq!(drain(&store, &lanes).await?, vec!["import".to_string()]);
+    // Floor rounds (the relay runs one every 250 ms) over the empty lanes.
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        store.raise_floors(&lanes).await;
+        assert!(drain(&store, &lanes).await?.is_empty());
+    }
+    let lane = "((hashtext('order' || '/' || aggregate_id) & 2147483647) % 4)::bigint";
+    let import_lane = db
+        .count(&format!(
+            "SELECT {lane} FROM outbox WHERE aggregate_id = 'import'"
+        ))
+        .await;
+    fill(&db, 201, 260).await?;
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        store.raise_floors(&lanes).await;
+        got.extend(drain(&store, &lanes).await?);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let others: Vec<String> = sqlx::query_scalar(&format!(
+        "SELECT aggregate_id FROM outbox WHERE seq BETWEEN 201 AND 260 AND {lane} <> $1 ORDER BY seq"
+    ))
+    .bind(import_lane)
+    .fetch_all(&db.pool)
+    .await?;
+    assert!(
+        others.len() > 20,
+        "the rows fell into too few lanes: {others:?}"
+    );
+    for a in &others {
+        assert!(
+            got.contains(a),
+            "{a} (not in the import's lane {import_lane}) waits below a floor the import lifted; claimed {got:?}"
+        );
+    }
+    // The import's own lane: one sweep, then ordinary again.
+    let pg = store
+        .postgres()
+        .ok_or_else(|| anyhow::anyhow!("not PostgreSQL"))?;
+    pg.sweep_floors_soon();
+    store.raise_floors(&lanes).await;
+    got.extend(drain(&store, &lanes).await?);
+    assert_eq!(got.len(), 60, "{got:?}");
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        store.raise_floors(&lanes).await;
+        assert!(drain(&store, &lanes).await?.is_empty());
+    }
+    fill(&db, 261, 300).await?;
+    let mut later = Vec::new();
+    for _ in 0..3 {
+        store.raise_floors(&lanes).await;
+        later.extend(drain(&store, &lanes).await?);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert_eq!(later.len(), 40, "without a sweep: {later:?}");
+    db.drop_db().await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_pending_queue_is_filled_by_its_trigger_and_claims_read_only_the_batch()
 -> anyhow::Result<()> {

@@ -1728,8 +1728,9 @@ impl PgStore {
             .iter()
             .map(|r| to_claim(r, json))
             .collect::<Result<_>>()?;
-        if let Some(seq) = claims.iter().map(Claim::sequence).max() {
-            self.floors_mut().saw(seq);
+        if !claims.is_empty() {
+            self.floors_mut()
+                .saw(claims.iter().map(|c| (c.lane, c.sequence())));
         }
         // Retried events only (rare): which fan-out legs already went.
         let retried: Vec<&str> = claims

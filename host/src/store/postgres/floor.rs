@@ -37,6 +37,12 @@
 //! Tables ordered by a timestamp (no `sequence` column), a nullable
 //! sequence column or a sequence with `CACHE` > 1 (a session may insert a
 //! lower number after another's higher one) get no floors.
+//!
+//! `M` is per lane too, and the *latest* claim's, not the highest ever: a
+//! row with an explicit sequence number far above the rest (an import, a
+//! `setval` backwards) would otherwise lift every lane's floor above every
+//! row to come, each then waiting for the sweep, until restart. Now only its
+//! own lane's next row waits for one sweep; its claim brings `M` back down.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -55,8 +61,8 @@ struct Candidate {
     /// `xmax` of the round's snapshot: every transaction with a lower id
     /// must have ended before the candidate may apply.
     xmax: i64,
-    /// A sequence number seen before that round (`M`): any row allocated
-    /// since is higher.
+    /// A sequence number of this lane seen before that round (`M`): any
+    /// row allocated since is higher.
     seen: i64,
 }
 
@@ -71,9 +77,10 @@ struct Lane {
 /// What one round read, from one snapshot, for the lanes it asked about.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Round {
-    /// The highest sequence number claims had returned *before* the round's
-    /// statement was sent ([`Due::seen`]): allocated before its snapshot.
-    pub seen: Option<i64>,
+    /// Per lane (in the order asked): the highest sequence number of the
+    /// lane's latest claim *before* the round's statement was sent
+    /// ([`Due::seen`]): allocated before its snapshot.
+    pub seen: Vec<Option<i64>>,
     pub xmin: i64,
     pub xmax: i64,
     /// Per lane (in the order asked): the lowest pending `seq >= floor`.
@@ -90,8 +97,9 @@ pub struct Round {
 #[derive(Debug, Default)]
 pub struct Floors {
     lanes: HashMap<i32, Lane>,
-    /// The highest sequence number any claim returned so far.
-    seen: Option<i64>,
+    /// Per lane: the highest sequence number of the latest claim that
+    /// returned rows of it.
+    seen: HashMap<i32, i64>,
 }
 
 /// The lanes a round is due for, and which of them also sweep.
@@ -99,10 +107,10 @@ pub struct Floors {
 pub struct Due {
     pub lanes: Vec<i32>,
     pub sweep: Vec<bool>,
-    /// What claims had seen when the round was decided on (goes into
-    /// [`Round::seen`]; a claim that returns while the round runs may see
-    /// rows allocated after its snapshot).
-    pub seen: Option<i64>,
+    /// What claims had seen of each lane when the round was decided on
+    /// (goes into [`Round::seen`]; a claim that returns while the round runs
+    /// may see rows allocated after its snapshot).
+    pub seen: Vec<Option<i64>>,
 }
 
 impl Floors {
@@ -114,9 +122,15 @@ impl Floors {
             .collect()
     }
 
-    /// A claim returned a row with this sequence number.
-    pub fn saw(&mut self, seq: i64) {
-        self.seen = Some(self.seen.map_or(seq, |s| s.max(seq)));
+    /// A claim returned these rows (lane, sequence number): for each lane,
+    /// its highest is what the lane has seen now.
+    pub fn saw(&mut self, rows: impl IntoIterator<Item = (i32, i64)>) {
+        let mut latest: HashMap<i32, i64> = HashMap::new();
+        for (lane, seq) in rows {
+            let s = latest.entry(lane).or_insert(seq);
+            *s = (*s).max(seq);
+        }
+        self.seen.extend(latest);
     }
 
     /// Which of these lanes are due a round (none for [`ROUND_INTERVAL`]),
@@ -125,13 +139,14 @@ impl Floors {
         let mut due = Due {
             lanes: Vec::new(),
             sweep: Vec::new(),
-            seen: self.seen,
+            seen: Vec::new(),
         };
         for l in lanes {
             match self.lanes.get(l) {
                 Some(s) if now.duration_since(s.last_round) < ROUND_INTERVAL => {}
                 s => {
                     due.lanes.push(*l);
+                    due.seen.push(self.seen.get(l).copied());
                     due.sweep.push(s.is_some_and(|s| {
                         s.floor != BOTTOM && now.duration_since(s.last_sweep) >= SWEEP_INTERVAL
                     }));
@@ -156,10 +171,13 @@ impl Floors {
             if round.swept.get(i) == Some(&true) {
                 s.last_sweep = now;
                 if let Some(Some(below)) = round.below.get(i) {
-                    // Something pending below the floor: start there again.
+                    // Something pending below the floor: start there again,
+                    // and take no candidate from this round, whose `seen`
+                    // predates that row's claim.
                     lowered.push((*lane, *below));
                     s.floor = *below;
                     s.candidate = None;
+                    continue;
                 }
             }
             if let Some(c) = s.candidate
@@ -176,8 +194,9 @@ impl Floors {
                 s.candidate = None;
             }
             if s.candidate.is_none()
-                && let Some(seen) = round.seen
+                && let Some(Some(seen)) = round.seen.get(i)
             {
+                let seen = *seen;
                 s.candidate = Some(Candidate {
                     xmax: round.xmax,
                     seen,
@@ -203,6 +222,7 @@ impl Floors {
     /// comes back.
     pub fn forget_except(&mut self, owned: &[i32]) {
         self.lanes.retain(|l, _| owned.contains(l));
+        self.seen.retain(|l, _| owned.contains(l));
     }
 }
 
@@ -212,7 +232,7 @@ mod tests {
 
     fn round(xmin: i64, xmax: i64, first: Option<i64>, state: Option<i64>) -> Round {
         Round {
-            seen: None,
+            seen: vec![],
             xmin,
             xmax,
             first: vec![first],
@@ -223,31 +243,34 @@ mod tests {
     }
 
     /// The round as the relay sends it: with what claims had seen then.
-    fn seen(f: &Floors, r: Round) -> Round {
-        Round { seen: f.seen, ..r }
+    fn seen(f: &Floors, lanes: &[i32], r: Round) -> Round {
+        Round {
+            seen: lanes.iter().map(|l| f.seen.get(l).copied()).collect(),
+            ..r
+        }
     }
 
     #[test]
     fn a_claim_that_returns_while_a_round_runs_does_not_move_its_candidate() {
         let now = Instant::now();
         let mut f = Floors::default();
-        f.saw(400);
+        f.saw([(9, 400)]);
         // The round is decided on (seen 400) and its snapshot has xmax 1000.
         let decided = f.due(&[9], now).map(|d| d.seen);
-        assert_eq!(decided, Some(Some(400)));
+        assert_eq!(decided, Some(vec![Some(400)]));
         // Meanwhile a transaction (xid 1001, seq 500 in lane 9) is open and
-        // a claim returns seq 501 of another lane before the round's answer.
-        f.saw(501);
+        // a claim returns seq 501 of the lane before the round's answer.
+        f.saw([(9, 501)]);
         f.apply(
             &[9],
             &Round {
-                seen: Some(400),
+                seen: vec![Some(400)],
                 ..round(900, 1000, None, None)
             },
             now,
         );
         // Next round: every transaction below 1000 has ended (1001 has not).
-        f.apply(&[9], &seen(&f, round(1001, 1100, None, None)), now);
+        f.apply(&[9], &seen(&f, &[9], round(1001, 1100, None, None)), now);
         assert_eq!(
             f.of(&[9]),
             vec![401],
@@ -259,15 +282,15 @@ mod tests {
     fn a_floor_waits_for_the_transactions_of_its_round() {
         let now = Instant::now();
         let mut f = Floors::default();
-        f.saw(100);
+        f.saw([(3, 100)]);
         // Round 1: candidate (xmax 50, seen 100); nothing applies yet.
-        f.apply(&[3], &seen(&f, round(40, 50, Some(90), None)), now);
+        f.apply(&[3], &seen(&f, &[3], round(40, 50, Some(90), None)), now);
         assert_eq!(f.of(&[3]), vec![BOTTOM]);
         // Round 2: a transaction older than 50 still runs (xmin 45).
-        f.apply(&[3], &seen(&f, round(45, 60, Some(95), None)), now);
+        f.apply(&[3], &seen(&f, &[3], round(45, 60, Some(95), None)), now);
         assert_eq!(f.of(&[3]), vec![BOTTOM]);
         // Round 3: all of them ended; the floor is this round's first row.
-        f.apply(&[3], &seen(&f, round(50, 70, Some(97), None)), now);
+        f.apply(&[3], &seen(&f, &[3], round(50, 70, Some(97), None)), now);
         assert_eq!(f.of(&[3]), vec![97]);
     }
 
@@ -275,11 +298,11 @@ mod tests {
     fn a_floor_never_passes_what_was_seen_before_its_round_nor_a_live_state_row() {
         let now = Instant::now();
         let mut f = Floors::default();
-        f.saw(10);
+        f.saw([(1, 10), (2, 10)]);
         f.apply(
             &[1, 2],
             &Round {
-                seen: Some(10),
+                seen: vec![Some(10); 2],
                 xmin: 1,
                 xmax: 5,
                 first: vec![None, None],
@@ -289,13 +312,13 @@ mod tests {
             },
             now,
         );
-        f.saw(500);
+        f.saw([(1, 500), (2, 500)]);
         // Lane 1 empty: floor is seen + 1 of the candidate's round (11),
         // not 501. Lane 2: a failed event at 7 keeps the floor at 7.
         f.apply(
             &[1, 2],
             &Round {
-                seen: Some(500),
+                seen: vec![Some(500); 2],
                 xmin: 5,
                 xmax: 9,
                 first: vec![None, Some(400)],
@@ -312,13 +335,13 @@ mod tests {
     fn floors_only_rise_except_when_a_sweep_finds_a_row_below() {
         let now = Instant::now();
         let mut f = Floors::default();
-        f.saw(1_000);
-        f.apply(&[0], &seen(&f, round(1, 2, Some(800), None)), now);
-        f.apply(&[0], &seen(&f, round(2, 3, Some(900), None)), now);
+        f.saw([(0, 1_000)]);
+        f.apply(&[0], &seen(&f, &[0], round(1, 2, Some(800), None)), now);
+        f.apply(&[0], &seen(&f, &[0], round(2, 3, Some(900), None)), now);
         assert_eq!(f.of(&[0]), vec![900]);
         // A later round whose first row is lower (cannot happen unless a
         // row reappeared) does not lower the floor...
-        f.apply(&[0], &seen(&f, round(3, 4, Some(850), None)), now);
+        f.apply(&[0], &seen(&f, &[0], round(3, 4, Some(850), None)), now);
         assert_eq!(f.of(&[0]), vec![900]);
         // ...but a sweep that finds a pending row below does.
         let lowered = f.apply(
@@ -341,29 +364,57 @@ mod tests {
         let mut f = Floors::default();
         assert_eq!(
             f.due(&[4, 6], t0),
-            due(vec![4, 6], vec![false, false], None)
+            due(vec![4, 6], vec![false, false], vec![None, None])
         );
-        f.saw(10);
-        f.apply(&[4, 6], &seen(&f, round(1, 2, Some(5), None)), t0);
+        f.saw([(4, 10), (6, 10)]);
+        f.apply(&[4, 6], &seen(&f, &[4, 6], round(1, 2, Some(5), None)), t0);
         let soon = t0 + Duration::from_millis(10);
         assert_eq!(f.due(&[4, 6], soon), None);
         assert_eq!(
             f.due(&[1, 4], soon),
-            due(vec![1], vec![false], Some(10)),
+            due(vec![1], vec![false], vec![None]),
             "only the lane never seen"
         );
-        f.apply(&[4, 6], &seen(&f, round(2, 3, Some(5), None)), t0);
+        f.apply(&[4, 6], &seen(&f, &[4, 6], round(2, 3, Some(5), None)), t0);
         // Lane 4's floor is its first row, lane 6's (empty) what was seen + 1.
         assert_eq!(f.of(&[4, 6]), vec![5, 11]);
         let later = t0 + SWEEP_INTERVAL;
         assert_eq!(
             f.due(&[4, 6], later),
-            due(vec![4, 6], vec![true, true], Some(10))
+            due(vec![4, 6], vec![true, true], vec![Some(10); 2])
         );
         assert_eq!(
             f.due(&[7], later),
-            due(vec![7], vec![false], Some(10)),
+            due(vec![7], vec![false], vec![None]),
             "a lane at the bottom never sweeps"
         );
+    }
+
+    #[test]
+    fn one_high_sequence_number_lifts_only_its_own_lane_and_only_once() {
+        let now = Instant::now();
+        let mut f = Floors::default();
+        // An import wrote seq 10^12 into lane 1; lane 2 goes on at ~100.
+        f.saw([(1, 1_000_000_000_000), (2, 100)]);
+        f.apply(&[1, 2], &seen(&f, &[1, 2], round(1, 2, None, None)), now);
+        f.apply(&[1, 2], &seen(&f, &[1, 2], round(2, 3, None, None)), now);
+        assert_eq!(f.of(&[1, 2]), vec![1_000_000_000_001, 101]);
+        // Lane 1's next ordinary row (seq 105) waits for a sweep, which
+        // lowers the floor to it; once claimed, the lane's floor follows
+        // the ordinary numbers again.
+        let lowered = f.apply(
+            &[1],
+            &Round {
+                swept: vec![true],
+                below: vec![Some(105)],
+                ..seen(&f, &[1], round(3, 4, None, None))
+            },
+            now,
+        );
+        assert_eq!(lowered, vec![(1, 105)]);
+        f.saw([(1, 105)]);
+        f.apply(&[1], &seen(&f, &[1], round(4, 5, None, None)), now);
+        f.apply(&[1], &seen(&f, &[1], round(5, 6, None, None)), now);
+        assert_eq!(f.of(&[1]), vec![106]);
     }
 }
