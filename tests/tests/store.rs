@@ -193,6 +193,115 @@ async fn a_batch_from_before_a_lane_changed_hands_and_came_back_is_not_marked() 
     Ok(())
 }
 
+/// A failure record that began while its relay held the lane and could
+/// commit only after the lease expired (it waited on a lock): the hand-over
+/// waits for it, so the new owner sees the record and never publishes the
+/// event under a hold that would then block its aggregate for good.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failure_record_that_commits_after_a_hand_over_never_blocks_a_published_event()
+-> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("fence-failure");
+    let config = write_config(
+        &dir,
+        &db.url,
+        "lanes = 1\nlease_ttl = \"5s\"",
+        &file_sink_body(&dir, ""),
+    )?;
+    db.migrate(&config)?;
+    produce(&db.pool, "agg", 1, 2, 0).await?;
+    let a = open_store(&config, "relay-a").await?;
+    let la = a.lease_round().await?;
+    let mut claims = a.claim(&la.lanes, 100).await?;
+    assert_eq!(claims.len(), 2);
+    for c in claims.iter_mut() {
+        c.epoch = la.epochs.first().copied();
+    }
+    let first = claims[0]
+        .row
+        .as_ref()
+        .map_err(|m| anyhow::anyhow!("{}", m.reason))?
+        .clone();
+    let source: String = sqlx::query_scalar("SELECT source FROM outroute_lanes LIMIT 1")
+        .fetch_one(&db.pool)
+        .await?;
+    // Another session holds the event's state key: A's record, once past
+    // its lease check, waits on it.
+    let mut blocker = db.pool.begin().await?;
+    sqlx::query(
+        "INSERT INTO outroute_event_state (source, event_id, aggregate_type, aggregate_id, seq) \
+         VALUES ($1, $2, 'x', 'x', 0)",
+    )
+    .bind(&source)
+    .bind(&first.id)
+    .execute(&mut *blocker)
+    .await?;
+    let failure = Failure {
+        id: first.id.clone(),
+        lane: claims[0].lane,
+        epoch: claims[0].epoch,
+        aggregate_type: first.aggregate_type.clone(),
+        aggregate_id: first.aggregate_id.clone(),
+        event_type: first.event_type.clone(),
+        sequence: first.sequence,
+        attempts: 1,
+        reason: "plugin refused".into(),
+        route: None,
+        plugin: None,
+        plugin_version: None,
+        kind: FailureKind::Failed { hold: true },
+        done_legs: Vec::new(),
+        parked: None,
+        waiting_routes: None,
+    };
+    let recording = tokio::spawn(async move { a.record_failures(&[failure]).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Meanwhile A's lease lapses and B takes the lane, claims and marks.
+    let (url, cfg) = (db.url.clone(), config.clone());
+    let b_side = tokio::spawn(async move {
+        let pool = sqlx::PgPool::connect(&url).await?;
+        sqlx::query("UPDATE outroute_lanes SET lease_until = now() - interval '1 second'")
+            .execute(&pool)
+            .await?;
+        sqlx::query("UPDATE outroute_relays SET heartbeat_at = now() - interval '1 hour' WHERE relay_id = 'relay-a'")
+            .execute(&pool)
+            .await?;
+        let b = open_store(&cfg, "relay-b").await?;
+        let lb = b.lease_round().await?;
+        let mut got = b.claim(&lb.lanes, 100).await?;
+        for c in got.iter_mut() {
+            c.epoch = lb.epochs.first().copied();
+        }
+        let refs: Vec<&Claim> = got.iter().collect();
+        let marked = b.mark_published(&refs).await?;
+        let ids: Vec<String> = got.iter().map(|c| c.id().to_string()).collect();
+        anyhow::Ok((ids, marked))
+    });
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    blocker.rollback().await?;
+    let recorded = recording.await??;
+    let (b_claimed, marked) = b_side.await??;
+    let published = i64::from(b_claimed.contains(&first.id) && marked > 0);
+    let held = db
+        .count(&format!(
+            "SELECT count(*) FROM outroute_event_state WHERE event_id = '{}' AND blocks_until = 'infinity'",
+            first.id
+        ))
+        .await;
+    assert!(
+        !(published == 1 && held == 1),
+        "event {} was published by B and then held by A's late record (recorded {recorded}, B marked {marked}): \
+         its aggregate is blocked for good",
+        first.id
+    );
+    assert!(
+        recorded == 1 || published == 1,
+        "neither recorded nor published"
+    );
+    db.drop_db().await;
+    Ok(())
+}
+
 /// Retention rounds of 3 rows with a one-day window: the rows deleted.
 async fn purge_a_day_old(config: &Path) -> anyhow::Result<u64> {
     let s = open_store(config, "purger").await?;

@@ -2043,6 +2043,13 @@ impl PgStore {
             let blocks_sql = format!(
                 "CASE $8 WHEN 'hold' THEN 'infinity'::timestamptz WHEN 'none' THEN '-infinity'::timestamptz ELSE {next} END"
             );
+            // The lease check locks the lane row (`FOR SHARE`): a hand-over
+            // of the lane waits for this record to commit, so the new owner's
+            // claims see it, and a record that waited for a hand-over is
+            // re-checked against the new owner and records nothing. (A plain
+            // read let a hold that began before expiry commit after the new
+            // owner published the event: its aggregate blocked for good.)
+            // A renewal waits for it too: one statement, rarely run.
             // A streamed event that already has a state row is a re-read
             // after a crash: the row is further along (maybe failed or
             // discarded by an operator) and stays as it is.
@@ -2075,7 +2082,7 @@ impl PgStore {
                  SELECT $1, $3, $4, $5, $6, $7, $9, {next}, {blocks_sql}, $11, $12, $13, $14, CASE WHEN $15 THEN now() END, $17, \
                    $18::text::jsonb, $19, $21 \
                  WHERE EXISTS (SELECT 1 FROM outroute_lanes WHERE source = $1 AND owner = $2 AND lane = $16 AND lease_until > now() \
-                   AND ($20::bigint IS NULL OR epoch = $20)) \
+                   AND ($20::bigint IS NULL OR epoch = $20) FOR SHARE) \
                  ON CONFLICT (source, event_id) {conflict}"
             );
             // Failed for good in lease mode: in the same statement (one
