@@ -259,12 +259,15 @@ fn queue_setup(
     if let Some(c) = published {
         pending.push(format!("o.{} IS NULL", quote(c)));
     }
-    // The body goes through format(): `%s` is the table's oid, `%I` the
-    // queue's schema, any other `%` doubled.
+    // The body goes through format(): `%s` is the table's oid (twice), `%I`
+    // the queue's schema, any other `%` doubled. On a partitioned outbox the
+    // trigger fires on the partition a row went to: any partition of the
+    // table is the table (`pg_partition_ancestors`, asked only then).
     let body = format!(
         "CREATE OR REPLACE FUNCTION {f}() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER \
          SET search_path = pg_catalog, pg_temp AS $outroute$ BEGIN \
-         IF TG_RELID <> %s THEN RAISE EXCEPTION 'outroute_enqueue lists rows of one outbox table only'; END IF; \
+         IF TG_RELID <> %s AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_partition_ancestors(TG_RELID) a WHERE a.relid = %s) \
+           THEN RAISE EXCEPTION 'outroute_enqueue lists rows of one outbox table only'; END IF; \
          INSERT INTO %I.outroute_queue (source, lane, seq) VALUES ({src}, {lane}, {new_seq}); RETURN NULL; END $outroute$",
         f = quote(function).replace('%', "%%"),
         src = literal(&t.name).replace('%', "%%"),
@@ -272,7 +275,7 @@ fn queue_setup(
         new_seq = new_seq.replace('%', "%%"),
     );
     format!(
-        "DO $setup$ BEGIN EXECUTE format($body${body}$body$, {table_lit}::regclass::oid, \
+        "DO $setup$ BEGIN EXECUTE format($body${body}$body$, {table_lit}::regclass::oid, {table_lit}::regclass::oid, \
            (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
             WHERE c.oid = 'outroute_queue'::regclass)); END $setup$;\n\
          REVOKE ALL ON FUNCTION {f}() FROM PUBLIC;\n\
@@ -1505,6 +1508,23 @@ impl PgStore {
         let Some(ddl) = self.missing_index.clone() else {
             return Ok(None);
         };
+        let partitioned: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_class WHERE oid = to_regclass($1) AND relkind = 'p')",
+        )
+        .bind(quote(&self.cfg.name))
+        .fetch_one(&self.pool)
+        .await?;
+        if partitioned && !self.queue_marking() {
+            // PostgreSQL builds no index on a partitioned table concurrently.
+            bail!(
+                "{}.table: `{}` is partitioned, and PostgreSQL cannot build the lane index on it without \
+                 blocking producers' writes. Use `marking = {{ style = \"queue\" }}` (no lane index; the \
+                 queue's trigger lists rows of every partition), or build the index on each partition \
+                 yourself: {ddl}",
+                self.key,
+                self.cfg.name
+            );
+        }
         if self.queue_marking() {
             let f = queue_function(&self.cfg);
             let earlier: bool = sqlx::query_scalar("SELECT to_regproc($1) IS NOT NULL")
@@ -2100,8 +2120,15 @@ impl PgStore {
                     );
                 }
                 if let Some(c) = &s.cfg.failed_at {
+                    // Under the queue the sequence number is unique: found
+                    // by it (on a partitioned outbox, usually the key).
+                    let by_seq = if matches!(s.cfg.marking, Marking::Queue { .. }) {
+                        format!("{} = $6 AND ", s.seq)
+                    } else {
+                        String::new()
+                    };
                     q.push_str(&format!(
-                        ", flagged AS (UPDATE {table} o SET {c} = now() WHERE {row} AND EXISTS (SELECT 1 FROM recorded))",
+                        ", flagged AS (UPDATE {table} o SET {c} = now() WHERE {by_seq}{row} AND EXISTS (SELECT 1 FROM recorded))",
                         table = s.table,
                         c = quote(c),
                         row = s.is_one_of("ARRAY[$3::text]"),
