@@ -429,7 +429,17 @@ async fn migrate_source(
             Some(_) => {
                 println!("pending queue of `{name}` set up; claims now walk only pending events")
             }
-            None => println!("pending queue of `{name}`: present"),
+            None => {
+                println!("pending queue of `{name}`: present");
+                if let Some(pg) = store.postgres()
+                    && pg.refresh_queue_function().await?.is_some()
+                {
+                    println!(
+                        "its trigger function and `outroute_requeue` (follows producers' updates of a pending \
+                         row's aggregate or sequence number) are up to date"
+                    );
+                }
+            }
         }
         if let Some(pg) = store.postgres() {
             for index in pg.lane_indexes().await? {

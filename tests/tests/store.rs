@@ -891,6 +891,130 @@ async fn the_canonical_table_marked_by_the_queue_keeps_rows_and_replays() -> any
     Ok(())
 }
 
+/// A source that streamed the log before (its capture lease is a lane row
+/// numbered -1) switched to lease mode with one lane: lane 0 is created and
+/// its events flow (the capture row was counted as the one lane before).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_switch_from_log_capture_to_one_lane_creates_that_lane() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("capture-to-lease");
+    let config = write_config(&dir, &db.url, "lanes = 1", &file_sink_body(&dir, ""))?;
+    db.migrate(&config)?;
+    sqlx::query("INSERT INTO outroute_lanes (source, lane) VALUES ('outbox', -1)")
+        .execute(&db.pool)
+        .await?;
+    produce(&db.pool, "agg", 2, 3, 0).await?;
+    let relay = Relay::start(&config, &[])?;
+    let out = dir.join("out.jsonl");
+    assert!(
+        file_sink_reaches(&out, 6, Duration::from_secs(30)).await,
+        "{}",
+        relay.log_text()
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM outroute_lanes WHERE source = 'outbox' AND lane = 0")
+            .await,
+        1
+    );
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}
+
+/// Under the pending queue, a producer that updates a pending row's
+/// aggregate or sequence number moves its queue entry with it: the event
+/// goes out once, under its new aggregate (before: an entry pointing at no
+/// row, and the event never published).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_producer_update_of_a_pending_rows_aggregate_or_sequence_is_followed()
+-> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("queue-update");
+    let config = write_config(&dir, &db.url, "", &file_sink_body(&dir, ""))?;
+    let c = config.to_string_lossy().to_string();
+    let (code, out, err) = cli(&["migrate", "-c", &c])?;
+    assert_eq!(code, 0, "{out}{err}");
+    let mut ids = Vec::new();
+    for i in 0..4 {
+        let id: String = sqlx::query_scalar(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+             VALUES (gen_random_uuid(), 'order', 'a', 'order-updated', $1) RETURNING id::text",
+        )
+        .bind(serde_json::json!({ "n": i }))
+        .fetch_one(&db.pool)
+        .await?;
+        ids.push(id);
+    }
+    // Moved to another aggregate, renumbered to the end, both at once.
+    sqlx::query("UPDATE outbox SET aggregate_id = 'b' WHERE id::text = $1")
+        .bind(&ids[0])
+        .execute(&db.pool)
+        .await?;
+    sqlx::query("UPDATE outbox SET seq = DEFAULT WHERE id::text = $1")
+        .bind(&ids[1])
+        .execute(&db.pool)
+        .await?;
+    sqlx::query("UPDATE outbox SET seq = DEFAULT, aggregate_id = 'c' WHERE id::text = $1")
+        .bind(&ids[2])
+        .execute(&db.pool)
+        .await?;
+    let relay = Relay::start(&config, &[])?;
+    let out = dir.join("out.jsonl");
+    let drained = eventually(Duration::from_secs(30), || async {
+        file_sink_deliveries(&out).len() >= 4
+            && db.count("SELECT count(*) FROM outroute_queue").await == 0
+    })
+    .await;
+    let delivered = file_sink_deliveries(&out);
+    assert!(
+        drained,
+        "delivered {} of 4, queue {:?}: {}",
+        delivered.len(),
+        db.count("SELECT count(*) FROM outroute_queue").await,
+        relay.log_text()
+    );
+    assert_eq!(delivered.len(), 4);
+    let agg = |id: &str| {
+        delivered
+            .iter()
+            .find(|d| d.id() == id)
+            .map(|d| d.aggregate().to_string())
+    };
+    assert_eq!(agg(&ids[0]).as_deref(), Some("b"));
+    assert_eq!(agg(&ids[1]).as_deref(), Some("a"));
+    assert_eq!(agg(&ids[2]).as_deref(), Some("c"));
+    assert_eq!(agg(&ids[3]).as_deref(), Some("a"));
+    // Aggregate `a`: the renumbered event now comes after the last one.
+    let order: Vec<&str> = delivered
+        .iter()
+        .filter(|d| d.aggregate() == "a")
+        .map(|d| d.id())
+        .collect();
+    assert_eq!(order, vec![ids[3].as_str(), ids[1].as_str()]);
+    assert_eq!(db.published("").await, 4);
+    drop(relay);
+    // The trigger numbers lanes itself: a relay with another lane count
+    // (its lane rows gone, so that check passes) is refused, not left to
+    // read some lanes only.
+    sqlx::query("DELETE FROM outroute_lanes")
+        .execute(&db.pool)
+        .await?;
+    let other = write_config(
+        &dir.join("sixteen"),
+        &db.url,
+        "lanes = 16",
+        &file_sink_body(&dir, ""),
+    )?;
+    let (code, out, err) = cli(&["migrate", "--table", "-c", &other.to_string_lossy()])?;
+    assert_ne!(code, 0, "{out}{err}");
+    assert!(
+        err.contains("relay.lanes") && err.contains("trigger"),
+        "{out}{err}"
+    );
+    db.drop_db().await;
+    Ok(())
+}
+
 /// A partitioned outbox (how large outboxes are pruned) under the pending
 /// queue: producers' inserts into any partition are listed (the trigger
 /// fires on the partition), relayed, and a failed row is flagged; a marking
@@ -974,9 +1098,12 @@ async fn a_partitioned_outbox_relays_under_the_queue() -> anyhow::Result<()> {
     drop(relay);
     // Stamping needs a lane index, which PostgreSQL cannot build on a
     // partitioned table without blocking writes: refused, with the way out.
-    sqlx::query("DROP TRIGGER outroute_enqueue ON pout")
-        .execute(&db.pool)
-        .await?;
+    for ddl in [
+        "DROP TRIGGER outroute_enqueue ON pout",
+        "DROP TRIGGER outroute_requeue ON pout",
+    ] {
+        sqlx::query(ddl).execute(&db.pool).await?;
+    }
     sqlx::query("ALTER TABLE pout ADD COLUMN published_at timestamptz")
         .execute(&db.pool)
         .await?;

@@ -236,15 +236,80 @@ fn queue_function(t: &TableConfig) -> String {
     format!("{}_outroute_enqueue", name_base(t))
 }
 
+/// The pending queue's trigger function for table `t` and the trigger that
+/// follows producers' updates, as statements that may run again (`migrate
+/// --table` refreshes them on a table set up before). The function runs as
+/// its owner (`SECURITY DEFINER`): producers' roles need rights on their
+/// outbox only. So that nobody can use it to list rows of their own, it
+/// refuses any other table, nobody else may call it, and it names
+/// outroute's queue by schema (resolved here) with a `search_path` of
+/// `pg_catalog` then `pg_temp`.
+///
+/// A producer that updates a pending row's aggregate or sequence number
+/// moves its entry with it (`outroute_requeue`): the row goes out in its new
+/// aggregate's lane and order. (Left behind, the entry would point at no row
+/// and the event would never be published.)
+fn queue_function_ddl(t: &TableConfig, function: &str, seq: &str, lanes: u32) -> String {
+    let new = Shape::new(t, lanes, "NEW");
+    let old = Shape::new(t, lanes, "OLD");
+    let new_seq = seq.replacen("o.", "NEW.", 1);
+    let old_seq = seq.replacen("o.", "OLD.", 1);
+    // The body goes through format(): `%1$s` is the table's oid, `%2$I`
+    // the queue's schema, any other `%` doubled. On a partitioned outbox the
+    // trigger fires on the partition a row went to: any partition of the
+    // table is the table (`pg_partition_ancestors`, asked only then).
+    let body = format!(
+        "CREATE OR REPLACE FUNCTION {f}() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER \
+         SET search_path = pg_catalog, pg_temp AS $outroute$ BEGIN \
+         IF TG_RELID <> %1$s AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_partition_ancestors(TG_RELID) a WHERE a.relid = %1$s) \
+           THEN RAISE EXCEPTION 'outroute_enqueue lists rows of one outbox table only'; END IF; \
+         IF TG_OP = 'UPDATE' THEN \
+           UPDATE %2$I.outroute_queue SET lane = {lane}, seq = {new_seq} \
+             WHERE source = {src} AND lane = {old_lane} AND seq = {old_seq}; \
+           RETURN NULL; \
+         END IF; \
+         INSERT INTO %2$I.outroute_queue (source, lane, seq) VALUES ({src}, {lane}, {new_seq}); RETURN NULL; END $outroute$",
+        f = quote(function).replace('%', "%%"),
+        src = literal(&t.name).replace('%', "%%"),
+        lane = new.lane.replace('%', "%%"),
+        old_lane = old.lane.replace('%', "%%"),
+        new_seq = new_seq.replace('%', "%%"),
+        old_seq = old_seq.replace('%', "%%"),
+    );
+    let mut followed: Vec<&str> = t.aggregate_type.iter().map(String::as_str).collect();
+    followed.push(&t.aggregate_id);
+    if let Some(c) = &t.sequence {
+        followed.push(c);
+    }
+    let changed = followed
+        .iter()
+        .map(|c| format!("OLD.{c} IS DISTINCT FROM NEW.{c}", c = quote(c)))
+        .collect::<Vec<_>>()
+        .join(" OR ");
+    format!(
+        "DO $setup$ BEGIN EXECUTE format($body${body}$body$, {table_lit}::regclass::oid, \
+           (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+            WHERE c.oid = 'outroute_queue'::regclass)); END $setup$;\n\
+         REVOKE ALL ON FUNCTION {f}() FROM PUBLIC;\n\
+         DROP TRIGGER IF EXISTS outroute_requeue ON {table};\n\
+         CREATE TRIGGER outroute_requeue AFTER UPDATE OF {cols} ON {table} FOR EACH ROW \
+           WHEN ({changed}) EXECUTE FUNCTION {f}();\n",
+        f = quote(function),
+        table_lit = literal(&quote(&t.name)),
+        table = quote(&t.name),
+        cols = followed
+            .iter()
+            .map(|c| quote(c))
+            .collect::<Vec<_>>()
+            .join(", "),
+    )
+}
+
 /// The pending queue's set-up for table `t` (`marking = queue`): the
-/// trigger that lists every inserted row, then the rows already pending,
-/// in one transaction (producers' inserts wait for it: `CREATE TRIGGER`
-/// waits for the inserts in flight, so the backfill sees every row the
-/// trigger missed). The function runs as its owner (`SECURITY DEFINER`):
-/// producers' roles need rights on their outbox only. So that nobody can
-/// use it to list rows of their own, it refuses any other table, nobody
-/// else may call it, and it names outroute's queue by schema (resolved
-/// here) with a `search_path` of `pg_catalog` then `pg_temp`.
+/// trigger function ([`queue_function_ddl`]), the trigger that lists every
+/// inserted row, then the rows already pending, in one transaction
+/// (producers' inserts wait for it: `CREATE TRIGGER` waits for the inserts
+/// in flight, so the backfill sees every row the trigger missed).
 fn queue_setup(
     t: &TableConfig,
     function: &str,
@@ -253,38 +318,18 @@ fn queue_setup(
     published: Option<&str>,
     lanes: u32,
 ) -> String {
-    let new = Shape::new(t, lanes, "NEW");
-    let new_seq = seq.replacen("o.", "NEW.", 1);
     let mut pending = vec![o.pending.clone()];
     if let Some(c) = published {
         pending.push(format!("o.{} IS NULL", quote(c)));
     }
-    // The body goes through format(): `%s` is the table's oid (twice), `%I`
-    // the queue's schema, any other `%` doubled. On a partitioned outbox the
-    // trigger fires on the partition a row went to: any partition of the
-    // table is the table (`pg_partition_ancestors`, asked only then).
-    let body = format!(
-        "CREATE OR REPLACE FUNCTION {f}() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER \
-         SET search_path = pg_catalog, pg_temp AS $outroute$ BEGIN \
-         IF TG_RELID <> %s AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_partition_ancestors(TG_RELID) a WHERE a.relid = %s) \
-           THEN RAISE EXCEPTION 'outroute_enqueue lists rows of one outbox table only'; END IF; \
-         INSERT INTO %I.outroute_queue (source, lane, seq) VALUES ({src}, {lane}, {new_seq}); RETURN NULL; END $outroute$",
-        f = quote(function).replace('%', "%%"),
-        src = literal(&t.name).replace('%', "%%"),
-        lane = new.lane.replace('%', "%%"),
-        new_seq = new_seq.replace('%', "%%"),
-    );
     format!(
-        "DO $setup$ BEGIN EXECUTE format($body${body}$body$, {table_lit}::regclass::oid, {table_lit}::regclass::oid, \
-           (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
-            WHERE c.oid = 'outroute_queue'::regclass)); END $setup$;\n\
-         REVOKE ALL ON FUNCTION {f}() FROM PUBLIC;\n\
+        "{function_ddl}\
          DROP TRIGGER IF EXISTS outroute_enqueue ON {table};\n\
          CREATE TRIGGER outroute_enqueue AFTER INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION {f}();\n\
          INSERT INTO outroute_queue (source, lane, seq) SELECT {src}, {lane_o}, {seq} FROM {table} o \
          WHERE {pending} ON CONFLICT DO NOTHING;",
+        function_ddl = queue_function_ddl(t, function, seq, lanes),
         f = quote(function),
-        table_lit = literal(&quote(&t.name)),
         src = literal(&t.name),
         table = quote(&t.name),
         lane_o = o.lane,
@@ -1143,6 +1188,36 @@ impl PgStore {
                     quote(&t.name)
                 );
             }
+            if trigger.is_some() {
+                // The trigger computes lanes itself: with another count than
+                // the relays', rows would land in lanes nobody reads right.
+                let body: Option<String> =
+                    sqlx::query_scalar("SELECT prosrc FROM pg_proc WHERE oid = to_regproc($1)")
+                        .bind(quote(&queue_function(t)))
+                        .fetch_optional(&self.pool)
+                        .await?;
+                if let Some(body) = body
+                    && !body.contains(&format!("% {})", self.lanes))
+                {
+                    bail!(
+                        "relay.lanes: the pending queue's trigger on `{}` lists rows into another number of \
+                         lanes than {}; every relay of a table must use the lane count it was set up with",
+                        t.name,
+                        self.lanes
+                    );
+                }
+            }
+            if trigger.is_some() && self.named_trigger("outroute_requeue").await?.is_none() {
+                tracing::warn!(
+                    table = %t.name,
+                    "{}.table.marking: the pending queue of `{}` was set up by an older outroute: a producer \
+                     that updates a pending row's aggregate or sequence number leaves its queue entry behind \
+                     and the event is never published. Run `outroute migrate --table` (it adds the trigger \
+                     `outroute_requeue` that follows such updates)",
+                    self.key,
+                    t.name
+                );
+            }
             self.missing_index = trigger.is_none().then(|| sql.index_ddl.clone());
             self.claim_sql = sql.claim_by_queue(self.ordering);
             // Deleted entries stay in the queue's index until VACUUM, as
@@ -1210,7 +1285,7 @@ impl PgStore {
              but {now}. Rows published through the queue were never stamped and would be published \
              again. Stop the relays, mark the rows not listed in `outroute_queue` and not failed as \
              published in this style's terms ({how}), then DROP TRIGGER outroute_enqueue ON {name}; \
-             DROP FUNCTION {f}(); DELETE FROM outroute_queue WHERE source = '{name}' \
+             DROP TRIGGER IF EXISTS outroute_requeue ON {name}; DROP FUNCTION {f}(); DELETE FROM outroute_queue WHERE source = '{name}' \
              (examples/outbox-published-at.toml shows it for `published_at`)",
             key = self.key,
             name = t.name,
@@ -1227,11 +1302,17 @@ impl PgStore {
     /// The pending queue's insert trigger on the table: `None` when absent,
     /// else whether it is enabled.
     async fn enqueue_trigger(&self) -> Result<Option<bool>> {
+        self.named_trigger("outroute_enqueue").await
+    }
+
+    /// Trigger `name` on the table: enabled, disabled, or absent (`None`).
+    async fn named_trigger(&self, name: &str) -> Result<Option<bool>> {
         Ok(sqlx::query_scalar(
             "SELECT tgenabled <> 'D' FROM pg_trigger WHERE tgrelid = to_regclass($1) \
-               AND tgname = 'outroute_enqueue' AND NOT tgisinternal",
+               AND tgname = $2 AND NOT tgisinternal",
         )
         .bind(quote(&self.cfg.name))
+        .bind(name)
         .fetch_optional(&self.pool)
         .await?)
     }
@@ -1239,7 +1320,8 @@ impl PgStore {
     /// Lane rows for this table; a changed lane count would break ordering.
     async fn ensure_lane_rows(&self) -> Result<()> {
         let existing: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM outroute_lanes WHERE source = $1")
+            // (the capture lease's row, lane -1, is not a lane)
+            sqlx::query_scalar("SELECT count(*) FROM outroute_lanes WHERE source = $1 AND lane >= 0")
                 .bind(&self.source)
                 .fetch_one(&self.pool)
                 .await?;
@@ -1504,6 +1586,24 @@ impl PgStore {
     /// leftover of an interrupted build is dropped first. Returns the
     /// statement run, or `None` when a usable index already exists. Under
     /// `marking = queue`: the queue's trigger and backfill instead.
+    /// Under `marking = queue` with the queue set up: run the trigger
+    /// function's and the update trigger's statements again (a table set up
+    /// by an older outroute gets today's: partitions, updates followed).
+    /// Returns the statements run; `None` when there is nothing to refresh.
+    pub async fn refresh_queue_function(&self) -> Result<Option<String>> {
+        if !self.queue_marking() || self.missing_index.is_some() || self.logical.is_some() {
+            return Ok(None);
+        }
+        let t = &self.cfg;
+        let seq = self.sql()?.seq.clone();
+        let ddl = queue_function_ddl(t, &queue_function(t), &seq, self.lanes);
+        sqlx::raw_sql(&ddl)
+            .execute(&self.pool)
+            .await
+            .with_context(|| format!("refreshing the pending queue's trigger function: {ddl}"))?;
+        Ok(Some(ddl))
+    }
+
     pub async fn create_lane_index(&mut self) -> Result<Option<String>> {
         let Some(ddl) = self.missing_index.clone() else {
             return Ok(None);
@@ -1647,6 +1747,8 @@ impl PgStore {
         Ok(relays)
     }
 
+    /// Renew and take lanes (never the capture lease's row, lane -1, a
+    /// source that streamed the log before may have left).
     pub async fn lease_round(&self) -> Result<Leases> {
         if self.logical.is_some() {
             return self.capture_lease().await;
@@ -1659,7 +1761,7 @@ impl PgStore {
         // Renew what we hold (lanes already lapsed are lost).
         let mut held: Vec<(i32, i64)> = sqlx::query_as(
             "UPDATE outroute_lanes SET lease_until = now() + make_interval(secs => $3) \
-             WHERE source = $1 AND owner = $2 AND lease_until > now() RETURNING lane, epoch",
+             WHERE source = $1 AND owner = $2 AND lease_until > now() AND lane >= 0 RETURNING lane, epoch",
         )
         .bind(&self.source)
         .bind(&self.relay_id)
@@ -1672,8 +1774,8 @@ impl PgStore {
             let want = fair - held.len() as i64;
             let got: Vec<(i32, i64)> = sqlx::query_as(
                 "UPDATE outroute_lanes l SET owner = $2, lease_until = now() + make_interval(secs => $3), epoch = l.epoch + 1 \
-                 FROM (SELECT lane FROM outroute_lanes WHERE source = $1 AND (owner IS NULL OR lease_until <= now()) \
-                       ORDER BY lane LIMIT $4 FOR UPDATE SKIP LOCKED) free \
+                 FROM (SELECT lane FROM outroute_lanes WHERE source = $1 AND lane >= 0 \
+                       AND (owner IS NULL OR lease_until <= now()) ORDER BY lane LIMIT $4 FOR UPDATE SKIP LOCKED) free \
                  WHERE l.source = $1 AND l.lane = free.lane RETURNING l.lane, l.epoch",
             )
             .bind(&self.source)
