@@ -43,7 +43,7 @@ impl Event {
 /// A row exactly as the store read it, before validation. Every field a
 /// producer could leave NULL or malformed is optional here; [`RawRow::validate`]
 /// turns it into an [`Event`] or into the reason it is malformed.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RawRow {
     pub id: String,
     /// NULL when the order column (or created_at standing in) is NULL.
@@ -56,9 +56,11 @@ pub struct RawRow {
     pub payload: Option<String>,
     pub headers: Option<String>,
     pub created_at: Option<DateTime<Utc>>,
+    #[serde(skip)]
     pub attempts: i32,
     /// The payload comes from a `json`/`jsonb` column: PostgreSQL already
     /// checked that it is JSON, so it is not parsed again.
+    #[serde(skip)]
     pub payload_is_json: bool,
 }
 
@@ -73,6 +75,9 @@ pub struct Malformed {
     /// --event-type` still finds the row.
     pub event_type: String,
     pub reason: String,
+    /// The row as read, when it could be read: a parked record keeps it
+    /// (the table row may be gone) so it can be shown, repaired and retried.
+    pub raw: Option<Box<RawRow>>,
 }
 
 impl RawRow {
@@ -135,7 +140,9 @@ impl RawRow {
                 });
             }
         };
+        let raw = Some(Box::new(self.clone()));
         Err(Malformed {
+            raw,
             id: self.id,
             // Unknown order: 0 holds back every event of its aggregate
             // under the `block` policy (the conservative choice).

@@ -754,6 +754,18 @@ pub enum FailedAction {
         #[command(flatten)]
         filter: FilterArgs,
     },
+    /// Repair the row kept with a failed event parked by log-based capture
+    /// (its table row may be gone): `--set payload='{"n":1}'`; then
+    /// `failed retry` reads it again.
+    Edit {
+        #[command(flatten)]
+        config: ConfigArg,
+        id: String,
+        /// FIELD=VALUE: aggregate_type, aggregate_id, event_type,
+        /// event_version, payload or headers.
+        #[arg(long = "set", value_name = "FIELD=VALUE", required = true)]
+        set: Vec<String>,
+    },
     /// Give up on failed events; they stop holding back their aggregate.
     Discard {
         #[command(flatten)]
@@ -851,6 +863,43 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
             }
             failures.finish()?;
             Ok(ExitCode::SUCCESS)
+        }
+        FailedAction::Edit { config, id, set } => {
+            let set: Vec<(String, String)> = set
+                .iter()
+                .map(|kv| {
+                    kv.split_once('=')
+                        .map(|(k, v)| (k.trim().to_string(), v.to_string()))
+                        .ok_or_else(|| anyhow!("--set `{kv}`: expected FIELD=VALUE"))
+                })
+                .collect::<Result<_>>()?;
+            let loaded = config.load()?;
+            let f = Filter {
+                ids: vec![id.clone()],
+                include_discarded: true,
+                ..Filter::default()
+            };
+            let mut failures = Failures::new(&loaded);
+            for source in sources(&loaded) {
+                let found = failed_of(&loaded, &source, &f).await;
+                match found {
+                    Ok(l) if !l.is_empty() => {
+                        open_for_command(&loaded, &source, "failed")
+                            .await?
+                            .failed_edit(&id, &set)
+                            .await?;
+                        println!(
+                            "event {id}: row changed; `outroute failed retry --id {id}` reads it again"
+                        );
+                        return Ok(ExitCode::SUCCESS);
+                    }
+                    Ok(_) => {}
+                    Err(e) => failures.add(&source, e)?,
+                }
+            }
+            failures.finish()?;
+            eprintln!("no failed event with id {id}");
+            Ok(ExitCode::FAILURE)
         }
         FailedAction::Show { config, id } => {
             let loaded = config.load()?;

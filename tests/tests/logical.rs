@@ -948,3 +948,106 @@ async fn a_reused_or_null_id_fails_that_event_alone() -> anyhow::Result<()> {
     db.drop_db().await;
     Ok(())
 }
+
+/// A captured row that cannot become an event, under `cleanup = delete`:
+/// its table row goes, but its parked record keeps the row as read, so it
+/// is shown (`failed show`), repaired (`failed edit`) and published once
+/// retried, its payload intact.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_malformed_captured_row_is_kept_repaired_and_retried() -> anyhow::Result<()> {
+    let db = TestDb::new_logical().await?;
+    sqlx::query(
+        "CREATE TABLE ev (id text PRIMARY KEY, pos bigserial, aggregate_id text NOT NULL, event_type text NOT NULL, \
+         event_version text, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
+    )
+    .execute(&db.pool)
+    .await?;
+    let dir = test_dir("logical-repair");
+    let out = dir.join("out.jsonl");
+    let body = format!(
+        "{}event_version = \"event_version\"\n\n{}",
+        own_table("ev", "pos"),
+        relay_body(
+            "",
+            &[TestSink::File(&out)],
+            "order-router",
+            "orders",
+            FILE_ROUTE
+        )
+    );
+    let config = write_config_with(&dir, &db.url, LOGICAL, "lease_ttl = \"2s\"", &body)?;
+    let c = config.to_string_lossy().to_string();
+    db.migrate(&config)?;
+    let relay = Relay::start(&config, &[])?;
+    sqlx::query(
+        "INSERT INTO ev (id, aggregate_id, event_type, event_version, payload) \
+         VALUES ('bad-version', 'A', 'created', 'v2', '{\"n\": 7}'), ('fine', 'B', 'created', '1', '{}')",
+    )
+    .execute(&db.pool)
+    .await?;
+    assert!(
+        file_sink_reaches(&out, 1, Duration::from_secs(30)).await,
+        "{}",
+        relay.log_text()
+    );
+    // Cleaned up: the table row is gone; the record keeps it.
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            db.count("SELECT count(*) FROM ev").await == 0
+        })
+        .await,
+        "{}",
+        relay.log_text()
+    );
+    let (code, shown, err) = cli(&["failed", "show", "bad-version", "-c", &c])?;
+    assert_eq!(code, 0, "{shown}{err}");
+    let shown: serde_json::Value = serde_json::from_str(
+        shown
+            .split_once('{')
+            .map(|(_, rest)| format!("{{{rest}"))
+            .as_deref()
+            .unwrap_or("{}"),
+    )?;
+    assert_eq!(shown["row"]["event_version"], "v2", "{shown}");
+    assert_eq!(shown["row"]["aggregate_id"], "A", "{shown}");
+    assert!(
+        shown["row"]["payload"]
+            .as_str()
+            .is_some_and(|p| p.contains("\"n\": 7")),
+        "{shown}"
+    );
+    // A field that is not the row's is refused, naming the ones that are.
+    let (code, said, err) = cli(&["failed", "edit", "bad-version", "--set", "id=x", "-c", &c])?;
+    assert_ne!(code, 0, "{said}{err}");
+    assert!(err.contains("event_version"), "{err}");
+    let (code, said, err) = cli(&[
+        "failed",
+        "edit",
+        "bad-version",
+        "--set",
+        "event_version=2",
+        "-c",
+        &c,
+    ])?;
+    assert_eq!(code, 0, "{said}{err}");
+    let (code, said, err) = cli(&["failed", "retry", "--id", "bad-version", "-c", &c])?;
+    assert_eq!(code, 0, "{said}{err}");
+    assert!(
+        file_sink_reaches(&out, 2, Duration::from_secs(30)).await,
+        "{}",
+        relay.log_text()
+    );
+    let repaired = file_sink_deliveries(&out)
+        .into_iter()
+        .find(|d| d.id() == "bad-version")
+        .ok_or_else(|| anyhow::anyhow!("not delivered"))?;
+    assert_eq!(
+        repaired.headers.get("ce_eventversion").map(String::as_str),
+        Some("2")
+    );
+    let payload: serde_json::Value = serde_json::from_slice(&repaired.payload)?;
+    assert_eq!(payload["n"], 7);
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}

@@ -338,6 +338,7 @@ fn envelope_event(content: &[u8], lsn: Lsn, at: DateTime<Utc>) -> Result<Event, 
         aggregate_id: String::new(),
         event_type: String::new(),
         reason,
+        raw: None,
     };
     let env: Envelope = match serde_json::from_slice(content) {
         Ok(e) => e,

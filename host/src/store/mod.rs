@@ -19,7 +19,7 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 
 use crate::config::{Config, StoreConfig};
-use crate::event::{Event, Malformed};
+use crate::event::{Event, Malformed, RawRow};
 
 pub mod postgres;
 pub mod sqlite;
@@ -110,6 +110,11 @@ pub struct ParkedEvent {
     /// Set for a row that could not become an event: the reason.
     #[serde(default)]
     pub malformed: Option<String>,
+    /// And the row as it was read (the table row may be gone): shown by
+    /// `outroute failed show`, repaired with `outroute failed edit`, read
+    /// again when the event is retried.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub row: Option<RawRow>,
 }
 
 impl ParkedEvent {
@@ -125,6 +130,7 @@ impl ParkedEvent {
                 headers: e.headers.clone(),
                 created_at: e.created_at,
                 malformed: None,
+                row: None,
             },
             Err(m) => ParkedEvent {
                 sequence: m.sequence,
@@ -136,6 +142,7 @@ impl ParkedEvent {
                 headers: Vec::new(),
                 created_at: Utc::now(),
                 malformed: Some(m.reason.clone()),
+                row: m.raw.as_deref().cloned(),
             },
         }
     }
@@ -144,6 +151,19 @@ impl ParkedEvent {
     #[allow(clippy::result_large_err)]
     pub fn into_row(self, id: String, attempts: u32) -> Result<Event, Malformed> {
         match self.malformed {
+            // The row it was read as is checked again: one repaired since
+            // (`outroute failed edit`) becomes its event.
+            Some(_) if self.row.is_some() => {
+                let row = self.row.unwrap_or_default();
+                RawRow {
+                    // The record's id (`unpark` goes by it); a row read
+                    // without one stays without (ids are not edited).
+                    id: if row.id.is_empty() { String::new() } else { id },
+                    attempts: i32::try_from(attempts).unwrap_or(i32::MAX),
+                    ..row
+                }
+                .validate()
+            }
             Some(reason) => Err(Malformed {
                 id,
                 sequence: self.sequence,
@@ -151,6 +171,7 @@ impl ParkedEvent {
                 aggregate_id: self.aggregate_id,
                 event_type: self.event_type,
                 reason,
+                raw: None,
             }),
             None => Ok(Event {
                 id,
@@ -228,6 +249,7 @@ where
         aggregate_id: text("aggregate_id"),
         event_type: text("event_type"),
         reason: format!("unreadable row: {e}"),
+        raw: None,
     }
 }
 
@@ -292,6 +314,10 @@ pub struct FailedEvent {
     pub failed_at: Option<DateTime<Utc>>,
     pub discarded_at: Option<DateTime<Utc>>,
     pub holds_aggregate: bool,
+    /// A captured row that could not become an event, as it was read
+    /// (parked records only; fix it with `outroute failed edit`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub row: Option<serde_json::Value>,
 }
 
 /// Where a page of published events ended: its last (order key, id).
@@ -593,6 +619,18 @@ impl Store {
     /// Put failed events back in line (attempts reset); returns the count.
     pub async fn failed_retry(&self, f: &Filter) -> anyhow::Result<u64> {
         dispatch!(self, s => s.failed_retry(f).await)
+    }
+
+    /// Change fields of a parked record's row that could not become an
+    /// event (`outroute failed edit`); it is read again when retried.
+    pub async fn failed_edit(&self, id: &str, set: &[(String, String)]) -> anyhow::Result<()> {
+        match self {
+            Store::Postgres(s) => s.failed_edit(id, set).await,
+            Store::Sqlite(_) => anyhow::bail!(
+                "only events parked by log-based capture keep their row in the failure record; \
+                 edit the outbox row itself, then `outroute failed retry`"
+            ),
+        }
     }
 
     /// Give up on failed events for good (they stop holding their aggregate).

@@ -2685,7 +2685,7 @@ impl PgStore {
     pub async fn failed_list(&self, f: &Filter) -> Result<Vec<FailedEvent>> {
         let q = format!(
             "SELECT event_id, aggregate_type, aggregate_id, event_type, seq, attempts, last_error, route, plugin, plugin_version, \
-               first_error_at, failed_at, discarded_at, blocks_until = 'infinity' AS holds \
+               first_error_at, failed_at, discarded_at, blocks_until = 'infinity' AS holds, event -> 'row' \
              FROM outroute_event_state st WHERE {} ORDER BY seq LIMIT {}",
             Self::failed_where(f),
             f.limit.unwrap_or(1000)
@@ -2711,6 +2711,7 @@ impl PgStore {
                     failed_at: r.try_get(11)?,
                     discarded_at: r.try_get(12)?,
                     holds_aggregate: r.try_get(13)?,
+                    row: r.try_get(14)?,
                 })
             })
             .collect()
@@ -2804,6 +2805,57 @@ impl PgStore {
             );
         }
         Ok(ids.len() as u64)
+    }
+
+    /// See [`crate::store::Store::failed_edit`]: `set` holds (field, value)
+    /// pairs of the kept row; the id is not one of them (the record goes by
+    /// it). Fields: aggregate_type, aggregate_id, event_type, event_version,
+    /// payload, headers.
+    pub async fn failed_edit(&self, id: &str, set: &[(String, String)]) -> Result<()> {
+        const FIELDS: [&str; 6] = [
+            "aggregate_type",
+            "aggregate_id",
+            "event_type",
+            "event_version",
+            "payload",
+            "headers",
+        ];
+        let mut tx = self.pool.begin().await?;
+        let kept: Option<Option<bool>> = sqlx::query_scalar(
+            "SELECT (event ? 'row') FROM outroute_event_state WHERE source = $1 AND event_id = $2 FOR UPDATE",
+        )
+        .bind(&self.source)
+        .bind(id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        match kept {
+            None => bail!("no failed event with id {id}"),
+            Some(Some(true)) => {}
+            Some(_) => bail!(
+                "event {id} has no row kept in its failure record (only rows parked by log-based capture \
+                 that could not become an event do); edit the outbox row itself, then `outroute failed retry`"
+            ),
+        }
+        for (field, value) in set {
+            if !FIELDS.contains(&field.as_str()) {
+                bail!(
+                    "`{field}` is not a field of the kept row that can be edited; one of: {}",
+                    FIELDS.join(", ")
+                );
+            }
+            sqlx::query(
+                "UPDATE outroute_event_state SET event = jsonb_set(event, ARRAY['row', $3], to_jsonb($4::text)), \
+                   updated_at = now() WHERE source = $1 AND event_id = $2",
+            )
+            .bind(&self.source)
+            .bind(id)
+            .bind(field)
+            .bind(value)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
     }
 
     pub async fn failed_discard(&self, f: &Filter) -> Result<u64> {

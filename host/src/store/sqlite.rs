@@ -378,6 +378,7 @@ impl SqliteStore {
                     failed_at: ts(r.try_get(11)?),
                     discarded_at: ts(r.try_get(12)?),
                     holds_aggregate: r.try_get(13)?,
+                    row: None,
                 })
             })
             .collect()

@@ -752,6 +752,7 @@ impl PgStore {
                     aggregate_id: aggregate.1,
                     event_type: String::new(),
                     reason: format!("its parked record cannot be read: {e}"),
+                    raw: None,
                 }),
             };
             claims.push(Claim {
