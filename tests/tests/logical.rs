@@ -949,6 +949,70 @@ async fn a_reused_or_null_id_fails_that_event_alone() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A table of the same name in another schema, in the same publication (a
+/// shared one): its inserts are not this source's events (before, an
+/// unqualified table name matched any schema: another team's rows went out
+/// as ours, and their sequence numbers deleted our rows).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_same_named_table_of_another_schema_is_not_captured() -> anyhow::Result<()> {
+    let db = TestDb::new_logical().await?;
+    for ddl in [
+        "CREATE TABLE ev (id text PRIMARY KEY, pos bigserial, aggregate_id text NOT NULL, event_type text NOT NULL, \
+         payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
+        "CREATE SCHEMA other",
+        "CREATE TABLE other.ev (LIKE ev INCLUDING ALL)",
+    ] {
+        sqlx::query(ddl).execute(&db.pool).await?;
+    }
+    let dir = test_dir("logical-schema");
+    let out = dir.join("out.jsonl");
+    let body = format!(
+        "{}\n{}",
+        own_table("ev", "pos"),
+        relay_body(
+            "",
+            &[TestSink::File(&out)],
+            "order-router",
+            "orders",
+            FILE_ROUTE
+        )
+    );
+    let config = write_config_with(&dir, &db.url, LOGICAL, "lease_ttl = \"2s\"", &body)?;
+    db.migrate(&config)?;
+    let publication: String =
+        sqlx::query_scalar("SELECT pubname::text FROM pg_publication LIMIT 1")
+            .fetch_one(&db.pool)
+            .await?;
+    sqlx::query(&format!(
+        "ALTER PUBLICATION \"{publication}\" ADD TABLE other.ev"
+    ))
+    .execute(&db.pool)
+    .await?;
+    let relay = Relay::start(&config, &[])?;
+    sqlx::query(
+        "INSERT INTO other.ev (id, aggregate_id, event_type, payload) VALUES ('theirs', 'T', 'created', '{}')",
+    )
+    .execute(&db.pool)
+    .await?;
+    sqlx::query("INSERT INTO ev (id, aggregate_id, event_type, payload) VALUES ('ours', 'O', 'created', '{}')")
+        .execute(&db.pool)
+        .await?;
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            delivered_ids(&out).contains(&"ours".to_string())
+                && db.count("SELECT count(*) FROM ev").await == 0
+        })
+        .await,
+        "{}",
+        relay.log_text()
+    );
+    assert_eq!(delivered_ids(&out), vec!["ours".to_string()]);
+    assert_eq!(db.count("SELECT count(*) FROM other.ev").await, 1);
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}
+
 /// A captured row that cannot become an event, under `cleanup = delete`:
 /// its table row goes, but its parked record keeps the row as read, so it
 /// is shown (`failed show`), repaired (`failed edit`) and published once

@@ -384,6 +384,9 @@ struct Reader {
     input: LogicalInput,
     prefix: String,
     table: TableConfig,
+    /// The mapped table's oid, resolved at start: a relation is ours by it,
+    /// never by a name another schema may share.
+    table_oid: Option<u32>,
     relations: pgoutput::Relations,
     shapes: std::collections::HashMap<u32, RowShape>,
     /// Inside a transaction: its commit LSN, commit time.
@@ -481,7 +484,11 @@ impl Reader {
                             Some((s, n)) => (s.to_string(), n.to_string()),
                             None => ("public".to_string(), t.name.clone()),
                         };
-                        if rel.name == name && (rel.namespace == schema || !t.name.contains('.')) {
+                        let ours = match self.table_oid {
+                            Some(table) => oid == table,
+                            None => rel.name == name && rel.namespace == schema,
+                        };
+                        if ours {
                             let shape = RowShape::of(&rel, t);
                             if shape.id.is_none() || shape.payload.is_none() {
                                 bail!(
@@ -742,10 +749,15 @@ impl Relay {
         let batch = self.config.batch_size as usize;
         let (tx, mut rx) = mpsc::channel::<Result<Item>>(4 * batch);
         let (confirm_tx, confirm_rx) = watch::channel(Lsn(0));
+        let table_oid = match logical.input {
+            LogicalInput::Table => pg.table_oid().await?,
+            LogicalInput::Messages => None,
+        };
         let reader = Reader {
             input: logical.input,
             prefix: logical.message_prefix.clone(),
             table: self.store_table.clone(),
+            table_oid,
             relations: pgoutput::Relations::default(),
             shapes: Default::default(),
             open: None,

@@ -105,6 +105,17 @@ impl PgStore {
 
     /// Refuse a server or database that cannot serve this source: `wal_level`
     /// not `logical`, the slot or the publication missing.
+    /// The mapped table's oid, as the server resolves its name (the search
+    /// path for an unqualified one); `None` when there is no such table.
+    pub async fn table_oid(&self) -> Result<Option<u32>> {
+        let oid: Option<i64> = sqlx::query_scalar("SELECT to_regclass($1)::oid::bigint")
+            .bind(quote(&self.cfg.name))
+            .fetch_one(&self.pool)
+            .await
+            .context("resolving the outbox table")?;
+        Ok(oid.and_then(|o| u32::try_from(o).ok()))
+    }
+
     pub(super) async fn check_capture(&self) -> Result<()> {
         let Some(l) = &self.logical else {
             return Ok(());
