@@ -193,6 +193,67 @@ async fn a_batch_from_before_a_lane_changed_hands_and_came_back_is_not_marked() 
     Ok(())
 }
 
+/// A failure record also takes the event off the pending queue and sets
+/// the row's own attempts, last_error and failed_at (one statement per
+/// failure, where there were three, and a crash between them left a row
+/// that looked published).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failure_record_sets_the_rows_own_columns_and_leaves_the_queue() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("failure-one-statement");
+    let config = write_config(&dir, &db.url, "lanes = 2", &file_sink_body(&dir, ""))?;
+    db.migrate(&config)?;
+    produce(&db.pool, "agg", 10, 1, 0).await?;
+    let store = open_store(&config, "recorder").await?;
+    let leases = store.lease_round().await?;
+    let claims = store.claim(&leases.lanes, 100).await?;
+    assert_eq!(claims.len(), 10);
+    let failures = claims
+        .iter()
+        .map(|c| {
+            let e = c
+                .row
+                .as_ref()
+                .map_err(|m| anyhow::anyhow!("{}", m.reason))?;
+            Ok(Failure {
+                id: e.id.clone(),
+                lane: c.lane,
+                epoch: leases
+                    .lanes
+                    .iter()
+                    .position(|l| *l == c.lane)
+                    .map(|i| leases.epochs[i]),
+                aggregate_type: e.aggregate_type.clone(),
+                aggregate_id: e.aggregate_id.clone(),
+                event_type: e.event_type.clone(),
+                sequence: e.sequence,
+                attempts: 1,
+                reason: "broker refused: too large".into(),
+                route: None,
+                plugin: None,
+                plugin_version: None,
+                kind: FailureKind::Failed { hold: false },
+                done_legs: Vec::new(),
+                parked: None,
+                waiting_routes: None,
+            })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    assert_eq!(store.record_failures(&failures).await?, 10);
+    assert_eq!(db.count("SELECT count(*) FROM outroute_queue").await, 0);
+    assert_eq!(
+        db.count(
+            "SELECT count(*) FROM outbox WHERE failed_at IS NOT NULL AND attempts = 1 \
+             AND last_error = 'broker refused: too large'"
+        )
+        .await,
+        10
+    );
+    assert_eq!(db.published("").await, 0);
+    db.drop_db().await;
+    Ok(())
+}
+
 /// A failure record that began while its relay held the lane and could
 /// commit only after the lease expired (it waited on a lock): the hand-over
 /// waits for it, so the new owner sees the record and never publishes the

@@ -209,6 +209,9 @@ pub struct TableSql {
     /// The payload column is `json`/`jsonb` (set by `check_table`): rows
     /// are not parsed again to check it.
     payload_is_json: bool,
+    /// Mapped columns' types as the catalog names them (set by
+    /// `check_table`), for casts to a column's own type.
+    column_types: std::collections::HashMap<String, String>,
     /// The id column may hold NULL or '' (set by `check_table`): state rows
     /// then key such a row by its place in the table ([`TableSql::id_key`]).
     id_may_be_missing: bool,
@@ -429,6 +432,7 @@ impl TableSql {
             select_cols,
             payload_is_json: false,
             id_may_be_missing: false,
+            column_types: Default::default(),
             index_name,
             index_ddl,
             cfg: t.clone(),
@@ -467,6 +471,19 @@ impl TableSql {
             from = NO_ID.len() + 1,
             key = self.id_key(),
         )
+    }
+
+    /// Column `c`'s type (`text` when unknown): checked to be a plain
+    /// type name, so it can be cast to.
+    fn column_type(&self, c: &str) -> &str {
+        self.column_types
+            .get(c)
+            .map(String::as_str)
+            .filter(|t| {
+                t.chars()
+                    .all(|ch| ch.is_ascii_alphanumeric() || " _(),".contains(ch))
+            })
+            .unwrap_or("text")
     }
 
     /// `$n` cast to an array of the id column's type.
@@ -1130,6 +1147,7 @@ impl PgStore {
         let mut sql = TableSql::new(t, self.lanes, &base);
         sql.payload_is_json = payload_is_json;
         sql.id_may_be_missing = id_may_be_missing;
+        sql.column_types = types.into_iter().map(|(c, (ty, _))| (c, ty)).collect();
         if let Some(seq) = &t.sequence
             && self.logical.is_none()
             && let Some(why) = self.floors_unsafe(seq).await?
@@ -2214,14 +2232,42 @@ impl PgStore {
             // queued row off the queue without its marker would count as
             // published.
             let mut q = format!("WITH recorded AS ({insert} RETURNING 1)");
-            if failed && self.logical.is_none() && f.parked.is_none() {
-                if matches!(s.cfg.marking, Marking::Queue { .. }) {
+            if self.logical.is_none() && f.parked.is_none() {
+                if failed && matches!(s.cfg.marking, Marking::Queue { .. }) {
                     q.push_str(
                         ", off AS (DELETE FROM outroute_queue WHERE source = $1 AND lane = $16 AND seq = $6 \
                            AND EXISTS (SELECT 1 FROM recorded))",
                     );
                 }
-                if let Some(c) = &s.cfg.failed_at {
+                // The table's own attempts / last_error / failed columns, in
+                // the same statement. Values are cast to the column's own
+                // type, which cuts a reason too long for a `varchar(n)`.
+                let mut sets = Vec::new();
+                if let Some(c) = &s.cfg.attempts {
+                    sets.push(format!("{} = $9::{}", quote(c), s.column_type(c)));
+                }
+                if let Some(c) = &s.cfg.last_error {
+                    sets.push(format!("{} = $11::{}", quote(c), s.column_type(c)));
+                }
+                if failed {
+                    if let Some(c) = &s.cfg.failed_at {
+                        sets.push(format!("{} = now()", quote(c)));
+                    }
+                    if let Marking::Status {
+                        column,
+                        failed: Some(v),
+                        ..
+                    } = &s.cfg.marking
+                    {
+                        sets.push(format!(
+                            "{} = {}::{}",
+                            quote(column),
+                            literal(v),
+                            s.column_type(column)
+                        ));
+                    }
+                }
+                if !sets.is_empty() {
                     // Under the queue the sequence number is unique: found
                     // by it (on a partitioned outbox, usually the key).
                     let by_seq = if matches!(s.cfg.marking, Marking::Queue { .. }) {
@@ -2230,9 +2276,9 @@ impl PgStore {
                         String::new()
                     };
                     q.push_str(&format!(
-                        ", flagged AS (UPDATE {table} o SET {c} = now() WHERE {by_seq}{row} AND EXISTS (SELECT 1 FROM recorded))",
+                        ", mirrored AS (UPDATE {table} o SET {sets} WHERE {by_seq}{row} AND EXISTS (SELECT 1 FROM recorded))",
                         table = s.table,
-                        c = quote(c),
+                        sets = sets.join(", "),
                         row = s.is_one_of("ARRAY[$3::text]"),
                     ));
                 }
@@ -2296,52 +2342,8 @@ impl PgStore {
             if self.logical.is_some() {
                 continue; // the table row is not the record of a captured event
             }
-            // The state row is what counts; a legacy column too narrow for
-            // the reason must not stop the rest of the batch's failures.
-            if let Err(e) = self.mirror_failure(s, f, failed).await {
-                tracing::warn!(event_id = %f.id, "could not update the outbox row's own failure columns: {e:#}");
-            }
         }
         Ok(recorded)
-    }
-
-    /// Keep the table's own attempts/last_error/failed columns in step.
-    async fn mirror_failure(&self, s: &TableSql, f: &Failure, failed: bool) -> Result<()> {
-        let mut sets = Vec::new();
-        if let Some(c) = &s.cfg.attempts {
-            sets.push(format!("{} = $2", quote(c)));
-        }
-        if let Some(c) = &s.cfg.last_error {
-            sets.push(format!("{} = $3", quote(c)));
-        }
-        if failed {
-            // (`failed_at` was set with the record itself)
-            if let Marking::Status {
-                column,
-                failed: Some(v),
-                ..
-            } = &s.cfg.marking
-            {
-                sets.push(format!("{} = {}", quote(column), literal(v)));
-            }
-        }
-        if sets.is_empty() {
-            return Ok(());
-        }
-        let q = format!(
-            "UPDATE {} o SET {} WHERE {}",
-            s.table,
-            sets.join(", "),
-            s.is_one_of("ARRAY[$1::text]")
-        );
-        sqlx::query(&q)
-            .bind(&f.id)
-            .bind(f.attempts as i32)
-            .bind(&f.reason)
-            .execute(&self.pool)
-            .await
-            .context("updating the outbox row's failure columns")?;
-        Ok(())
     }
 
     /// Pending events (not failed) and the age of the oldest, without
