@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use outroute::store::{Claim, Store};
+use outroute::store::{Claim, Failure, FailureKind, Store};
 use outroute_e2e::*;
 
 fn file_body(dir: &Path, table: &str) -> String {
@@ -545,6 +545,69 @@ async fn floors(mapping: &str, save: Option<&str>, repend: &str) -> anyhow::Resu
     pg.sweep_floors_soon();
     store.raise_floors(&lanes).await;
     assert_eq!(drain(&store, &lanes).await?, vec!["o-5".to_string()]);
+    db.drop_db().await;
+    Ok(())
+}
+
+/// Events that failed for good and were skipped or discarded stay in the
+/// state table for ever; in a table whose rows say they failed, they no
+/// longer cost every later claim a state probe per row (while an event
+/// still retries or holds, the probes are back).
+#[tokio::test(flavor = "multi_thread")]
+async fn failed_and_discarded_events_do_not_cost_later_claims_their_probes() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("claim-live-state");
+    let config = write_config(&dir, &db.url, "lanes = 4", &file_body(&dir, ""))?;
+    db.migrate(&config)?;
+    fill(&db, 1, 20).await?;
+    let store = open_store(&config, "live-state").await?;
+    let leases = store.lease_round().await?;
+    let lanes = leases.lanes.clone();
+    let pg = store
+        .postgres()
+        .ok_or_else(|| anyhow::anyhow!("not PostgreSQL"))?;
+    let claims = store.claim(&lanes, 2).await?;
+    let failure = |c: &Claim, kind: FailureKind| -> anyhow::Result<Failure> {
+        let e = c
+            .row
+            .as_ref()
+            .map_err(|m| anyhow::anyhow!("{}", m.reason))?;
+        Ok(Failure {
+            id: e.id.clone(),
+            lane: c.lane,
+            epoch: None,
+            aggregate_type: e.aggregate_type.clone(),
+            aggregate_id: e.aggregate_id.clone(),
+            event_type: e.event_type.clone(),
+            sequence: e.sequence,
+            attempts: 1,
+            reason: "refused".into(),
+            route: None,
+            plugin: None,
+            plugin_version: None,
+            kind,
+            done_legs: Vec::new(),
+            parked: None,
+            waiting_routes: None,
+        })
+    };
+    // One failed and skipped, one failed and then discarded.
+    let skipped = failure(&claims[0], FailureKind::Failed { hold: false })?;
+    let held = failure(&claims[1], FailureKind::Failed { hold: true })?;
+    assert_eq!(store.record_failures(&[skipped, held.clone()]).await?, 2);
+    assert!(
+        pg.claim_state_probes(&lanes, 100).await? > 0.0,
+        "while an event holds its aggregate, claims probe: this checks nothing"
+    );
+    let filter = outroute::store::Filter {
+        ids: vec![held.id.clone()],
+        ..Default::default()
+    };
+    assert_eq!(store.failed_discard(&filter).await?, 1);
+    let probes = pg.claim_state_probes(&lanes, 100).await?;
+    assert_eq!(probes, 0.0, "a claim probed state rows {probes} times");
+    // And the claim still skips the two failed events.
+    assert_eq!(drain(&store, &lanes).await?.len(), 18);
     db.drop_db().await;
     Ok(())
 }

@@ -178,6 +178,16 @@ pub const NO_ID: &str = "no-id@";
 const NO_STATE: &str =
     "(SELECT NOT EXISTS (SELECT 1 FROM outroute_event_state ns WHERE ns.source = $1))";
 
+/// [`NO_STATE`] for a table whose rows say they failed (`failed_at`, or a
+/// `status` with a failed value): a failed row is no longer pending, so
+/// only state rows that can still skip or hold a pending row count —
+/// retrying or waiting (`failed_at` NULL) and holding for good (`blocks_until`
+/// infinity). Failed-and-skipped and discarded events (they stay for ever)
+/// then no longer cost every later claim its per-row probes. The partial
+/// index `outroute_event_state_live` answers it in one probe.
+const NO_LIVE_STATE: &str = "(SELECT NOT EXISTS (SELECT 1 FROM outroute_event_state ns WHERE ns.source = $1 \
+     AND (ns.failed_at IS NULL OR ns.blocks_until = 'infinity')))";
+
 /// The backlog gauge counts pending events exactly up to about this many.
 pub const BACKLOG_EXACT: i64 = 1_000;
 
@@ -501,8 +511,9 @@ impl TableSql {
     /// probe per claim ([`NO_STATE`], evaluated once) then spares every row
     /// its probes (they were most of the pages a claim touched).
     fn state_filter(&self, ordering: Ordering) -> String {
+        let no_state = self.no_state();
         let own = format!(
-            "AND CASE WHEN {NO_STATE} THEN TRUE ELSE NOT EXISTS (SELECT 1 FROM outroute_event_state s \
+            "AND CASE WHEN {no_state} THEN TRUE ELSE NOT EXISTS (SELECT 1 FROM outroute_event_state s \
                WHERE s.source = $1 AND s.event_id = {id} \
                AND (s.failed_at IS NOT NULL OR s.next_attempt_at > now()) OFFSET 0) END",
             id = self.id_key()
@@ -515,7 +526,7 @@ impl TableSql {
         // and the claim says which routes are held (`held_routes`).
         let hold = match ordering {
             Ordering::Aggregate | Ordering::Strict => format!(
-                " AND CASE WHEN {NO_STATE} THEN TRUE ELSE NOT EXISTS (SELECT 1 FROM ({held}) h \
+                " AND CASE WHEN {no_state} THEN TRUE ELSE NOT EXISTS (SELECT 1 FROM ({held}) h \
                    WHERE h.held && '{{*}}'::text[] OR h.held @> coalesce((SELECT s.waiting_routes \
                      FROM outroute_event_state s WHERE s.source = $1 AND s.event_id = {id}), $4::text[]) \
                    OFFSET 0) END",
@@ -525,6 +536,24 @@ impl TableSql {
             Ordering::None => String::new(),
         };
         format!("{own}{hold}")
+    }
+
+    /// The once-per-claim test that spares rows their state probes: see
+    /// [`NO_LIVE_STATE`] (rows that say they failed) and [`NO_STATE`].
+    fn no_state(&self) -> &'static str {
+        let row_says_failed = self.cfg.failed_at.is_some()
+            || matches!(
+                self.cfg.marking,
+                Marking::Status {
+                    failed: Some(_),
+                    ..
+                }
+            );
+        if row_says_failed {
+            NO_LIVE_STATE
+        } else {
+            NO_STATE
+        }
     }
 
     /// The routes earlier blocking events of a row's aggregate hold (as
@@ -546,15 +575,16 @@ impl TableSql {
     /// mark), its attempts so far (NULL: it has no state row) and the
     /// routes held by earlier events of its aggregate (NULL: none).
     fn claim_extras(&self, ordering: Ordering) -> String {
+        let no_state = self.no_state();
         let held = match ordering {
             Ordering::None => "NULL::text[]".to_string(),
             _ => format!(
-                "CASE WHEN {NO_STATE} THEN NULL ELSE ({}) END",
+                "CASE WHEN {no_state} THEN NULL ELSE ({}) END",
                 self.held_routes()
             ),
         };
         format!(
-            "o.ctid::text AS tid, CASE WHEN {NO_STATE} THEN NULL ELSE (SELECT st.attempts FROM outroute_event_state st \
+            "o.ctid::text AS tid, CASE WHEN {no_state} THEN NULL ELSE (SELECT st.attempts FROM outroute_event_state st \
                WHERE st.source = $1 AND st.event_id = {}) END AS state_attempts, {held} AS held_routes",
             self.id_key()
         )
@@ -1459,6 +1489,26 @@ impl PgStore {
     pub async fn claim_cost(&self, lanes: &[i32], limit: u32) -> Result<Vec<(String, f64)>> {
         let plan = self.explain_claim(lanes, limit, "ANALYZE, ").await?;
         Ok(scans_of(&plan, "o"))
+    }
+
+    /// Run the claim under `EXPLAIN ANALYZE`: how many per-row probes of
+    /// `outroute_event_state` it made (the loops of its own-state, attempts
+    /// and hold subplans; the once-per-claim test is not counted) (tests and
+    /// diagnosis).
+    pub async fn claim_state_probes(&self, lanes: &[i32], limit: u32) -> Result<f64> {
+        let plan = self.explain_claim(lanes, limit, "ANALYZE, ").await?;
+        let mut nodes = Vec::new();
+        for alias in ["s", "st", "b"] {
+            nodes_of(&plan, alias, &mut nodes);
+        }
+        Ok(nodes
+            .iter()
+            .map(|m| {
+                m.get("Actual Loops")
+                    .and_then(|v| v.as_f64())
+                    .unwrap_or(0.0)
+            })
+            .sum())
     }
 
     /// `EXPLAIN` of this relay's claim of `lanes`, from their current floors.
