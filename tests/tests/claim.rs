@@ -1122,13 +1122,14 @@ async fn the_queue_refuses_a_sequence_that_may_be_null() -> anyhow::Result<()> {
     let dir = test_dir("claim-queue-null");
     sqlx::query(
         "CREATE TABLE events (n bigint UNIQUE, id uuid NOT NULL, aggregate_id text NOT NULL, \
-         event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
+         event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(), \
+         failed_at timestamptz)",
     )
     .execute(&db.pool)
     .await?;
     let mapping = "[store.table]\nname = \"events\"\nid = \"id\"\nsequence = \"n\"\naggregate_type_value = \"order\"\n\
                    aggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\npayload = \"payload\"\n\
-                   created_at = \"created_at\"\nmarking = { style = \"queue\" }\n";
+                   created_at = \"created_at\"\nfailed_at = \"failed_at\"\nmarking = { style = \"queue\" }\n";
     let config = write_config(&dir, &db.url, "lanes = 4", &file_body(&dir, mapping))?;
     let err = match open_store(&config, "q").await {
         Ok(_) => anyhow::bail!("a nullable sequence was accepted for the queue"),
