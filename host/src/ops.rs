@@ -874,62 +874,57 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
                 })
                 .collect::<Result<_>>()?;
             let loaded = config.load()?;
-            let f = Filter {
-                ids: vec![id.clone()],
-                include_discarded: true,
-                ..Filter::default()
+            let Some((source, _)) = find_failed(&loaded, &id).await? else {
+                eprintln!("no failed event with id {id}");
+                return Ok(ExitCode::FAILURE);
             };
-            let mut failures = Failures::new(&loaded);
-            for source in sources(&loaded) {
-                let found = failed_of(&loaded, &source, &f).await;
-                match found {
-                    Ok(l) if !l.is_empty() => {
-                        open_for_command(&loaded, &source, "failed")
-                            .await?
-                            .failed_edit(&id, &set)
-                            .await?;
-                        println!(
-                            "event {id}: row changed; `outroute failed retry --id {id}` reads it again"
-                        );
-                        return Ok(ExitCode::SUCCESS);
-                    }
-                    Ok(_) => {}
-                    Err(e) => failures.add(&source, e)?,
-                }
-            }
-            failures.finish()?;
-            eprintln!("no failed event with id {id}");
-            Ok(ExitCode::FAILURE)
+            open_for_command(&loaded, &source, "failed")
+                .await?
+                .failed_edit(&id, &set)
+                .await?;
+            println!("event {id}: row changed; `outroute failed retry --id {id}` reads it again");
+            Ok(ExitCode::SUCCESS)
         }
         FailedAction::Show { config, id } => {
             let loaded = config.load()?;
-            let f = Filter {
-                ids: vec![id.clone()],
-                include_discarded: true,
-                ..Filter::default()
+            let Some((source, e)) = find_failed(&loaded, &id).await? else {
+                eprintln!("no failed event with id {id}");
+                return Ok(ExitCode::FAILURE);
             };
-            let mut failures = Failures::new(&loaded);
-            for source in sources(&loaded) {
-                match failed_of(&loaded, &source, &f)
-                    .await
-                    .map(|l| l.into_iter().next())
-                {
-                    Ok(Some(e)) => {
-                        heading(&loaded, &source);
-                        println!("{}", serde_json::to_string_pretty(&e)?);
-                        return Ok(ExitCode::SUCCESS);
-                    }
-                    Ok(None) => {}
-                    Err(e) => failures.add(&source, e)?,
-                }
-            }
-            failures.finish()?;
-            eprintln!("no failed event with id {id}");
-            Ok(ExitCode::FAILURE)
+            heading(&loaded, &source);
+            println!("{}", serde_json::to_string_pretty(&e)?);
+            Ok(ExitCode::SUCCESS)
         }
         FailedAction::Retry { config, filter } => change_failed(&config, &filter, true).await,
         FailedAction::Discard { config, filter } => change_failed(&config, &filter, false).await,
     }
+}
+
+/// The failed event `id` (discarded ones too) and its source: the first
+/// source that has it. A source that cannot be read is reported and
+/// skipped when there are others.
+async fn find_failed(
+    loaded: &Loaded,
+    id: &str,
+) -> Result<Option<(String, crate::store::FailedEvent)>> {
+    let f = Filter {
+        ids: vec![id.to_string()],
+        include_discarded: true,
+        ..Filter::default()
+    };
+    let mut failures = Failures::new(loaded);
+    for source in sources(loaded) {
+        match failed_of(loaded, &source, &f)
+            .await
+            .map(|l| l.into_iter().next())
+        {
+            Ok(Some(e)) => return Ok(Some((source, e))),
+            Ok(None) => {}
+            Err(e) => failures.add(&source, e)?,
+        }
+    }
+    failures.finish()?;
+    Ok(None)
 }
 
 /// Source `source`'s failed events that `f` selects.

@@ -1054,6 +1054,38 @@ pub fn example_table(name: &str) -> Result<String> {
         .ok_or_else(|| anyhow::anyhow!("examples/{name} has no [store.table]"))
 }
 
+/// A failure of claim `c`'s event as the relay would record it (for tests
+/// that drive the store directly): its lane, epoch and aggregate, one
+/// attempt, no route.
+pub fn failure_of(
+    c: &outroute::store::Claim,
+    kind: outroute::store::FailureKind,
+    reason: &str,
+) -> Result<outroute::store::Failure> {
+    let e = c
+        .row
+        .as_ref()
+        .map_err(|m| anyhow::anyhow!("{}", m.reason))?;
+    Ok(outroute::store::Failure {
+        id: e.id.clone(),
+        lane: c.lane,
+        epoch: c.epoch,
+        aggregate_type: e.aggregate_type.clone(),
+        aggregate_id: e.aggregate_id.clone(),
+        event_type: e.event_type.clone(),
+        sequence: e.sequence,
+        attempts: 1,
+        reason: reason.into(),
+        route: None,
+        plugin: None,
+        plugin_version: None,
+        kind,
+        done_legs: Vec::new(),
+        parked: None,
+        waiting_routes: None,
+    })
+}
+
 pub async fn open_store(config: &Path, relay_id: &str) -> Result<outroute::store::Store> {
     let loaded = outroute::config::load(config).map_err(|e| anyhow::anyhow!("{e}"))?;
     let source = loaded

@@ -85,25 +85,10 @@ fn stamped() -> anyhow::Result<String> {
 
 /// Claim `c` failed for good (a plugin said invalid); `hold`: it holds its
 /// aggregate until an operator acts.
-fn failed_for_good(c: &Claim, hold: bool) -> anyhow::Result<outroute::store::Failure> {
-    let e = c.row.as_ref().map_err(|m| anyhow::anyhow!("{m:?}"))?;
-    Ok(outroute::store::Failure {
-        id: c.id().to_string(),
-        lane: c.lane,
-        epoch: c.epoch,
-        aggregate_type: e.aggregate_type.clone(),
-        aggregate_id: e.aggregate_id.clone(),
-        event_type: e.event_type.clone(),
-        sequence: c.sequence(),
-        attempts: 1,
-        reason: "plugin said invalid".into(),
+fn failed_for_good(c: &Claim, hold: bool) -> anyhow::Result<Failure> {
+    Ok(Failure {
         route: Some("r".into()),
-        plugin: None,
-        plugin_version: None,
-        kind: outroute::store::FailureKind::Failed { hold },
-        done_legs: Vec::new(),
-        parked: None,
-        waiting_routes: None,
+        ..failure_of(c, FailureKind::Failed { hold }, "plugin said invalid")?
     })
 }
 
@@ -567,33 +552,9 @@ async fn failed_and_discarded_events_do_not_cost_later_claims_their_probes() -> 
         .postgres()
         .ok_or_else(|| anyhow::anyhow!("not PostgreSQL"))?;
     let claims = store.claim(&lanes, 2).await?;
-    let failure = |c: &Claim, kind: FailureKind| -> anyhow::Result<Failure> {
-        let e = c
-            .row
-            .as_ref()
-            .map_err(|m| anyhow::anyhow!("{}", m.reason))?;
-        Ok(Failure {
-            id: e.id.clone(),
-            lane: c.lane,
-            epoch: None,
-            aggregate_type: e.aggregate_type.clone(),
-            aggregate_id: e.aggregate_id.clone(),
-            event_type: e.event_type.clone(),
-            sequence: e.sequence,
-            attempts: 1,
-            reason: "refused".into(),
-            route: None,
-            plugin: None,
-            plugin_version: None,
-            kind,
-            done_legs: Vec::new(),
-            parked: None,
-            waiting_routes: None,
-        })
-    };
     // One failed and skipped, one failed and then discarded.
-    let skipped = failure(&claims[0], FailureKind::Failed { hold: false })?;
-    let held = failure(&claims[1], FailureKind::Failed { hold: true })?;
+    let skipped = failure_of(&claims[0], FailureKind::Failed { hold: false }, "refused")?;
+    let held = failure_of(&claims[1], FailureKind::Failed { hold: true }, "refused")?;
     assert_eq!(store.record_failures(&[skipped, held.clone()]).await?, 2);
     assert!(
         pg.claim_state_probes(&lanes, 100).await? > 0.0,

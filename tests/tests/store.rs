@@ -153,34 +153,15 @@ async fn a_batch_from_before_a_lane_changed_hands_and_came_back_is_not_marked() 
         "a batch claimed under an earlier epoch was marked"
     );
     // Nor does its failure record hold the aggregate back.
-    let failure = |c: &Claim| -> anyhow::Result<Failure> {
-        let e = c
-            .row
-            .as_ref()
-            .map_err(|m| anyhow::anyhow!("{}", m.reason))?;
-        Ok(Failure {
-            id: e.id.clone(),
-            lane: c.lane,
-            epoch: c.epoch,
-            aggregate_type: e.aggregate_type.clone(),
-            aggregate_id: e.aggregate_id.clone(),
-            event_type: e.event_type.clone(),
-            sequence: e.sequence,
-            attempts: 1,
-            reason: "broker down".into(),
-            route: None,
-            plugin: None,
-            plugin_version: None,
-            kind: FailureKind::Retry {
-                delay: Duration::from_secs(60),
-            },
-            done_legs: Vec::new(),
-            parked: None,
-            waiting_routes: None,
-        })
-    };
     assert_eq!(
-        a.record_failures(&[failure(&old[0])?]).await?,
+        a.record_failures(&[failure_of(
+            &old[0],
+            FailureKind::Retry {
+                delay: Duration::from_secs(60)
+            },
+            "broker down"
+        )?])
+        .await?,
         0,
         "a failure of a batch claimed under an earlier epoch was recorded"
     );
@@ -211,31 +192,15 @@ async fn a_failure_record_sets_the_rows_own_columns_and_leaves_the_queue() -> an
     let failures = claims
         .iter()
         .map(|c| {
-            let e = c
-                .row
-                .as_ref()
-                .map_err(|m| anyhow::anyhow!("{}", m.reason))?;
+            let f = failure_of(
+                c,
+                FailureKind::Failed { hold: false },
+                "broker refused: too large",
+            )?;
+            let epoch = leases.lanes.iter().position(|l| *l == c.lane);
             Ok(Failure {
-                id: e.id.clone(),
-                lane: c.lane,
-                epoch: leases
-                    .lanes
-                    .iter()
-                    .position(|l| *l == c.lane)
-                    .map(|i| leases.epochs[i]),
-                aggregate_type: e.aggregate_type.clone(),
-                aggregate_id: e.aggregate_id.clone(),
-                event_type: e.event_type.clone(),
-                sequence: e.sequence,
-                attempts: 1,
-                reason: "broker refused: too large".into(),
-                route: None,
-                plugin: None,
-                plugin_version: None,
-                kind: FailureKind::Failed { hold: false },
-                done_legs: Vec::new(),
-                parked: None,
-                waiting_routes: None,
+                epoch: epoch.map(|i| leases.epochs[i]),
+                ..f
             })
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
@@ -297,24 +262,11 @@ async fn a_failure_record_that_commits_after_a_hand_over_never_blocks_a_publishe
     .bind(&first.id)
     .execute(&mut *blocker)
     .await?;
-    let failure = Failure {
-        id: first.id.clone(),
-        lane: claims[0].lane,
-        epoch: claims[0].epoch,
-        aggregate_type: first.aggregate_type.clone(),
-        aggregate_id: first.aggregate_id.clone(),
-        event_type: first.event_type.clone(),
-        sequence: first.sequence,
-        attempts: 1,
-        reason: "plugin refused".into(),
-        route: None,
-        plugin: None,
-        plugin_version: None,
-        kind: FailureKind::Failed { hold: true },
-        done_legs: Vec::new(),
-        parked: None,
-        waiting_routes: None,
-    };
+    let failure = failure_of(
+        &claims[0],
+        FailureKind::Failed { hold: true },
+        "plugin refused",
+    )?;
     let recording = tokio::spawn(async move { a.record_failures(&[failure]).await });
     tokio::time::sleep(Duration::from_millis(500)).await;
     // Meanwhile A's lease lapses and B takes the lane, claims and marks.
