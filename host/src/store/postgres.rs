@@ -451,7 +451,7 @@ impl TableSql {
 
     /// The key of a row's state rows (`outroute_event_state.event_id`): its
     /// id as text, or, for a row without one (NULL or ''), where it lies in
-    /// the table ([`no_id_key`]), so that such a row fails alone and the
+    /// the table ([`NO_ID`] and its ctid), so that such a row fails alone and the
     /// rows after it flow. A producer that sets the id later gives the row
     /// its real key: it is claimed again and published.
     fn id_key(&self) -> String {
