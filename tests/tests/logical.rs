@@ -17,6 +17,27 @@ const LOGICAL: &str = "capture = \"logical\"";
 /// The route of the tests that publish to a file sink.
 const FILE_ROUTE: &str = "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }";
 
+/// A log-capture config (in a test folder named after `name`) for table
+/// `ev` ordered by `pos`, with `table_keys` added to its mapping, publishing
+/// to a file sink through `plugin`; `lease_ttl` 2 s. Returns the config and
+/// the file the sink writes.
+fn file_config(
+    name: &str,
+    db: &TestDb,
+    table_keys: &str,
+    plugin: &str,
+) -> anyhow::Result<(std::path::PathBuf, std::path::PathBuf)> {
+    let dir = test_dir(name);
+    let out = dir.join("out.jsonl");
+    let body = format!(
+        "{}{table_keys}\n{}",
+        own_table("ev", "pos"),
+        relay_body("", &[TestSink::File(&out)], plugin, "orders", FILE_ROUTE)
+    );
+    let config = write_config_with(&dir, &db.url, LOGICAL, "lease_ttl = \"2s\"", &body)?;
+    Ok((config, out))
+}
+
 /// A `[store.table]` mapping of a test's own table `name`: columns `id`,
 /// `aggregate_id`, `event_type`, `payload`, `created_at`, and the order
 /// column `seq`.
@@ -858,14 +879,7 @@ async fn a_reused_or_null_id_fails_that_event_alone() -> anyhow::Result<()> {
     )
     .execute(&db.pool)
     .await?;
-    let dir = test_dir("logical-taken-ids");
-    let out = dir.join("out.jsonl");
-    let body = format!(
-        "{}\n{}",
-        own_table("ev", "pos"),
-        relay_body("", &[TestSink::File(&out)], "hostile", "orders", FILE_ROUTE)
-    );
-    let config = write_config_with(&dir, &db.url, LOGICAL, "lease_ttl = \"2s\"", &body)?;
+    let (config, out) = file_config("logical-taken-ids", &db, "", "hostile")?;
     db.migrate(&config)?;
     let relay = Relay::start(&config, &[])?;
     let add = |id: Option<&'static str>, agg: &'static str, payload: serde_json::Value| {
@@ -964,20 +978,7 @@ async fn a_same_named_table_of_another_schema_is_not_captured() -> anyhow::Resul
     ] {
         sqlx::query(ddl).execute(&db.pool).await?;
     }
-    let dir = test_dir("logical-schema");
-    let out = dir.join("out.jsonl");
-    let body = format!(
-        "{}\n{}",
-        own_table("ev", "pos"),
-        relay_body(
-            "",
-            &[TestSink::File(&out)],
-            "order-router",
-            "orders",
-            FILE_ROUTE
-        )
-    );
-    let config = write_config_with(&dir, &db.url, LOGICAL, "lease_ttl = \"2s\"", &body)?;
+    let (config, out) = file_config("logical-schema", &db, "", "order-router")?;
     db.migrate(&config)?;
     let publication: String =
         sqlx::query_scalar("SELECT pubname::text FROM pg_publication LIMIT 1")
@@ -1026,20 +1027,12 @@ async fn a_malformed_captured_row_is_kept_repaired_and_retried() -> anyhow::Resu
     )
     .execute(&db.pool)
     .await?;
-    let dir = test_dir("logical-repair");
-    let out = dir.join("out.jsonl");
-    let body = format!(
-        "{}event_version = \"event_version\"\n\n{}",
-        own_table("ev", "pos"),
-        relay_body(
-            "",
-            &[TestSink::File(&out)],
-            "order-router",
-            "orders",
-            FILE_ROUTE
-        )
-    );
-    let config = write_config_with(&dir, &db.url, LOGICAL, "lease_ttl = \"2s\"", &body)?;
+    let (config, out) = file_config(
+        "logical-repair",
+        &db,
+        "event_version = \"event_version\"\n",
+        "order-router",
+    )?;
     let c = config.to_string_lossy().to_string();
     db.migrate(&config)?;
     let relay = Relay::start(&config, &[])?;

@@ -150,11 +150,10 @@ impl ParkedEvent {
     /// The event again (`attempts`: from its state row).
     #[allow(clippy::result_large_err)]
     pub fn into_row(self, id: String, attempts: u32) -> Result<Event, Malformed> {
-        match self.malformed {
+        match (self.malformed, self.row) {
             // The row it was read as is checked again: one repaired since
             // (`outroute failed edit`) becomes its event.
-            Some(_) if self.row.is_some() => {
-                let row = self.row.unwrap_or_default();
+            (Some(_), Some(row)) => {
                 RawRow {
                     // The record's id (`unpark` goes by it); a row read
                     // without one stays without (ids are not edited).
@@ -164,7 +163,7 @@ impl ParkedEvent {
                 }
                 .validate()
             }
-            Some(reason) => Err(Malformed {
+            (Some(reason), None) => Err(Malformed {
                 id,
                 sequence: self.sequence,
                 aggregate_type: self.aggregate_type,
@@ -173,7 +172,7 @@ impl ParkedEvent {
                 reason,
                 raw: None,
             }),
-            None => Ok(Event {
+            (None, _) => Ok(Event {
                 id,
                 sequence: self.sequence,
                 aggregate_type: self.aggregate_type,
