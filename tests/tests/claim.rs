@@ -654,6 +654,141 @@ async fn an_imported_high_sequence_number_lifts_only_its_own_lanes_floor() -> an
     Ok(())
 }
 
+/// One aggregate holding 300k pending events (its first one failed for
+/// good and holds it) costs the claims of its lane a walk past them only
+/// until the floor rounds have measured the backlog: then a claim reads
+/// pages in proportion to the batch, not to the backlog, and the other
+/// aggregates' events go out. A row of another aggregate that commits late
+/// in the middle of the backlog is claimed too, and once the hold is
+/// discarded the backlog goes out, in order.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_held_aggregates_backlog_is_skipped_not_walked_by_every_claim() -> anyhow::Result<()> {
+    held_backlog(&stamped()?, "claim-held-backlog").await
+}
+
+/// [`a_held_aggregates_backlog_is_skipped_not_walked_by_every_claim`] under
+/// the pending queue (the default marking).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_held_aggregates_queued_backlog_is_skipped_not_walked_by_every_claim()
+-> anyhow::Result<()> {
+    held_backlog("", "claim-held-backlog-queue").await
+}
+
+async fn held_backlog(table: &str, name: &str) -> anyhow::Result<()> {
+    const BACKLOG: i64 = 300_000;
+    let db = TestDb::new().await?;
+    let dir = test_dir(name);
+    let config = write_config(&dir, &db.url, "lanes = 1", &file_body(&dir, table))?;
+    db.migrate(&config)?;
+    let insert = |aggregate: &str, n: i64| {
+        format!(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+             SELECT gen_random_uuid(), 'order', '{aggregate}', 'order-created', jsonb_build_object('n', g) \
+             FROM generate_series(1, {n}) g"
+        )
+    };
+    sqlx::query(&insert("x", 1)).execute(&db.pool).await?;
+    let store = open_store(&config, name).await?;
+    let lanes = store.lease_round().await?.lanes;
+    let pg = store
+        .postgres()
+        .ok_or_else(|| anyhow::anyhow!("not PostgreSQL"))?;
+    let head = store.claim(&lanes, 10).await?;
+    assert_eq!(head.len(), 1);
+    store
+        .record_failures(&[failed_for_good(&head[0], true)?])
+        .await?;
+    // The backlog, with a row of another aggregate near its start whose
+    // transaction commits only after the rounds have begun: the first
+    // rounds' walks pass its place while it is not visible yet.
+    sqlx::query(&insert("x", 5_000)).execute(&db.pool).await?;
+    let mut late = db.pool.begin().await?;
+    sqlx::query(&insert("late", 1)).execute(&mut *late).await?;
+    sqlx::query(&insert("x", BACKLOG - 5_000))
+        .execute(&db.pool)
+        .await?;
+    for g in 1..=50 {
+        sqlx::query(&insert(&format!("o-{g}"), 1))
+            .execute(&db.pool)
+            .await?;
+    }
+    let last_x = db
+        .count("SELECT max(seq) FROM outbox WHERE aggregate_id = 'x'")
+        .await;
+    let mut late = Some(late);
+    let mut got = drain(&store, &lanes).await?;
+    assert!(!got.contains(&"late".to_string()));
+    for round in 0..150 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        if round == 3
+            && let Some(tx) = late.take()
+        {
+            tx.commit().await?;
+        }
+        store.raise_floors(&lanes).await;
+        if round == 6 {
+            // The skip stops at the late row, which a claim now takes.
+            got.extend(drain(&store, &lanes).await?);
+        }
+        if round > 6 && pg.claim_skip(lanes[0]).is_some_and(|(_, to)| to > last_x) {
+            break;
+        }
+    }
+    got.extend(drain(&store, &lanes).await?);
+    let pages = claim_pages(&store, &lanes, 100).await?;
+    assert!(
+        !got.iter().any(|a| a == "x"),
+        "an event of the held aggregate was claimed"
+    );
+    assert!(
+        got.contains(&"late".to_string()),
+        "the row that committed late inside the backlog was skipped: {got:?}"
+    );
+    for g in 1..=50 {
+        assert!(got.contains(&format!("o-{g}")), "o-{g} was not claimed");
+    }
+    assert!(
+        pages < 200.0,
+        "a claim still reads {pages} pages past the held backlog (skip: {:?})",
+        pg.claim_skip(lanes[0])
+    );
+    // New events of other aggregates go out at once, at the same cost.
+    for g in 51..=60 {
+        sqlx::query(&insert(&format!("o-{g}"), 1))
+            .execute(&db.pool)
+            .await?;
+    }
+    let more = drain(&store, &lanes).await?;
+    assert_eq!(more.len(), 10, "{more:?}");
+    assert!(claim_pages(&store, &lanes, 100).await? < 200.0);
+    // Lift the hold: the backlog is claimable again, oldest first.
+    let filter = outroute::store::Filter {
+        ids: vec![head[0].id().to_string()],
+        ..Default::default()
+    };
+    assert_eq!(store.failed_discard(&filter).await?, 1);
+    let next = store.claim(&lanes, 100).await?;
+    assert_eq!(next.len(), 100);
+    let seqs: Vec<i64> = next.iter().map(|c| c.sequence()).collect();
+    assert!(
+        seqs.windows(2).all(|w| w[0] < w[1]),
+        "out of order: {seqs:?}"
+    );
+    for c in &next {
+        let a = c.row.as_ref().map(|e| e.aggregate_id.clone());
+        assert_eq!(a.ok().as_deref(), Some("x"));
+    }
+    let first_backlog: i64 = db
+        .count(&format!(
+            "SELECT min(seq) FROM outbox WHERE aggregate_id = 'x' AND seq > {}",
+            head[0].sequence()
+        ))
+        .await;
+    assert_eq!(seqs[0], first_backlog);
+    db.drop_db().await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_pending_queue_is_filled_by_its_trigger_and_claims_read_only_the_batch()
 -> anyhow::Result<()> {

@@ -51,8 +51,8 @@
 //! stored in `outroute_event_state.blocks_until`, and the claim skips every
 //! later event of an aggregate with an earlier blocking state row (an index
 //! probe per row walked, made only while the source has any state row at
-//! all; a held aggregate's pending rows are walked past on each claim of
-//! its lane).
+//! all). A held aggregate's backlog is measured by the floor rounds and
+//! then skipped by the claims of its lane (`postgres/floor.rs`).
 //!
 //! Background work is bounded too: the backlog gauge counts at most
 //! [`BACKLOG_EXACT`] rows, and retention runs in one relay at a time.
@@ -612,13 +612,63 @@ impl TableSql {
     /// backlog, the history or the entries published rows left behind.
     fn claim_by_lane(&self, ordering: Ordering) -> String {
         let rows = match &self.floor_col {
-            Some(seq) => format!("{} = l.lane AND {seq} >= l.floor", self.lane),
+            Some(seq) => format!(
+                "{} = l.lane AND {seq} >= l.lo AND {seq} < coalesce(l.hi, {})",
+                self.lane,
+                i64::MAX
+            ),
             None => format!("{} = l.lane", self.lane),
         };
         format!(
-            "SELECT c.* FROM unnest($2::int[], $5::bigint[]) WITH ORDINALITY AS l(lane, floor, n) \
-             CROSS JOIN LATERAL ({}) c ORDER BY l.n LIMIT $3",
+            "SELECT c.* FROM {} CROSS JOIN LATERAL ({}) c ORDER BY l.n LIMIT $3",
+            self.segments(),
             self.next_pending(ordering, &rows)
+        )
+    }
+
+    /// The stretches of the owned lanes a claim walks, in order, as rows
+    /// `l(lane, n, lo, hi)` (`hi` excluded, NULL: no end), from
+    /// [`floor::Starts`] (`$2` lanes, `$5` starts, `$6` parts, `$7`–`$9`
+    /// the skip: holder, end, fingerprint; see `postgres/floor.rs`): a lane
+    /// from its floor on, or, while its skip still holds, from the floor
+    /// to the holder and from the skip's end on.
+    fn segments(&self) -> String {
+        format!(
+            "(SELECT l.lane, l.n, l.lo, CASE WHEN l.part = 0 AND g.skips THEN l.skip_from + 1 END AS hi \
+               FROM unnest($2::int[], $5::bigint[], $6::int[], $7::bigint[], $8::bigint[], $9::text[]) \
+                 WITH ORDINALITY AS l(lane, lo, part, skip_from, skip_to, skip_fp, n) \
+               CROSS JOIN LATERAL (SELECT CASE WHEN l.skip_to IS NULL THEN FALSE ELSE {holds} END AS skips) g \
+               WHERE l.part = 0 OR g.skips) l",
+            holds = self.skip_holds()
+        )
+    }
+
+    /// Does lane `l`'s skip still hold: its holder still holds every route
+    /// of the source (`$4`), and the other live state rows in the range are
+    /// those its round saw?
+    fn skip_holds(&self) -> String {
+        format!(
+            "(EXISTS (SELECT 1 FROM outroute_event_state st WHERE st.source = $1 AND st.seq = l.skip_from \
+               AND {state_lane} = l.lane AND st.discarded_at IS NULL AND st.blocks_until > now() \
+               AND (st.waiting_routes IS NULL OR st.waiting_routes @> $4::text[])) \
+             AND {fp} = l.skip_fp)",
+            state_lane = self.state_lane,
+            fp = self.skip_fingerprint("l.skip_from", "l.skip_to", "l.lane"),
+        )
+    }
+
+    /// What can change in a skipped range `(lo, hi)` of `lane`: the live
+    /// state rows in it that keep a row from being claimed now (held,
+    /// failed, retry not due), by count, sequence numbers and routes held.
+    /// Any of them published, retried, discarded or due changes it.
+    fn skip_fingerprint(&self, lo: &str, hi: &str, lane: &str) -> String {
+        format!(
+            "(SELECT count(*)::text || ':' || coalesce(sum(st.seq), 0)::text || ':' \
+               || coalesce(sum(hashtext(coalesce(array_to_string(st.waiting_routes, ','), '*'))), 0)::text \
+             FROM outroute_event_state st WHERE st.source = $1 AND st.seq > {lo} AND st.seq < {hi} \
+               AND {state_lane} = {lane} AND st.discarded_at IS NULL \
+               AND (st.blocks_until > now() OR st.failed_at IS NOT NULL OR st.next_attempt_at > now()))",
+            state_lane = self.state_lane,
         )
     }
 
@@ -634,12 +684,15 @@ impl TableSql {
     /// the mark goes straight to it.
     fn claim_by_queue(&self, ordering: Ordering) -> String {
         format!(
-            "SELECT c.* FROM unnest($2::int[], $5::bigint[]) WITH ORDINALITY AS l(lane, floor, n) \
+            "SELECT c.* FROM {segments} \
              CROSS JOIN LATERAL (SELECT r.* FROM outroute_queue qq \
                CROSS JOIN LATERAL (SELECT {cols}, {extras} FROM {table} o \
                  WHERE {seqcol} = qq.seq AND {row_pending} {state} OFFSET 0) r \
-               WHERE qq.source = {src} AND qq.lane = l.lane AND qq.seq >= l.floor \
+               WHERE qq.source = {src} AND qq.lane = l.lane AND qq.seq >= l.lo \
+                 AND qq.seq < coalesce(l.hi, {max}) \
                ORDER BY qq.seq LIMIT $3) c ORDER BY l.n LIMIT $3",
+            segments = self.segments(),
+            max = i64::MAX,
             cols =
                 self.select_cols
                     .replacen(&format!("{} AS lane", self.lane), "qq.lane AS lane", 1),
@@ -661,17 +714,36 @@ impl TableSql {
     /// lowest pending sequence at or above the floor, the lowest sequence
     /// of an event with a live state row, and on sweeps the lowest pending
     /// one below the floor. `None` for tables without a sequence column.
-    fn floor_round(&self) -> Option<String> {
+    fn floor_round(&self, ordering: Ordering) -> Option<String> {
         let seq = self.floor_col.as_ref()?;
-        Some(self.floor_round_with(|cmp| {
-            format!(
-                "(SELECT {seq} FROM {table} o WHERE {lane} = l.lane AND {pending} AND {seq} {cmp} l.floor \
-                   ORDER BY {seq} LIMIT 1)",
-                table = self.table,
-                lane = self.lane,
-                pending = self.pending,
-            )
-        }))
+        Some(self.floor_round_with(
+            |cmp| {
+                format!(
+                    "(SELECT {seq} FROM {table} o WHERE {lane} = l.lane AND {pending} AND {seq} {cmp} l.floor \
+                       ORDER BY {seq} LIMIT 1)",
+                    table = self.table,
+                    lane = self.lane,
+                    pending = self.pending,
+                )
+            },
+            |ok| {
+                format!(
+                    "SELECT {seqv} AS s{ok} FROM {table} o WHERE {lane} = l.lane AND {pending} \
+                       AND {seq} > h.walk_from ORDER BY {order} LIMIT {walk} * CASE WHEN l.cand_to IS NULL THEN 1 ELSE 2 END",
+                    seqv = self.seq,
+                    ok = if ok {
+                        format!(", (TRUE {}) AS ok", self.round_state_filter(ordering))
+                    } else {
+                        String::new()
+                    },
+                    table = self.table,
+                    lane = self.lane,
+                    pending = self.pending,
+                    order = self.order,
+                    walk = floor::SKIP_WALK,
+                )
+            },
+        ))
     }
 
     /// [`Self::floor_round`] under `marking = queue`: the lowest queued
@@ -679,32 +751,85 @@ impl TableSql {
     /// entry is written in the producer's transaction, so it becomes
     /// visible exactly when the row does, and the floors' rules hold as
     /// they are.
-    fn floor_round_queue(&self) -> Option<String> {
+    fn floor_round_queue(&self, ordering: Ordering) -> Option<String> {
         self.floor_col.as_ref()?;
         let src = literal(&self.cfg.name);
-        Some(self.floor_round_with(|cmp| {
-            format!(
-                "(SELECT qq.seq FROM outroute_queue qq WHERE qq.source = {src} AND qq.lane = l.lane \
-                   AND qq.seq {cmp} l.floor ORDER BY qq.seq LIMIT 1)"
-            )
-        }))
+        Some(self.floor_round_with(
+            |cmp| {
+                format!(
+                    "(SELECT qq.seq FROM outroute_queue qq WHERE qq.source = {src} AND qq.lane = l.lane \
+                       AND qq.seq {cmp} l.floor ORDER BY qq.seq LIMIT 1)"
+                )
+            },
+            |ok| {
+                format!(
+                    "SELECT qq.seq AS s{ok} FROM outroute_queue qq WHERE qq.source = {src} \
+                       AND qq.lane = l.lane AND qq.seq > h.walk_from ORDER BY qq.seq \
+                       LIMIT {walk} * CASE WHEN l.cand_to IS NULL THEN 1 ELSE 2 END",
+                    ok = if ok {
+                        format!(
+                            ", EXISTS (SELECT 1 FROM {table} o WHERE {seqcol} = qq.seq AND {row_pending} {state} \
+                               OFFSET 0) AS ok",
+                            table = self.table,
+                            seqcol = self.seq,
+                            row_pending = self.row_pending,
+                            state = self.round_state_filter(ordering),
+                        )
+                    } else {
+                        String::new()
+                    },
+                    walk = floor::SKIP_WALK,
+                )
+            },
+        ))
+    }
+
+    /// The claim's state filter as a round runs it (the routes are `$8`).
+    fn round_state_filter(&self, ordering: Ordering) -> String {
+        self.state_filter(ordering)
+            .replace("$4::text[]", "$8::text[]")
     }
 
     /// A floor round whose per-lane walk is `walk(">=")` (the first
-    /// pending at or above the floor) and `walk("<")` (below it).
-    fn floor_round_with(&self, walk: impl Fn(&str) -> String) -> String {
+    /// pending at or above the floor) and `walk("<")` (below it), and, for
+    /// a lane with a holder, whose skip walk is `skip_walk(true)` (the
+    /// rows after `h.walk_from`, with `ok`: a claim could take it) and
+    /// `skip_walk(false)` (the same rows' sequence numbers only).
+    fn floor_round_with(
+        &self,
+        walk: impl Fn(&str) -> String,
+        skip_walk: impl Fn(bool) -> String,
+    ) -> String {
         format!(
             "WITH st AS MATERIALIZED (SELECT {state_lane} AS lane, min(st.seq) AS seq FROM outroute_event_state st \
-                 WHERE st.source = $1 AND st.discarded_at IS NULL GROUP BY 1) \
+                 WHERE st.source = $1 AND st.discarded_at IS NULL GROUP BY 1), \
+             hold AS MATERIALIZED (SELECT {state_lane} AS lane, min(st.seq) AS seq FROM outroute_event_state st \
+                 WHERE st.source = $1 AND st.discarded_at IS NULL \
+                   AND (st.failed_at IS NULL OR st.blocks_until = 'infinity') GROUP BY 1) \
              SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS xmin, \
                pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS xmax, \
                {first}::bigint AS first, (SELECT st.seq FROM st WHERE st.lane = l.lane) AS state, \
-               CASE WHEN l.sweep THEN {below}::bigint END AS below \
-             FROM unnest($2::int[], $3::bigint[], $4::bool[]) WITH ORDINALITY AS l(lane, floor, sweep, n) \
+               CASE WHEN l.sweep THEN {below}::bigint END AS below, \
+               h.holder, k.resume, \
+               CASE WHEN l.skip_from = h.holder THEN {fp_now} END AS fp_now, \
+               CASE WHEN l.cand_to IS NOT NULL AND k.resume IS NOT NULL THEN {fp_candidate} END AS fp_candidate \
+             FROM unnest($2::int[], $3::bigint[], $4::bool[], $5::bigint[], $6::bigint[], $7::bigint[]) \
+               WITH ORDINALITY AS l(lane, floor, sweep, skip_from, skip_to, cand_to, n) \
+             LEFT JOIN LATERAL (SELECT hold.seq AS holder, \
+                 CASE WHEN l.skip_from = hold.seq THEN l.skip_to - 1 ELSE hold.seq END AS walk_from \
+               FROM hold WHERE hold.lane = l.lane) h ON TRUE \
+             LEFT JOIN LATERAL (SELECT CASE WHEN h.walk_from IS NULL THEN NULL::bigint ELSE \
+                 coalesce((SELECT w.s FROM ({walk_ok}) w WHERE w.ok LIMIT 1), \
+                   (SELECT max(w.s) FROM ({walk_seqs}) w) + 1) END AS resume) k ON TRUE \
              ORDER BY l.n",
             state_lane = self.state_lane,
             first = walk(">="),
             below = walk("<"),
+            walk_ok = skip_walk(true),
+            walk_seqs = skip_walk(false),
+            fp_now = self.skip_fingerprint("l.skip_from", "l.skip_to", "l.lane"),
+            fp_candidate =
+                self.skip_fingerprint("h.holder", "least(k.resume, l.cand_to)", "l.lane"),
         )
     }
 
@@ -1270,7 +1395,7 @@ impl PgStore {
             self.claim_sql = sql.claim_by_queue(self.ordering);
             // Deleted entries stay in the queue's index until VACUUM, as
             // marked rows do in a lane index: claims start at the floors.
-            self.floor_sql = sql.floor_round_queue();
+            self.floor_sql = sql.floor_round_queue(self.ordering);
             self.sql = Some(sql);
             return self.ensure_lane_rows().await;
         }
@@ -1280,7 +1405,10 @@ impl PgStore {
             Some(sql.index_ddl.clone())
         };
         (self.claim_sql, self.floor_sql) = match self.missing_index {
-            None => (sql.claim_by_lane(self.ordering), sql.floor_round()),
+            None => (
+                sql.claim_by_lane(self.ordering),
+                sql.floor_round(self.ordering),
+            ),
             Some(_) => (sql.claim_by_scan(self.ordering), None),
         };
         self.sql = Some(sql);
@@ -1442,7 +1570,7 @@ impl PgStore {
     async fn lane_index_usable(&self, sql: &TableSql) -> Result<bool> {
         let claim = sql.claim_by_lane(self.ordering);
         let all: Vec<i32> = (0..self.lanes as i32).collect();
-        let bottom = vec![floor::BOTTOM; all.len()];
+        let bottom = floor::Starts::bottom(&all);
         let plan = self
             .explain(&claim, &all, Some(&bottom), self.batch_size, "")
             .await?;
@@ -1467,18 +1595,25 @@ impl PgStore {
         &self,
         claim: &str,
         lanes: &[i32],
-        floors: Option<&[i64]>,
+        starts: Option<&floor::Starts>,
         limit: u32,
         opts: &str,
     ) -> Result<serde_json::Value> {
         let q = format!("EXPLAIN ({opts}FORMAT JSON) {claim}");
-        let mut q = sqlx::query_scalar(&q)
-            .bind(&self.source)
-            .bind(lanes)
-            .bind(limit as i64)
-            .bind(self.routes());
-        if let Some(f) = floors {
-            q = q.bind(f);
+        let q = sqlx::query_scalar(&q).bind(&self.source);
+        let mut q = match starts {
+            Some(f) => q.bind(&f.lanes),
+            None => q.bind(lanes),
+        }
+        .bind(limit as i64)
+        .bind(self.routes());
+        if let Some(f) = starts {
+            q = q
+                .bind(&f.from)
+                .bind(&f.part)
+                .bind(&f.skip_from)
+                .bind(&f.skip_to)
+                .bind(&f.skip_fingerprint);
         }
         q.fetch_one(&self.pool).await.context("planning the claim")
     }
@@ -1519,7 +1654,7 @@ impl PgStore {
         opts: &str,
     ) -> Result<serde_json::Value> {
         let floors = self.current_floors(lanes);
-        self.explain(&self.claim_sql, lanes, floors.as_deref(), limit, opts)
+        self.explain(&self.claim_sql, lanes, floors.as_ref(), limit, opts)
             .await
     }
 
@@ -1903,14 +2038,21 @@ impl PgStore {
         if lanes.is_empty() {
             return Ok(Vec::new());
         }
-        let floors = self.current_floors(lanes);
-        let mut q = sqlx::query(&self.claim_sql)
-            .bind(&self.source)
-            .bind(lanes)
-            .bind(limit as i64)
-            .bind(self.routes());
-        if let Some(f) = &floors {
-            q = q.bind(f);
+        let starts = self.current_floors(lanes);
+        let q = sqlx::query(&self.claim_sql).bind(&self.source);
+        let mut q = match &starts {
+            Some(f) => q.bind(&f.lanes),
+            None => q.bind(lanes),
+        }
+        .bind(limit as i64)
+        .bind(self.routes());
+        if let Some(f) = &starts {
+            q = q
+                .bind(&f.from)
+                .bind(&f.part)
+                .bind(&f.skip_from)
+                .bind(&f.skip_to)
+                .bind(&f.skip_fingerprint);
         }
         let rows = q.fetch_all(&self.pool).await.context("claiming events")?;
         let json = self.sql()?.payload_is_json;
@@ -1953,6 +2095,8 @@ impl PgStore {
 
     /// Name the routes that read this source (see [`PgStore::routes`]).
     pub fn set_routes(&self, names: Vec<String>) {
+        // A row a skip passes as held may be taken by a new route.
+        self.floors_mut().forget_skips();
         *self.routes.write().unwrap_or_else(|e| e.into_inner()) = names;
     }
 
@@ -1969,16 +2113,22 @@ impl PgStore {
         self.floors.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The floors of these lanes, when the claim statement takes them
-    /// (`$5`); `None` for a claim by scan.
-    fn current_floors(&self, lanes: &[i32]) -> Option<Vec<i64>> {
+    /// The floors and skips of these lanes, when the claim statement takes
+    /// them (`$5`–`$8`); `None` for a claim by scan.
+    fn current_floors(&self, lanes: &[i32]) -> Option<floor::Starts> {
         if self.missing_index.is_some() {
             return None;
         }
         Some(match self.floor_sql {
-            Some(_) => self.floors_mut().of(lanes),
-            None => vec![floor::BOTTOM; lanes.len()],
+            Some(_) => self.floors_mut().starts(lanes),
+            None => floor::Starts::bottom(lanes),
         })
+    }
+
+    /// The skip a lane's claims take now (see `postgres/floor.rs`): the
+    /// holder's sequence number and the end (tests, diagnosis).
+    pub fn claim_skip(&self, lane: i32) -> Option<(i64, i64)> {
+        self.floors_mut().skip(lane).map(|k| (k.from, k.to))
     }
 
     /// Run a floor round for those of these lanes that are due one (see
@@ -1989,7 +2139,17 @@ impl PgStore {
     pub async fn raise_floors(&self, lanes: &[i32]) {
         let Some(sql) = &self.floor_sql else { return };
         // `seen` is read here, before the round's statement (see floor.rs).
-        let (floors, floor::Due { lanes, sweep, seen }) = {
+        let (
+            floors,
+            floor::Due {
+                lanes,
+                sweep,
+                seen,
+                skip_from,
+                skip_to,
+                candidate_to,
+            },
+        ) = {
             let f = self.floors_mut();
             match f.due(lanes, std::time::Instant::now()) {
                 Some(due) => (f.of(&due.lanes), due),
@@ -1997,13 +2157,28 @@ impl PgStore {
             }
         };
         let lanes = &lanes[..];
-        // Per lane: xmin, xmax, first, state, below (see `floor_round`).
-        type Row = (i64, i64, Option<i64>, Option<i64>, Option<i64>);
+        // Per lane: xmin, xmax, first, state, below, holder, resume and
+        // the two fingerprints (see `floor_round_with`).
+        type Row = (
+            i64,
+            i64,
+            Option<i64>,
+            Option<i64>,
+            Option<i64>,
+            Option<i64>,
+            Option<i64>,
+            Option<String>,
+            Option<String>,
+        );
         let rows: Result<Vec<Row>, _> = sqlx::query_as(sql)
             .bind(&self.source)
             .bind(lanes)
             .bind(&floors)
             .bind(&sweep)
+            .bind(&skip_from)
+            .bind(&skip_to)
+            .bind(&candidate_to)
+            .bind(self.routes())
             .fetch_all(&self.pool)
             .await;
         let rows = match rows {
@@ -2029,6 +2204,10 @@ impl PgStore {
             state: rows.iter().map(|r| r.3).collect(),
             below: rows.iter().map(|r| r.4).collect(),
             swept: sweep,
+            holder: rows.iter().map(|r| r.5).collect(),
+            resume: rows.iter().map(|r| r.6).collect(),
+            fingerprint_now: rows.iter().map(|r| r.7.clone()).collect(),
+            fingerprint_candidate: rows.iter().map(|r| r.8.clone()).collect(),
         };
         let lowered = self
             .floors_mut()

@@ -38,6 +38,27 @@
 //! sequence column or a sequence with `CACHE` > 1 (a session may insert a
 //! lower number after another's higher one) get no floors.
 //!
+//! **Held backlogs.** The floor stops at the first event with a live state
+//! row, and the rows after it that a hold keeps back (every later event of
+//! an aggregate whose event failed or waits for a retry) would be walked
+//! past, row by row, by every claim: an aggregate holding 300k pending
+//! events made each claim of its lane read 300k rows. So a lane whose
+//! lowest live state row holds (the *holder*, at `H`) also gets a *skip*:
+//! `(H, R)`, where no row can be claimed, and the claim walks `[floor, H]`
+//! then `[R, …)`. Each round walks up to [`SKIP_WALK`] rows from the
+//! current `R` (twice that while it also confirms a candidate) for the
+//! first row a claim could take; the end found becomes
+//! a candidate, applied by a later round the same way as a floor (once the
+//! transactions of the candidate's round have ended, and only as far as
+//! that later round's own walk confirms), so a row that commits late in the
+//! range is seen. A skip holds only while nothing in it can have changed:
+//! each claim checks that the holder still holds every route and that the
+//! other live state rows in the range are the ones the round saw (count,
+//! sequence numbers, routes held); otherwise it walks the lane whole. A
+//! new holder, a reload (the routes) or a lane hand-over drops the skip.
+//! Left: a row written with an explicit sequence number inside a skipped
+//! range, for an aggregate that is not held, waits until the skip goes.
+//!
 //! `M` is per lane too, and the *latest* claim's, not the highest ever: a
 //! row with an explicit sequence number far above the rest (an import, a
 //! `setval` backwards) would otherwise lift every lane's floor above every
@@ -55,6 +76,68 @@ pub const SWEEP_INTERVAL: Duration = Duration::from_secs(30);
 /// The lowest floor: walk the lane from its first entry.
 pub const BOTTOM: i64 = i64::MIN;
 
+/// Rows a round walks per lane past a holder, looking for the first row a
+/// claim could take (the growth of a skip per round, and its cost bound).
+pub const SKIP_WALK: i64 = 10_000;
+
+/// A range of a lane no claim can take a row from now: `(from, to)`, both
+/// ends excluded, `from` the holder's sequence number.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Skip {
+    pub from: i64,
+    pub to: i64,
+    /// The other live state rows in the range when it was confirmed (see
+    /// `TableSql::skip_fingerprint`): the claim takes the skip only while
+    /// they are still the same.
+    pub fingerprint: String,
+}
+
+/// A skip end found by a round, waiting for the transactions of that
+/// round to end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SkipCandidate {
+    from: i64,
+    to: i64,
+    xmax: i64,
+}
+
+/// Where each lane's claim walks, as the claim statement takes it: one
+/// stretch per lane from its floor, and for a lane with a skip a second one
+/// from the skip's end (the statement drops it, and walks the first one to
+/// the end, when the skip no longer holds). In walking order.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Starts {
+    pub lanes: Vec<i32>,
+    /// Where the stretch starts: the floor, or the skip's end.
+    pub from: Vec<i64>,
+    /// 0: from the floor; 1: from the skip's end.
+    pub part: Vec<i32>,
+    pub skip_from: Vec<Option<i64>>,
+    pub skip_to: Vec<Option<i64>>,
+    pub skip_fingerprint: Vec<Option<String>>,
+}
+
+impl Starts {
+    /// These lanes walked whole, from their first entry.
+    pub fn bottom(lanes: &[i32]) -> Self {
+        let mut st = Starts::default();
+        for l in lanes {
+            st.push(*l, BOTTOM, 0, None);
+        }
+        st
+    }
+
+    fn push(&mut self, lane: i32, from: i64, part: i32, skip: Option<&Skip>) {
+        self.lanes.push(lane);
+        self.from.push(from);
+        self.part.push(part);
+        self.skip_from.push(skip.map(|k| k.from));
+        self.skip_to.push(skip.map(|k| k.to));
+        self.skip_fingerprint
+            .push(skip.map(|k| k.fingerprint.clone()));
+    }
+}
+
 /// A candidate waiting for the transactions of its round to end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Candidate {
@@ -66,16 +149,18 @@ struct Candidate {
     seen: i64,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Lane {
     floor: i64,
     candidate: Option<Candidate>,
+    skip: Option<Skip>,
+    skip_candidate: Option<SkipCandidate>,
     last_round: Instant,
     last_sweep: Instant,
 }
 
 /// What one round read, from one snapshot, for the lanes it asked about.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Round {
     /// Per lane (in the order asked): the highest sequence number of the
     /// lane's latest claim *before* the round's statement was sent
@@ -91,6 +176,17 @@ pub struct Round {
     pub swept: Vec<bool>,
     /// Per lane swept: the lowest pending `seq < floor`.
     pub below: Vec<Option<i64>>,
+    /// Per lane: the holder's sequence number (the lowest of a live state
+    /// row that holds its aggregate), if any.
+    pub holder: Vec<Option<i64>>,
+    /// Per lane with a holder: the first row a claim could take past the
+    /// skip (or the holder), or one past the last row walked.
+    pub resume: Vec<Option<i64>>,
+    /// Per lane: the fingerprint of the current skip's range now.
+    pub fingerprint_now: Vec<Option<String>>,
+    /// Per lane with a skip candidate: the fingerprint of the range it
+    /// would skip (up to the lower of its end and `resume`).
+    pub fingerprint_candidate: Vec<Option<String>>,
 }
 
 /// The floors of the lanes one relay claims from.
@@ -111,6 +207,10 @@ pub struct Due {
     /// (goes into [`Round::seen`]; a claim that returns while the round runs
     /// may see rows allocated after its snapshot).
     pub seen: Vec<Option<i64>>,
+    /// Per lane: the current skip (from, to) and the candidate's end.
+    pub skip_from: Vec<Option<i64>>,
+    pub skip_to: Vec<Option<i64>>,
+    pub candidate_to: Vec<Option<i64>>,
 }
 
 impl Floors {
@@ -120,6 +220,34 @@ impl Floors {
             .iter()
             .map(|l| self.lanes.get(l).map_or(BOTTOM, |s| s.floor))
             .collect()
+    }
+
+    /// Where each lane's claim walks: floors and skips, in order.
+    pub fn starts(&self, lanes: &[i32]) -> Starts {
+        let mut st = Starts::default();
+        for l in lanes {
+            let lane = self.lanes.get(l);
+            let skip = lane.and_then(|s| s.skip.as_ref());
+            st.push(*l, lane.map_or(BOTTOM, |s| s.floor), 0, skip);
+            if let Some(k) = skip {
+                st.push(*l, k.to, 1, Some(k));
+            }
+        }
+        st
+    }
+
+    /// The current skip of a lane (tests, diagnosis).
+    pub fn skip(&self, lane: i32) -> Option<Skip> {
+        self.lanes.get(&lane).and_then(|s| s.skip.clone())
+    }
+
+    /// Drop every skip (the routes changed: a row a skip passed may be
+    /// taken by a new route).
+    pub fn forget_skips(&mut self) {
+        for s in self.lanes.values_mut() {
+            s.skip = None;
+            s.skip_candidate = None;
+        }
     }
 
     /// A claim returned these rows (lane, sequence number): for each lane,
@@ -140,6 +268,9 @@ impl Floors {
             lanes: Vec::new(),
             sweep: Vec::new(),
             seen: Vec::new(),
+            skip_from: Vec::new(),
+            skip_to: Vec::new(),
+            candidate_to: Vec::new(),
         };
         for l in lanes {
             match self.lanes.get(l) {
@@ -150,6 +281,11 @@ impl Floors {
                     due.sweep.push(s.is_some_and(|s| {
                         s.floor != BOTTOM && now.duration_since(s.last_sweep) >= SWEEP_INTERVAL
                     }));
+                    let skip = s.and_then(|s| s.skip.as_ref());
+                    due.skip_from.push(skip.map(|k| k.from));
+                    due.skip_to.push(skip.map(|k| k.to));
+                    due.candidate_to
+                        .push(s.and_then(|s| s.skip_candidate).map(|c| c.to));
                 }
             }
         }
@@ -164,10 +300,13 @@ impl Floors {
             let s = self.lanes.entry(*lane).or_insert(Lane {
                 floor: BOTTOM,
                 candidate: None,
+                skip: None,
+                skip_candidate: None,
                 last_round: now,
                 last_sweep: now,
             });
             s.last_round = now;
+            apply_skip(s, i, round);
             if round.swept.get(i) == Some(&true) {
                 s.last_sweep = now;
                 if let Some(Some(below)) = round.below.get(i) {
@@ -226,6 +365,62 @@ impl Floors {
     }
 }
 
+/// A round's answer for lane `i`, applied to its skip (see the module
+/// header): dropped when the holder changed or the range's other state rows
+/// did; a candidate applied as far as this round's own walk confirms it;
+/// a new candidate when the walk found more to skip.
+fn apply_skip(s: &mut Lane, i: usize, round: &Round) {
+    let Some(holder) = round.holder.get(i).copied().flatten() else {
+        s.skip = None;
+        s.skip_candidate = None;
+        return;
+    };
+    let now = round.fingerprint_now.get(i).cloned().flatten();
+    if s.skip
+        .as_ref()
+        .is_some_and(|k| k.from != holder || now.as_deref() != Some(k.fingerprint.as_str()))
+    {
+        s.skip = None;
+        s.skip_candidate = None;
+    }
+    if s.skip_candidate.is_some_and(|c| c.from != holder) {
+        s.skip_candidate = None;
+    }
+    let resume = round.resume.get(i).copied().flatten();
+    let start = |s: &Lane| s.skip.as_ref().map_or(holder.saturating_add(1), |k| k.to);
+    if let Some(c) = s.skip_candidate
+        && round.xmin >= c.xmax
+    {
+        // Every transaction running when the candidate's round looked has
+        // ended, and this round's walk (from the same start) confirms the
+        // rows up to `resume` from a snapshot that sees all of theirs.
+        if let (Some(r), Some(fingerprint)) = (
+            resume,
+            round.fingerprint_candidate.get(i).cloned().flatten(),
+        ) {
+            let to = r.min(c.to);
+            if to > start(s) {
+                s.skip = Some(Skip {
+                    from: holder,
+                    to,
+                    fingerprint,
+                });
+            }
+        }
+        s.skip_candidate = None;
+    }
+    if s.skip_candidate.is_none()
+        && let Some(r) = resume
+        && r > start(s)
+    {
+        s.skip_candidate = Some(SkipCandidate {
+            from: holder,
+            to: r,
+            xmax: round.xmax,
+        });
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -239,6 +434,7 @@ mod tests {
             state: vec![state],
             swept: vec![],
             below: vec![],
+            ..Default::default()
         }
     }
 
@@ -309,6 +505,7 @@ mod tests {
                 state: vec![None, None],
                 swept: vec![],
                 below: vec![],
+                ..Default::default()
             },
             now,
         );
@@ -325,6 +522,7 @@ mod tests {
                 state: vec![None, Some(7)],
                 swept: vec![],
                 below: vec![],
+                ..Default::default()
             },
             now,
         );
@@ -360,7 +558,17 @@ mod tests {
     #[test]
     fn rounds_are_paced_per_lane_and_sweeps_come_due() {
         let t0 = Instant::now();
-        let due = |lanes: Vec<i32>, sweep: Vec<bool>, seen| Some(Due { lanes, sweep, seen });
+        let due = |lanes: Vec<i32>, sweep: Vec<bool>, seen: Vec<Option<i64>>| {
+            let none = vec![None; lanes.len()];
+            Some(Due {
+                lanes,
+                sweep,
+                seen,
+                skip_from: none.clone(),
+                skip_to: none.clone(),
+                candidate_to: none,
+            })
+        };
         let mut f = Floors::default();
         assert_eq!(
             f.due(&[4, 6], t0),
@@ -416,5 +624,91 @@ mod tests {
         f.apply(&[1], &seen(&f, &[1], round(4, 5, None, None)), now);
         f.apply(&[1], &seen(&f, &[1], round(5, 6, None, None)), now);
         assert_eq!(f.of(&[1]), vec![106]);
+    }
+
+    fn skip_round(
+        xmin: i64,
+        xmax: i64,
+        holder: Option<i64>,
+        resume: Option<i64>,
+        now: Option<&str>,
+        candidate: Option<&str>,
+    ) -> Round {
+        Round {
+            holder: vec![holder],
+            resume: vec![resume],
+            fingerprint_now: vec![now.map(str::to_string)],
+            fingerprint_candidate: vec![candidate.map(str::to_string)],
+            ..round(xmin, xmax, None, holder)
+        }
+    }
+
+    #[test]
+    fn a_skip_grows_only_as_far_as_a_later_round_confirms_and_goes_with_its_holder() {
+        let now = Instant::now();
+        let mut f = Floors::default();
+        // Round 1: holder at 10, rows up to 5000 cannot be taken: a candidate.
+        f.apply(
+            &[0],
+            &skip_round(1, 50, Some(10), Some(5000), None, None),
+            now,
+        );
+        assert_eq!(f.skip(0), None);
+        // Round 2: a transaction of round 1 still runs: nothing applies.
+        f.apply(
+            &[0],
+            &skip_round(40, 60, Some(10), Some(5000), None, Some("0:0:0")),
+            now,
+        );
+        assert_eq!(f.skip(0), None);
+        // Round 3: they ended, but a row that committed since can be taken
+        // at 3000: the skip ends there, not at the candidate's 5000.
+        f.apply(
+            &[0],
+            &skip_round(50, 70, Some(10), Some(3000), None, Some("0:0:0")),
+            now,
+        );
+        let skip = f.skip(0).map(|k| (k.from, k.to));
+        assert_eq!(skip, Some((10, 3000)));
+        assert_eq!(f.starts(&[0]).from, vec![BOTTOM, 3000]);
+        // A state row inside changed (retried, discarded): the skip goes.
+        f.apply(
+            &[0],
+            &skip_round(70, 80, Some(10), Some(3000), Some("1:20:5"), None),
+            now,
+        );
+        assert_eq!(f.skip(0), None);
+        // Grown again; then the holder is published (another holds): gone.
+        f.apply(
+            &[0],
+            &skip_round(80, 90, Some(10), Some(4000), None, None),
+            now,
+        );
+        f.apply(
+            &[0],
+            &skip_round(90, 95, Some(10), Some(4000), None, Some("0:0:0")),
+            now,
+        );
+        assert_eq!(f.skip(0).map(|k| k.to), Some(4000));
+        f.apply(
+            &[0],
+            &skip_round(95, 99, Some(7000), Some(7001), Some("0:0:0"), None),
+            now,
+        );
+        assert_eq!(f.skip(0), None);
+        // A reload (routes) drops every skip.
+        f.apply(
+            &[0],
+            &skip_round(99, 100, Some(7000), Some(9000), None, None),
+            now,
+        );
+        f.apply(
+            &[0],
+            &skip_round(100, 101, Some(7000), Some(9000), None, Some("0:0:0")),
+            now,
+        );
+        assert!(f.skip(0).is_some());
+        f.forget_skips();
+        assert_eq!(f.skip(0), None);
     }
 }
