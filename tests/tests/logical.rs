@@ -1108,3 +1108,113 @@ async fn a_malformed_captured_row_is_kept_repaired_and_retried() -> anyhow::Resu
     db.drop_db().await;
     Ok(())
 }
+
+/// `scripts/pg-failover <action>` (a primary and its streaming standby):
+/// `up` makes a fresh pair, `promote` crashes the primary and promotes the
+/// standby on the primary's port, `down` removes both. Returns the port.
+fn failover_pair(action: &str) -> anyhow::Result<u16> {
+    let out = std::process::Command::new(workspace().join("scripts/pg-failover"))
+        .arg(action)
+        .stdin(std::process::Stdio::null())
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "scripts/pg-failover {action}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .unwrap_or(0))
+}
+
+/// PostgreSQL fails over: the primary crashes and its standby is promoted
+/// (before PostgreSQL 17 the slot does not survive). The relay sees the new
+/// timeline and the missing slot, says what happened, creates the slot
+/// again and publishes the rows still pending in the table — those written
+/// while it was away included — then streams on. (Before, the source
+/// refused to start: "replication slot does not exist".)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_promotion_that_loses_the_slot_re_reads_the_pending_rows() -> anyhow::Result<()> {
+    let port = failover_pair("up")?;
+    let result = promotion(port).await;
+    failover_pair("down")?;
+    result
+}
+
+async fn promotion(port: u16) -> anyhow::Result<()> {
+    let db = TestDb::new_at(&format!("postgres://root@127.0.0.1:{port}/postgres")).await?;
+    sqlx::query(
+        "CREATE TABLE ev (id text, pos bigserial, aggregate_id text NOT NULL, \
+         event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
+    )
+    .execute(&db.pool)
+    .await?;
+    let (config, out) = file_config("logical-promotion", &db, "", "order-router")?;
+    db.migrate(&config)?;
+    let add = |pool: sqlx::PgPool, id: &'static str| async move {
+        sqlx::query(
+            "INSERT INTO ev (id, aggregate_id, event_type, payload) VALUES ($1, $1, 'created', '{}')",
+        )
+        .bind(id)
+        .execute(&pool)
+        .await
+    };
+    let relay = Relay::start(&config, &[])?;
+    for id in ["a1", "a2", "a3"] {
+        add(db.pool.clone(), id).await?;
+    }
+    assert!(
+        file_sink_reaches(&out, 3, Duration::from_secs(30)).await,
+        "{}",
+        relay.log_text()
+    );
+    // Give the relay time to record its confirmed position, then stop it
+    // and write what it has not seen; the standby has it all.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    drop(relay);
+    for id in ["b1", "b2", "b3"] {
+        add(db.pool.clone(), id).await?;
+    }
+    db.pool.close().await;
+    failover_pair("promote")?;
+    let pool = sqlx::PgPool::connect(&db.url).await?;
+    let slots: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_replication_slots")
+        .fetch_one(&pool)
+        .await?;
+    assert_eq!(
+        slots, 0,
+        "the slot survived the promotion: this checks nothing"
+    );
+    let relay = Relay::start(&config, &[])?;
+    assert!(
+        file_sink_reaches(&out, 6, Duration::from_secs(30)).await,
+        "the rows written before the promotion were not published\n{}",
+        relay.log_text()
+    );
+    add(pool.clone(), "c1").await?;
+    assert!(
+        file_sink_reaches(&out, 7, Duration::from_secs(30)).await,
+        "the relay did not stream on after the promotion\n{}",
+        relay.log_text()
+    );
+    let got = delivered_ids(&out);
+    assert_eq!(
+        sorted(got.clone()),
+        sorted(
+            ["a1", "a2", "a3", "b1", "b2", "b3", "c1"]
+                .map(String::from)
+                .to_vec()
+        ),
+        "{got:?}"
+    );
+    let log = relay.log_text();
+    assert!(
+        log.contains("PostgreSQL was promoted (timeline 1 -> 2)")
+            && log.contains("re-read from the table"),
+        "{log}"
+    );
+    drop(relay);
+    pool.close().await;
+    Ok(())
+}

@@ -52,13 +52,17 @@ use crate::failpoint;
 use crate::metrics as m;
 use crate::pipeline::{LeaseGuard, LeaseView};
 use crate::relay::{AbortOnDrop, BatchReport, Relay, sleep_or_cancel};
-use crate::store::postgres::{CAPTURE_LANE, CapturedRows, HeldAggregates, PgStore};
+use crate::store::postgres::{CAPTURE_LANE, CapturedRows, HeldAggregates, PgStore, SlotCheck};
 use crate::store::{Captured, Claim, Failure, FailureKind};
 
 pub mod pgoutput;
 
 /// How often the parked queue is looked at when nothing else happens.
 const PARKED_EVERY: Duration = Duration::from_millis(500);
+
+/// How often the confirmed position is recorded (one UPDATE; see
+/// `PgStore::note_confirmed`).
+const CONFIRMED_NOTE_INTERVAL: Duration = Duration::from_secs(30);
 
 /// The envelope of a tableless event: the content of
 /// `pg_logical_emit_message(true, '<prefix>', '<envelope JSON>')`.
@@ -736,6 +740,19 @@ impl Relay {
         let Some(logical) = self.capture.clone() else {
             bail!("not a logical source");
         };
+        // A promotion may have taken the slot (before PostgreSQL 17): say
+        // what may have been missed; re-create it and re-read the table
+        // where the pending rows are exactly what may have been missed.
+        match pg.check_slot().await? {
+            SlotCheck::Present => {}
+            c if pg.recovers_from(&c) => {
+                tracing::warn!("{}", pg.slot_gone(&c));
+                for line in pg.setup_capture().await? {
+                    tracing::warn!("{line}");
+                }
+            }
+            c => bail!("{}", pg.slot_gone(&c)),
+        }
         if logical.input == LogicalInput::Table {
             let epoch = view.epoch_of(CAPTURE_LANE).unwrap_or(-1);
             let guard = LeaseGuard::new(leases.clone(), view, vec![CAPTURE_LANE]);
@@ -1260,6 +1277,7 @@ impl Relay {
             .capture
             .as_ref()
             .is_some_and(|l| l.input == LogicalInput::Table);
+        let mut noted: Option<Instant> = None;
         while let Some(job) = work.recv().await {
             if table && !job.rows.is_empty() {
                 match pg.delete_captured(&job.rows).await {
@@ -1282,6 +1300,14 @@ impl Relay {
             }
             if let Some(to) = job.confirm {
                 let _ = confirm.send(to);
+                // Now and then on record: after a promotion it says where
+                // what may have been missed begins.
+                if noted.is_none_or(|at| at.elapsed() >= CONFIRMED_NOTE_INTERVAL) {
+                    if let Err(e) = pg.note_confirmed(&to.to_string()).await {
+                        tracing::debug!("recording the confirmed position: {e:#}");
+                    }
+                    noted = Some(Instant::now());
+                }
             }
         }
     }

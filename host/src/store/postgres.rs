@@ -99,7 +99,7 @@ pub struct OrphanWalk {
     /// listed was walked to its end.
     pub more: Vec<(i32, i64)>,
 }
-pub use logical::{CAPTURE_LANE, CapturedRows, HeldAggregates};
+pub use logical::{CAPTURE_LANE, CapturedRows, HeldAggregates, SlotCheck};
 
 /// Quote a validated identifier (`schema.table` → `"schema"."table"`).
 fn quote(ident: &str) -> String {

@@ -34,6 +34,23 @@ use crate::config::{Cleanup, LogicalInput};
 use crate::failpoint;
 use crate::store::{Captured, Claim, Leases, ParkedEvent, SlotStatus, Status};
 
+/// What became of a log-capture source's slot (see [`PgStore::check_slot`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SlotCheck {
+    /// The slot is there.
+    Present,
+    /// PostgreSQL was promoted since the slot was last seen (timeline
+    /// `from` -> `to`) and the slot did not survive it; `confirmed`: the
+    /// last position recorded as confirmed on the old timeline.
+    LostInFailover {
+        from: i64,
+        to: i64,
+        confirmed: Option<String>,
+    },
+    /// The slot is gone, and no promotion explains it.
+    Missing,
+}
+
 /// Aggregates with parked events, each with the routes its parked events
 /// wait for (`*`: every route).
 pub type HeldAggregates = std::collections::HashMap<(String, String), Vec<String>>;
@@ -135,11 +152,11 @@ impl PgStore {
         .fetch_optional(&self.pool)
         .await?;
         match slot {
-            None => bail!(
-                "{}.logical.slot: replication slot `{}` does not exist (run `outroute migrate`)",
-                self.key,
-                l.slot
-            ),
+            None => match self.check_slot().await? {
+                // The relay re-creates it and re-reads the table.
+                c @ SlotCheck::LostInFailover { .. } if self.recovers_from(&c) => {}
+                c => bail!("{}", self.slot_gone(&c)),
+            },
             Some((plugin, same_db)) if plugin.as_deref() != Some("pgoutput") || !same_db => bail!(
                 "{}.logical.slot: slot `{}` is not a pgoutput slot of this database (plugin {:?})",
                 self.key,
@@ -297,9 +314,17 @@ impl PgStore {
         } else {
             None
         };
-        let lsn: String = sqlx::query_scalar(
-            "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
-        )
+        // PostgreSQL 17 and later carry a failover slot over to a standby
+        // (with `sync_replication_slots` there): it then survives a promotion.
+        let failover: bool =
+            sqlx::query_scalar("SELECT current_setting('server_version_num')::int >= 170000")
+                .fetch_one(&self.pool)
+                .await?;
+        let lsn: String = sqlx::query_scalar(if failover {
+            "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false, false, true)"
+        } else {
+            "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')"
+        })
         .bind(&l.slot)
         .fetch_one(&self.pool)
         .await
@@ -311,10 +336,12 @@ impl PgStore {
             )
         })?;
         done.push(format!(
-            "created replication slot `{}` (pgoutput) at {lsn}: it keeps WAL until the relay \
+            "created replication slot `{}` (pgoutput{}) at {lsn}: it keeps WAL until the relay \
              confirms it, bounded by the server's max_slot_wal_keep_size",
-            l.slot
+            l.slot,
+            if failover { ", failover" } else { "" }
         ));
+        self.record_slot(Some(&lsn)).await?;
         match keep_note {
             Some(note) => {
                 done.push(note);
@@ -330,6 +357,156 @@ impl PgStore {
             None => {}
         }
         Ok(done)
+    }
+
+    /// The server's current timeline (it goes up by one at each promotion).
+    async fn timeline(&self) -> Result<i64> {
+        sqlx::query_scalar(
+            "SELECT ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int::bigint",
+        )
+        .fetch_one(&self.pool)
+        .await
+        .context("reading the server's timeline")
+    }
+
+    /// Record that the slot is there on the current timeline (and, with
+    /// `confirmed`, how far it was confirmed).
+    async fn record_slot(&self, confirmed: Option<&str>) -> Result<()> {
+        let Some(l) = &self.logical else {
+            return Ok(());
+        };
+        let timeline = self.timeline().await?;
+        sqlx::query(
+            "INSERT INTO outroute_capture_slot (source, slot, timeline, confirmed_lsn) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (source) DO UPDATE SET slot = excluded.slot, timeline = excluded.timeline, \
+               confirmed_lsn = coalesce(excluded.confirmed_lsn, outroute_capture_slot.confirmed_lsn), \
+               updated_at = now()",
+        )
+        .bind(&self.source)
+        .bind(&l.slot)
+        .bind(timeline)
+        .bind(confirmed)
+        .execute(&self.pool)
+        .await
+        .context("recording the replication slot")?;
+        Ok(())
+    }
+
+    /// The relay confirmed the slot up to `lsn` (recorded now and then:
+    /// after a promotion it says where missed messages may begin).
+    pub async fn note_confirmed(&self, lsn: &str) -> Result<()> {
+        sqlx::query(
+            "UPDATE outroute_capture_slot SET confirmed_lsn = $2, updated_at = now() WHERE source = $1",
+        )
+        .bind(&self.source)
+        .bind(lsn)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Is the slot there? If not, did a promotion take it (the record says
+    /// it existed on an earlier timeline)? A slot that is there is recorded
+    /// on the current timeline, with its confirmed position.
+    pub async fn check_slot(&self) -> Result<SlotCheck> {
+        let Some(l) = &self.logical else {
+            return Ok(SlotCheck::Missing);
+        };
+        let present: Option<Option<String>> = sqlx::query_scalar(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+        )
+        .bind(&l.slot)
+        .fetch_optional(&self.pool)
+        .await?;
+        if let Some(confirmed) = present {
+            self.record_slot(confirmed.as_deref()).await?;
+            return Ok(SlotCheck::Present);
+        }
+        let record: Option<(i64, Option<String>)> = match sqlx::query_as(
+            "SELECT timeline, confirmed_lsn FROM outroute_capture_slot WHERE source = $1",
+        )
+        .bind(&self.source)
+        .fetch_optional(&self.pool)
+        .await
+        {
+            Ok(r) => r,
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P01") => None,
+            Err(e) => return Err(e.into()),
+        };
+        let now = self.timeline().await?;
+        Ok(match record {
+            Some((was, confirmed)) if was < now => SlotCheck::LostInFailover {
+                from: was,
+                to: now,
+                confirmed,
+            },
+            _ => SlotCheck::Missing,
+        })
+    }
+
+    /// Can the relay make up for a slot lost in a promotion by itself? Yes
+    /// for rows of a table that are deleted or marked once published: the
+    /// ones still pending are exactly those that may have been missed.
+    pub fn recovers_from(&self, c: &SlotCheck) -> bool {
+        matches!(c, SlotCheck::LostInFailover { .. })
+            && self
+                .logical
+                .as_ref()
+                .is_some_and(|l| l.input == LogicalInput::Table && l.cleanup != Cleanup::Keep)
+    }
+
+    /// What a missing slot means, and what to do (for the log and health).
+    pub fn slot_gone(&self, c: &SlotCheck) -> String {
+        let (slot, input, cleanup) = match &self.logical {
+            Some(l) => (l.slot.as_str(), l.input, l.cleanup),
+            None => ("", LogicalInput::Table, Cleanup::Delete),
+        };
+        match c {
+            SlotCheck::Present => format!("{}.logical.slot: slot `{slot}` is there", self.key),
+            SlotCheck::Missing => format!(
+                "{}.logical.slot: replication slot `{slot}` does not exist (run `outroute migrate`)",
+                self.key
+            ),
+            SlotCheck::LostInFailover {
+                from,
+                to,
+                confirmed,
+            } => {
+                let since = confirmed
+                    .as_deref()
+                    .map_or("the slot's creation".to_string(), str::to_string);
+                let missed = if input == LogicalInput::Messages {
+                    format!(
+                        "logical messages emitted on timeline {from} after {since} (the last position \
+                         recorded as confirmed) and before a new slot exists on timeline {to} are in no \
+                         table and were not captured: check what the producers emitted in that range"
+                    )
+                } else if cleanup == Cleanup::Keep {
+                    format!(
+                        "with cleanup = \"keep\" the published rows of `{}` stay in it, so outroute cannot \
+                         tell which rows written after {since} were missed",
+                        self.cfg.name
+                    )
+                } else {
+                    format!(
+                        "the rows of `{}` still pending are re-read from the table",
+                        self.cfg.name
+                    )
+                };
+                let then = if self.recovers_from(c) {
+                    "; the relay creates the slot again (events it published after the last confirmed \
+                     position may go out twice, with the same ids)"
+                } else {
+                    "; then run `outroute migrate` to create the slot again"
+                };
+                format!(
+                    "{}.logical.slot: PostgreSQL was promoted (timeline {from} -> {to}) and replication slot \
+                     `{slot}` did not survive it (before PostgreSQL 17 a slot is not carried over to a \
+                     standby): {missed}{then}",
+                    self.key
+                )
+            }
+        }
     }
 
     /// Is the outbox a partitioned table?
