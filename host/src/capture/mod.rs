@@ -27,6 +27,13 @@
 //! `relay.lease_ttl`, a standby takes it, ends the old session if PostgreSQL
 //! still thinks it is alive, and starts at the confirmed position.
 //!
+//! Failover: before PostgreSQL 17 a slot does not survive the promotion of
+//! a standby. Each stream start checks the slot (`PgStore::check_slot`): one
+//! missing on a later timeline than recorded is named as such; for table
+//! input whose published rows leave the table (or are marked) the slot is
+//! created again and the pending rows re-read, otherwise the source stops
+//! and names the LSN range that may have been missed.
+//!
 //! Inputs: inserts into the outbox table (`logical.input = "table"`, the
 //! mapped columns in text form), or logical messages
 //! (`pg_logical_emit_message(true, '<prefix>', <envelope>)`, no table; the
