@@ -1600,22 +1600,37 @@ impl PgStore {
         opts: &str,
     ) -> Result<serde_json::Value> {
         let q = format!("EXPLAIN ({opts}FORMAT JSON) {claim}");
-        let q = sqlx::query_scalar(&q).bind(&self.source);
-        let mut q = match starts {
-            Some(f) => q.bind(&f.lanes),
-            None => q.bind(lanes),
-        }
-        .bind(limit as i64)
-        .bind(self.routes());
-        if let Some(f) = starts {
-            q = q
+        let row = self
+            .bind_claim(sqlx::query(&q), lanes, starts, limit)
+            .fetch_one(&self.pool)
+            .await
+            .context("planning the claim")?;
+        Ok(row.try_get(0)?)
+    }
+
+    /// A claim statement's arguments (`$1`–`$9`, see [`TableSql::segments`]):
+    /// with `starts`, their stretches; without (a claim by scan), the lanes.
+    fn bind_claim<'q>(
+        &self,
+        q: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+        lanes: &'q [i32],
+        starts: Option<&'q floor::Starts>,
+        limit: u32,
+    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+        let q = q
+            .bind(self.source.clone())
+            .bind(starts.map_or(lanes, |f| &f.lanes[..]))
+            .bind(limit as i64)
+            .bind(self.routes());
+        match starts {
+            Some(f) => q
                 .bind(&f.from)
                 .bind(&f.part)
                 .bind(&f.skip_from)
                 .bind(&f.skip_to)
-                .bind(&f.skip_fingerprint);
+                .bind(&f.skip_fingerprint),
+            None => q,
         }
-        q.fetch_one(&self.pool).await.context("planning the claim")
     }
 
     /// Run the claim under `EXPLAIN ANALYZE` and return, for every plan
@@ -2039,22 +2054,11 @@ impl PgStore {
             return Ok(Vec::new());
         }
         let starts = self.current_floors(lanes);
-        let q = sqlx::query(&self.claim_sql).bind(&self.source);
-        let mut q = match &starts {
-            Some(f) => q.bind(&f.lanes),
-            None => q.bind(lanes),
-        }
-        .bind(limit as i64)
-        .bind(self.routes());
-        if let Some(f) = &starts {
-            q = q
-                .bind(&f.from)
-                .bind(&f.part)
-                .bind(&f.skip_from)
-                .bind(&f.skip_to)
-                .bind(&f.skip_fingerprint);
-        }
-        let rows = q.fetch_all(&self.pool).await.context("claiming events")?;
+        let rows = self
+            .bind_claim(sqlx::query(&self.claim_sql), lanes, starts.as_ref(), limit)
+            .fetch_all(&self.pool)
+            .await
+            .context("claiming events")?;
         let json = self.sql()?.payload_is_json;
         let mut claims: Vec<Claim> = rows
             .iter()
