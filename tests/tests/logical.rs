@@ -38,6 +38,17 @@ fn file_config(
     Ok((config, out))
 }
 
+/// Table `ev` as [`file_config`] maps it, with a nullable text id.
+async fn create_ev(db: &TestDb) -> anyhow::Result<()> {
+    sqlx::query(
+        "CREATE TABLE ev (id text, pos bigserial, aggregate_id text NOT NULL, \
+         event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
+    )
+    .execute(&db.pool)
+    .await?;
+    Ok(())
+}
+
 /// A `[store.table]` mapping of a test's own table `name`: columns `id`,
 /// `aggregate_id`, `event_type`, `payload`, `created_at`, and the order
 /// column `seq`.
@@ -873,12 +884,7 @@ async fn a_huge_transaction_is_cleaned_up_in_chunks() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_reused_or_null_id_fails_that_event_alone() -> anyhow::Result<()> {
     let db = TestDb::new_logical().await?;
-    sqlx::query(
-        "CREATE TABLE ev (id text, pos bigserial, aggregate_id text NOT NULL, \
-         event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
-    )
-    .execute(&db.pool)
-    .await?;
+    create_ev(&db).await?;
     let (config, out) = file_config("logical-taken-ids", &db, "", "hostile")?;
     db.migrate(&config)?;
     let relay = Relay::start(&config, &[])?;
@@ -1144,12 +1150,7 @@ async fn a_promotion_that_loses_the_slot_re_reads_the_pending_rows() -> anyhow::
 
 async fn promotion(port: u16) -> anyhow::Result<()> {
     let db = TestDb::new_at(&format!("postgres://root@127.0.0.1:{port}/postgres")).await?;
-    sqlx::query(
-        "CREATE TABLE ev (id text, pos bigserial, aggregate_id text NOT NULL, \
-         event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
-    )
-    .execute(&db.pool)
-    .await?;
+    create_ev(&db).await?;
     let (config, out) = file_config("logical-promotion", &db, "", "order-router")?;
     db.migrate(&config)?;
     let add = |pool: sqlx::PgPool, id: &'static str| async move {
