@@ -789,6 +789,54 @@ async fn held_backlog(table: &str, name: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Claims are bounded in bytes as well as rows: with 1 MB payloads and
+/// `relay.max_batch_bytes` of 3 MB, a claim of 100 takes 3 events (the one
+/// that reaches the bound is the last), and every later claim too, until
+/// all are claimed, in order.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_stops_at_max_batch_bytes() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("claim-bytes");
+    let config = write_config(
+        &dir,
+        &db.url,
+        "lanes = 1
+max_batch_bytes = 3000000",
+        &file_body(&dir, ""),
+    )?;
+    db.migrate(&config)?;
+    sqlx::query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'order', 'o-' || g, 'order-created', \
+                json_build_object('pad', repeat(md5(g::text), 1000000 / 32)) \
+         FROM generate_series(1, 40) g",
+    )
+    .execute(&db.pool)
+    .await?;
+    let store = open_store(&config, "bytes").await?;
+    let lanes = store.lease_round().await?.lanes;
+    let mut got = Vec::new();
+    for _ in 0..40 {
+        let claims = store.claim(&lanes, 100).await?;
+        if claims.is_empty() {
+            break;
+        }
+        let bytes: u64 = claims.iter().map(|c| c.bytes()).sum();
+        assert!(
+            claims.len() <= 3 && bytes < 4_000_000,
+            "a claim took {} events, {bytes} bytes",
+            claims.len()
+        );
+        let refs: Vec<&Claim> = claims.iter().collect();
+        assert_eq!(store.mark_published(&refs).await?, claims.len() as u64);
+        got.extend(claims.iter().map(|c| c.sequence()));
+    }
+    assert_eq!(got.len(), 40);
+    assert!(got.windows(2).all(|w| w[0] < w[1]), "{got:?}");
+    db.drop_db().await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_pending_queue_is_filled_by_its_trigger_and_claims_read_only_the_batch()
 -> anyhow::Result<()> {

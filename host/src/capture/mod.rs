@@ -1365,7 +1365,8 @@ impl Relay {
 
     /// Gather a batch from a partition's feed: wait up to `wait` for the
     /// first item, then take what is already there, up to
-    /// `relay.batch_size` events. Stops before an event whose aggregate is
+    /// `relay.batch_size` events or `relay.max_batch_bytes` of payload
+    /// (the event that reaches it is the batch's last). Stops before an event whose aggregate is
     /// in `busy` (a batch still out holds it), leaving it in `carry`, where
     /// the next call starts.
     async fn collect(
@@ -1377,6 +1378,7 @@ impl Relay {
         stop: &CancellationToken,
     ) -> Result<Batch> {
         let mut batch = Batch::default();
+        let mut bytes = 0u64;
         let mut next = match carry.take() {
             Some(item) => Some(item),
             None => tokio::select! {
@@ -1394,6 +1396,7 @@ impl Relay {
                         *carry = Some(Feed::Event(c));
                         break;
                     }
+                    bytes += c.bytes();
                     batch.claims.push(*c)
                 }
                 Some(Feed::Mark(n, at)) => {
@@ -1403,7 +1406,9 @@ impl Relay {
                     }
                 }
             }
-            if batch.claims.len() >= self.config.batch_size as usize {
+            if batch.claims.len() >= self.config.batch_size as usize
+                || bytes >= self.config.max_batch_bytes
+            {
                 break;
             }
             match feed.try_recv() {

@@ -189,6 +189,25 @@ impl ParkedEvent {
 }
 
 impl Claim {
+    /// What the event holds in memory, roughly: its payload and headers
+    /// (what `relay.max_batch_bytes` bounds in claims and captured batches).
+    pub fn bytes(&self) -> u64 {
+        let n = match &self.row {
+            Ok(e) => {
+                e.payload.len()
+                    + e.headers
+                        .iter()
+                        .map(|(k, v)| k.len() + v.len())
+                        .sum::<usize>()
+            }
+            Err(m) => m.raw.as_ref().map_or(0, |r| {
+                r.payload.as_ref().map_or(0, String::len)
+                    + r.headers.as_ref().map_or(0, String::len)
+            }),
+        };
+        n as u64
+    }
+
     /// The row's place in outbox order.
     pub fn sequence(&self) -> i64 {
         match &self.row {

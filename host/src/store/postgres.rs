@@ -64,6 +64,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use chrono::{DateTime, Utc};
+use futures::TryStreamExt;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{ConnectOptions, Row};
 
@@ -610,18 +611,19 @@ impl TableSql {
     /// and the walk stops at `limit` rows. Cost: one index descent per lane
     /// plus the rows returned (and rows skipped as held), whatever the
     /// backlog, the history or the entries published rows left behind.
-    fn claim_by_lane(&self, ordering: Ordering) -> String {
+    fn claim_by_lane(&self, ordering: Ordering, skips: bool) -> String {
         let rows = match &self.floor_col {
-            Some(seq) => format!(
+            Some(seq) if skips => format!(
                 "{} = l.lane AND {seq} >= l.lo AND {seq} < coalesce(l.hi, {})",
                 self.lane,
                 i64::MAX
             ),
+            Some(seq) => format!("{} = l.lane AND {seq} >= l.lo", self.lane),
             None => format!("{} = l.lane", self.lane),
         };
         format!(
             "SELECT c.* FROM {} CROSS JOIN LATERAL ({}) c ORDER BY l.n LIMIT $3",
-            self.segments(),
+            self.segments(skips),
             self.next_pending(ordering, &rows)
         )
     }
@@ -632,7 +634,12 @@ impl TableSql {
     /// the skip: holder, end, fingerprint; see `postgres/floor.rs`): a lane
     /// from its floor on, or, while its skip still holds, from the floor
     /// to the holder and from the skip's end on.
-    fn segments(&self) -> String {
+    /// Without `skips` (no lane has one, the usual case): one stretch per
+    /// lane from its floor, `$2` and `$5` only.
+    fn segments(&self, skips: bool) -> String {
+        if !skips {
+            return "unnest($2::int[], $5::bigint[]) WITH ORDINALITY AS l(lane, lo, n)".into();
+        }
         format!(
             "(SELECT l.lane, l.n, l.lo, CASE WHEN l.part = 0 AND g.skips THEN l.skip_from + 1 END AS hi \
                FROM unnest($2::int[], $5::bigint[], $6::int[], $7::bigint[], $8::bigint[], $9::text[]) \
@@ -682,17 +689,20 @@ impl TableSql {
     /// (the row's own lane only differs when a producer changed its
     /// aggregate after the insert). The `tid` returned is the entry's, so
     /// the mark goes straight to it.
-    fn claim_by_queue(&self, ordering: Ordering) -> String {
+    fn claim_by_queue(&self, ordering: Ordering, skips: bool) -> String {
         format!(
             "SELECT c.* FROM {segments} \
              CROSS JOIN LATERAL (SELECT r.* FROM outroute_queue qq \
                CROSS JOIN LATERAL (SELECT {cols}, {extras} FROM {table} o \
                  WHERE {seqcol} = qq.seq AND {row_pending} {state} OFFSET 0) r \
-               WHERE qq.source = {src} AND qq.lane = l.lane AND qq.seq >= l.lo \
-                 AND qq.seq < coalesce(l.hi, {max}) \
+               WHERE qq.source = {src} AND qq.lane = l.lane AND qq.seq >= l.lo{upto} \
                ORDER BY qq.seq LIMIT $3) c ORDER BY l.n LIMIT $3",
-            segments = self.segments(),
-            max = i64::MAX,
+            segments = self.segments(skips),
+            upto = if skips {
+                format!(" AND qq.seq < coalesce(l.hi, {})", i64::MAX)
+            } else {
+                String::new()
+            },
             cols =
                 self.select_cols
                     .replacen(&format!("{} AS lane", self.lane), "qq.lane AS lane", 1),
@@ -879,11 +889,21 @@ pub struct PgStore {
     lease_ttl: Duration,
     ordering: Ordering,
     batch_size: u32,
+    /// `relay.max_batch_bytes`: a claim stops reading rows once their
+    /// payloads reach it (see [`PgStore::claim`]).
+    max_batch_bytes: u64,
+    /// The most rows the next claim asks for: after a claim that reached
+    /// `max_batch_bytes`, one more than it took; doubled back after each
+    /// claim that did not.
+    claim_rows: std::sync::atomic::AtomicU32,
     cfg: TableConfig,
     sql: Option<TableSql>,
     /// The claim statement: by lane index, or by scan when the table has
     /// no usable lane index (chosen in `check_table`).
     claim_sql: String,
+    /// The claim statement for when a lane has a skip (see
+    /// `postgres/floor.rs`): the same, walking each lane in two stretches.
+    claim_skip_sql: String,
     /// Set when the claim cannot use a lane index: the statement that
     /// would make it cheap.
     missing_index: Option<String>,
@@ -1108,9 +1128,12 @@ impl PgStore {
             lease_ttl: config.relay.lease_ttl,
             ordering: config.relay.ordering,
             batch_size: config.relay.batch_size,
+            max_batch_bytes: config.relay.max_batch_bytes,
+            claim_rows: std::sync::atomic::AtomicU32::new(u32::MAX),
             cfg: sc.table(),
             sql: None,
             claim_sql: String::new(),
+            claim_skip_sql: String::new(),
             missing_index: None,
             floors: Default::default(),
             routes: Default::default(),
@@ -1392,7 +1415,8 @@ impl PgStore {
                 );
             }
             self.missing_index = trigger.is_none().then(|| sql.index_ddl.clone());
-            self.claim_sql = sql.claim_by_queue(self.ordering);
+            self.claim_sql = sql.claim_by_queue(self.ordering, false);
+            self.claim_skip_sql = sql.claim_by_queue(self.ordering, true);
             // Deleted entries stay in the queue's index until VACUUM, as
             // marked rows do in a lane index: claims start at the floors.
             self.floor_sql = sql.floor_round_queue(self.ordering);
@@ -1406,11 +1430,12 @@ impl PgStore {
         };
         (self.claim_sql, self.floor_sql) = match self.missing_index {
             None => (
-                sql.claim_by_lane(self.ordering),
+                sql.claim_by_lane(self.ordering, false),
                 sql.floor_round(self.ordering),
             ),
             Some(_) => (sql.claim_by_scan(self.ordering), None),
         };
+        self.claim_skip_sql = sql.claim_by_lane(self.ordering, true);
         self.sql = Some(sql);
         self.ensure_lane_rows().await
     }
@@ -1568,7 +1593,7 @@ impl PgStore {
     /// so an equivalent index under another name counts too, and so does
     /// a table that was never analysed.
     async fn lane_index_usable(&self, sql: &TableSql) -> Result<bool> {
-        let claim = sql.claim_by_lane(self.ordering);
+        let claim = sql.claim_by_lane(self.ordering, false);
         let all: Vec<i32> = (0..self.lanes as i32).collect();
         let bottom = floor::Starts::bottom(&all);
         let plan = self
@@ -1609,7 +1634,8 @@ impl PgStore {
     }
 
     /// A claim statement's arguments (`$1`–`$9`, see [`TableSql::segments`]):
-    /// with `starts`, their stretches; without (a claim by scan), the lanes.
+    /// with `starts`, their stretches (`$1`–`$5` when no lane has a skip);
+    /// without (a claim by scan), the lanes.
     fn bind_claim<'q>(
         &self,
         q: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
@@ -1623,13 +1649,23 @@ impl PgStore {
             .bind(limit as i64)
             .bind(self.routes());
         match starts {
-            Some(f) => q
+            Some(f) if f.any_skip() => q
                 .bind(&f.from)
                 .bind(&f.part)
                 .bind(&f.skip_from)
                 .bind(&f.skip_to)
                 .bind(&f.skip_fingerprint),
+            Some(f) => q.bind(&f.from),
             None => q,
+        }
+    }
+
+    /// The claim statement for these starts: with skips only when a lane
+    /// has one (the usual claim stays the plain walk from the floors).
+    fn claim_for(&self, starts: Option<&floor::Starts>) -> &str {
+        match starts {
+            Some(f) if f.any_skip() => &self.claim_skip_sql,
+            _ => &self.claim_sql,
         }
     }
 
@@ -1669,8 +1705,14 @@ impl PgStore {
         opts: &str,
     ) -> Result<serde_json::Value> {
         let floors = self.current_floors(lanes);
-        self.explain(&self.claim_sql, lanes, floors.as_ref(), limit, opts)
-            .await
+        self.explain(
+            self.claim_for(floors.as_ref()),
+            lanes,
+            floors.as_ref(),
+            limit,
+            opts,
+        )
+        .await
     }
 
     /// Run the claim under `EXPLAIN (ANALYZE, BUFFERS)` and return the
@@ -2054,16 +2096,42 @@ impl PgStore {
             return Ok(Vec::new());
         }
         let starts = self.current_floors(lanes);
-        let rows = self
-            .bind_claim(sqlx::query(&self.claim_sql), lanes, starts.as_ref(), limit)
-            .fetch_all(&self.pool)
-            .await
-            .context("claiming events")?;
         let json = self.sql()?.payload_is_json;
-        let mut claims: Vec<Claim> = rows
-            .iter()
-            .map(|r| to_claim(r, json))
-            .collect::<Result<_>>()?;
+        // Bounded in bytes as well as rows: rows are read as they come and
+        // the claim stops at the one whose payload reaches
+        // `relay.max_batch_bytes` (the rest of the answer is read and
+        // dropped by the connection; the next claims ask for only as many
+        // rows as fitted, growing back after claims that fit whole).
+        use std::sync::atomic::Ordering::Relaxed;
+        let asked = limit.min(self.claim_rows.load(Relaxed)).max(1);
+        let mut claims: Vec<Claim> = Vec::new();
+        let mut bytes = 0u64;
+        {
+            let mut rows = self
+                .bind_claim(
+                    sqlx::query(self.claim_for(starts.as_ref())),
+                    lanes,
+                    starts.as_ref(),
+                    asked,
+                )
+                .fetch(&self.pool);
+            while let Some(r) = rows.try_next().await.context("claiming events")? {
+                let c = to_claim(&r, json)?;
+                bytes += c.bytes();
+                claims.push(c);
+                if bytes >= self.max_batch_bytes {
+                    break;
+                }
+            }
+        }
+        let rows = if bytes >= self.max_batch_bytes {
+            claims.len() as u32 + 1
+        } else if claims.len() as u32 >= asked && asked < limit {
+            asked.saturating_mul(2)
+        } else {
+            u32::MAX
+        };
+        self.claim_rows.store(rows, Relaxed);
         if !claims.is_empty() {
             self.floors_mut()
                 .saw(claims.iter().map(|c| (c.lane, c.sequence())));
@@ -3460,12 +3528,13 @@ mod tests {
             16,
             "uuid",
         );
-        let by_queue = queued.claim_by_queue(Ordering::Aggregate);
+        let by_queue = queued.claim_by_queue(Ordering::Aggregate, true);
         // The mark deletes the entry the claim walked: its lane, not the row's.
         assert!(by_queue.contains("qq.lane AS lane"), "{by_queue}");
         for sql in [
             format!("{}, {}", s.select_cols, s.claim_extras(Ordering::Aggregate)),
-            s.claim_by_lane(Ordering::Aggregate),
+            s.claim_by_lane(Ordering::Aggregate, true),
+            s.claim_by_lane(Ordering::Aggregate, false),
             by_queue,
         ] {
             let mut at = 0;

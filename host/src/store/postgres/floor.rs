@@ -127,6 +127,11 @@ impl Starts {
         st
     }
 
+    /// Does any lane have a skip (the claim then walks stretches)?
+    pub fn any_skip(&self) -> bool {
+        self.part.iter().any(|p| *p != 0)
+    }
+
     fn push(&mut self, lane: i32, from: i64, part: i32, skip: Option<&Skip>) {
         self.lanes.push(lane);
         self.from.push(from);
