@@ -107,9 +107,11 @@ pub struct RelayConfig {
     /// and doubles after every full batch (the first events after a start
     /// go out sooner).
     pub batch_size: u32,
-    /// Most payload bytes one batch publishes; the events after the one
-    /// that reaches it wait for the next batch (a batch is split, never
-    /// failed, so a fan-out-heavy route cannot balloon the relay's memory).
+    /// Most payload bytes one batch holds and publishes: a claim (and a
+    /// captured batch) stops at the event whose payload reaches it, and
+    /// the messages after the one that reaches it wait for the next batch
+    /// (a batch is split, never failed, so large payloads or a
+    /// fan-out-heavy route cannot balloon the relay's memory).
     pub max_batch_bytes: u64,
     /// Batches worked on at once (a worker claims from the owned lanes no
     /// other worker has a batch in flight from;
