@@ -1219,3 +1219,111 @@ async fn promotion(port: u16) -> anyhow::Result<()> {
     pool.close().await;
     Ok(())
 }
+
+/// An event that failed in lease mode, before the source switched to log
+/// capture, still holds its aggregate after the switch (the aggregate's
+/// rows from the table and from the stream wait behind it), `failed retry`
+/// tries it again, and `failed discard` lets the rest go, in order (issue
+/// 41, item 13). Before, log capture only knew its own parked records: the
+/// aggregate's later events went out past the failed one, and a retry did
+/// nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_event_failed_in_lease_mode_still_holds_and_retries_after_the_switch()
+-> anyhow::Result<()> {
+    let db = TestDb::new_logical().await?;
+    let dir = test_dir("logical-adopt");
+    let out = dir.join("out.jsonl");
+    let stamped = example_table("outbox-published-at.toml")?;
+    let body = format!(
+        "{stamped}{}",
+        relay_body("", &[TestSink::File(&out)], "hostile", "orders", FILE_ROUTE)
+    );
+    let lease = write_config_with(&dir.join("lease"), &db.url, "", "lease_ttl = \"2s\"", &body)?;
+    db.migrate(&lease)?;
+    let a1 = insert(&db, "A", serde_json::json!({"n": 1})).await?;
+    let a2 = insert(&db, "A", serde_json::json!({"n": 2, "hostile": "reject"})).await?;
+    let b1 = insert(&db, "B", serde_json::json!({"n": 1})).await?;
+    let relay = Relay::start(&lease, &[])?;
+    assert!(
+        file_sink_reaches(&out, 2, Duration::from_secs(30)).await,
+        "{}",
+        relay.log_text()
+    );
+    let failed = || async {
+        db.count(&format!(
+            "SELECT count(*) FROM outroute_event_state WHERE event_id = '{a2}' AND failed_at IS NOT NULL"
+        ))
+        .await
+    };
+    assert!(eventually(Duration::from_secs(10), || async { failed().await == 1 }).await);
+    drop(relay);
+    let a3 = insert(&db, "A", serde_json::json!({"n": 3})).await?;
+
+    let config = write_config_with(
+        &dir.join("logical"),
+        &db.url,
+        LOGICAL,
+        "lease_ttl = \"2s\"",
+        &body,
+    )?;
+    let cfg = config.to_str().unwrap_or_default().to_string();
+    let (code, _, err) = cli(&["migrate", "-c", &cfg])?;
+    assert_eq!(code, 0, "{err}");
+    let a4 = insert(&db, "A", serde_json::json!({"n": 4})).await?;
+    let b2 = insert(&db, "B", serde_json::json!({"n": 2})).await?;
+    let relay = Relay::start(&config, &[])?;
+    assert!(
+        file_sink_reaches(&out, 3, Duration::from_secs(30)).await,
+        "{}",
+        relay.log_text()
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let got = delivered_ids(&out);
+    assert_eq!(
+        sorted(got.clone()),
+        sorted(vec![a1.clone(), b1.clone(), b2.clone()]),
+        "A's later events went out past the event that failed in lease mode\n{}",
+        relay.log_text()
+    );
+    // A retry tries it again: the plugin refuses it again, so it fails
+    // anew (before, `failed retry` cleared it and nothing ever tried it).
+    let failed_at = || async {
+        sqlx::query_scalar::<_, Option<String>>(
+            "SELECT failed_at::text FROM outroute_event_state WHERE event_id = $1",
+        )
+        .bind(&a2)
+        .fetch_one(&db.pool)
+        .await
+        .ok()
+        .flatten()
+    };
+    let first = failed_at().await;
+    assert!(first.is_some());
+    let (code, _, err) = cli(&["failed", "retry", "--id", &a2, "-c", &cfg])?;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        eventually(Duration::from_secs(15), || async {
+            failed_at()
+                .await
+                .is_some_and(|t| Some(&t) != first.as_ref())
+        })
+        .await,
+        "the retried event was not tried again\n{}",
+        relay.log_text()
+    );
+    assert_eq!(delivered_ids(&out).len(), 3, "A went on after the retry");
+    let (code, _, err) = cli(&["failed", "discard", "--id", &a2, "-c", &cfg])?;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        file_sink_reaches(&out, 5, Duration::from_secs(20)).await,
+        "{}",
+        relay.log_text()
+    );
+    let got = delivered_ids(&out);
+    let of_a: Vec<&String> = got.iter().filter(|g| [&a1, &a3, &a4].contains(g)).collect();
+    assert_eq!(of_a, vec![&a1, &a3, &a4]);
+    assert!(!got.contains(&a2));
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}

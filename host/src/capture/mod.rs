@@ -761,6 +761,19 @@ impl Relay {
             c => bail!("{}", pg.slot_gone(&c)),
         }
         if logical.input == LogicalInput::Table {
+            let adopted = pg
+                .bounded(
+                    "taking over events that failed in lease mode",
+                    pg.adopt_lease_failures(),
+                )
+                .await?;
+            if adopted > 0 {
+                tracing::info!(
+                    adopted,
+                    "events that failed in lease mode are parked: their aggregates wait behind them \
+                     and `outroute failed retry` retries them"
+                );
+            }
             let epoch = view.epoch_of(CAPTURE_LANE).unwrap_or(-1);
             let guard = LeaseGuard::new(leases.clone(), view, vec![CAPTURE_LANE]);
             if !self.backfill(pg, guard, epoch, shutdown).await? {

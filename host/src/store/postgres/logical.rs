@@ -509,6 +509,63 @@ impl PgStore {
         }
     }
 
+    /// Events that failed (or wait for a retry) in lease mode, before the
+    /// source switched to log capture, become parked records: their rows are
+    /// read from the table into the record, so their aggregates stay held
+    /// behind them and `failed retry` retries them from the record (a state
+    /// row without one is invisible to log capture). Rows gone from the
+    /// table stay as they are (nothing to publish). Returns how many were
+    /// taken over. Cheap when there are none (one indexed read).
+    pub async fn adopt_lease_failures(&self) -> Result<u64> {
+        if self
+            .logical
+            .as_ref()
+            .is_none_or(|l| l.input != LogicalInput::Table)
+        {
+            return Ok(0);
+        }
+        let ids: Vec<String> = sqlx::query_scalar(
+            "SELECT event_id FROM outroute_event_state WHERE source = $1 AND event IS NULL \
+               AND discarded_at IS NULL",
+        )
+        .bind(&self.source)
+        .fetch_all(&self.pool)
+        .await?;
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let s = self.sql()?;
+        let rows = sqlx::query(&format!(
+            "SELECT {cols}, o.ctid::text AS tid, NULL::int AS state_attempts, NULL::text[] AS held_routes \
+             FROM {table} o WHERE {row}",
+            cols = s.select_cols,
+            table = s.table,
+            row = s.is_one_of("$1::text[]"),
+        ))
+        .bind(&ids)
+        .fetch_all(&self.pool)
+        .await
+        .context("reading the rows of events that failed in lease mode")?;
+        let mut adopted = 0;
+        for r in &rows {
+            let c = super::to_claim(r, s.payload_is_json)?;
+            let record = serde_json::to_string(&ParkedEvent::of(&c.row))?;
+            // Commit position 0: ahead of every streamed event of its
+            // aggregate, as it was in the table.
+            adopted += sqlx::query(
+                "UPDATE outroute_event_state SET event = $3::jsonb, commit_lsn = 0, updated_at = now() \
+                 WHERE source = $1 AND event_id = $2 AND event IS NULL",
+            )
+            .bind(&self.source)
+            .bind(c.id())
+            .bind(&record)
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        }
+        Ok(adopted)
+    }
+
     /// Is the outbox a partitioned table?
     async fn partitioned(&self) -> Result<bool> {
         Ok(sqlx::query_scalar(
