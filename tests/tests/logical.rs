@@ -391,21 +391,53 @@ async fn an_unreadable_parked_record_fails_that_event_alone() -> anyhow::Result<
     Ok(())
 }
 
+/// A source in use in lease mode before the switch to log capture: the
+/// canonical table stamped by `published_at`, publishing to a file sink
+/// through the `hostile` plugin, migrated. Returns the config body (for the
+/// logical config), the lease-mode config and the file the sink writes.
+fn lease_mode_first(
+    name: &str,
+    db: &TestDb,
+) -> anyhow::Result<(String, std::path::PathBuf, std::path::PathBuf)> {
+    let dir = test_dir(name);
+    let out = dir.join("out.jsonl");
+    let stamped = example_table("outbox-published-at.toml")?;
+    let body = format!(
+        "{stamped}{}",
+        relay_body("", &[TestSink::File(&out)], "hostile", "orders", FILE_ROUTE)
+    );
+    let lease = write_config_with(&dir.join("lease"), &db.url, "", "lease_ttl = \"2s\"", &body)?;
+    db.migrate(&lease)?;
+    Ok((body, lease, out))
+}
+
+/// Switch that source to log capture (`relay` settings added): its config
+/// next to the lease one, and `outroute migrate` run (it must succeed).
+/// Returns the config, its path as text and what migrate printed.
+fn switch_to_logical(
+    lease: &std::path::Path,
+    db: &TestDb,
+    relay: &str,
+    body: &str,
+) -> anyhow::Result<(std::path::PathBuf, String, String)> {
+    let dir = lease
+        .parent()
+        .and_then(|d| d.parent())
+        .map(|d| d.join("logical"))
+        .unwrap_or_default();
+    let config = write_config_with(&dir, &db.url, LOGICAL, relay, body)?;
+    let cfg = config.to_str().unwrap_or_default().to_string();
+    let (code, said, err) = cli(&["migrate", "-c", &cfg])?;
+    anyhow::ensure!(code == 0, "migrate: {err}");
+    Ok((config, cfg, said))
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn rows_written_before_the_slot_go_out_first_in_order() -> anyhow::Result<()> {
     // The table is in use (lease mode, rows stamped by `published_at`)
     // before anyone creates the slot.
     let db = TestDb::new_logical().await?;
-    let dir = test_dir("logical-backfill");
-    let out = dir.join("out.jsonl");
-    let route = FILE_ROUTE;
-    let stamped = example_table("outbox-published-at.toml")?;
-    let body = format!(
-        "{stamped}{}",
-        relay_body("", &[TestSink::File(&out)], "hostile", "orders", route)
-    );
-    let lease = write_config_with(&dir.join("lease"), &db.url, "", "lease_ttl = \"2s\"", &body)?;
-    db.migrate(&lease)?;
+    let (body, lease, out) = lease_mode_first("logical-backfill", &db)?;
     let done = insert(&db, "P", serde_json::json!({"n": 1})).await?;
     sqlx::query("UPDATE outbox SET published_at = now() WHERE id = $1::uuid")
         .bind(&done)
@@ -418,17 +450,9 @@ async fn rows_written_before_the_slot_go_out_first_in_order() -> anyhow::Result<
     let b2 = insert(&db, "B", serde_json::json!({"n": 2})).await?;
 
     // Switching to logical capture: the slot never streams those five.
-    let config = write_config_with(
-        &dir.join("logical"),
-        &db.url,
-        LOGICAL,
-        // Small batches: the table is read page after page.
-        "lease_ttl = \"2s\"\nbatch_size = 2",
-        &body,
-    )?;
-    let cfg = config.to_str().unwrap_or_default().to_string();
-    let (code, said, err) = cli(&["migrate", "-c", &cfg])?;
-    assert_eq!(code, 0, "{err}");
+    // Small batches: the table is read page after page.
+    let (config, cfg, said) =
+        switch_to_logical(&lease, &db, "lease_ttl = \"2s\"\nbatch_size = 2", &body)?;
     assert!(
         said.contains("5 pending rows of `outbox` were written before the slot"),
         "{said}"
@@ -1231,15 +1255,7 @@ async fn promotion(port: u16) -> anyhow::Result<()> {
 async fn an_event_failed_in_lease_mode_still_holds_and_retries_after_the_switch()
 -> anyhow::Result<()> {
     let db = TestDb::new_logical().await?;
-    let dir = test_dir("logical-adopt");
-    let out = dir.join("out.jsonl");
-    let stamped = example_table("outbox-published-at.toml")?;
-    let body = format!(
-        "{stamped}{}",
-        relay_body("", &[TestSink::File(&out)], "hostile", "orders", FILE_ROUTE)
-    );
-    let lease = write_config_with(&dir.join("lease"), &db.url, "", "lease_ttl = \"2s\"", &body)?;
-    db.migrate(&lease)?;
+    let (body, lease, out) = lease_mode_first("logical-adopt", &db)?;
     let a1 = insert(&db, "A", serde_json::json!({"n": 1})).await?;
     let a2 = insert(&db, "A", serde_json::json!({"n": 2, "hostile": "reject"})).await?;
     let b1 = insert(&db, "B", serde_json::json!({"n": 1})).await?;
@@ -1259,16 +1275,7 @@ async fn an_event_failed_in_lease_mode_still_holds_and_retries_after_the_switch(
     drop(relay);
     let a3 = insert(&db, "A", serde_json::json!({"n": 3})).await?;
 
-    let config = write_config_with(
-        &dir.join("logical"),
-        &db.url,
-        LOGICAL,
-        "lease_ttl = \"2s\"",
-        &body,
-    )?;
-    let cfg = config.to_str().unwrap_or_default().to_string();
-    let (code, _, err) = cli(&["migrate", "-c", &cfg])?;
-    assert_eq!(code, 0, "{err}");
+    let (config, cfg, _) = switch_to_logical(&lease, &db, "lease_ttl = \"2s\"", &body)?;
     let a4 = insert(&db, "A", serde_json::json!({"n": 4})).await?;
     let b2 = insert(&db, "B", serde_json::json!({"n": 2})).await?;
     let relay = Relay::start(&config, &[])?;
