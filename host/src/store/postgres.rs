@@ -450,6 +450,15 @@ impl TableSql {
         }
     }
 
+    /// The columns [`to_claim`] reads, for a plain read of the table
+    /// (no claim state): `tid` is the `tid` column's SQL.
+    fn row_columns(&self, tid: &str) -> String {
+        format!(
+            "{}, {tid} AS tid, NULL::int AS state_attempts, NULL::text[] AS held_routes",
+            self.select_cols
+        )
+    }
+
     /// The key of a row's state rows (`outroute_event_state.event_id`): its
     /// id as text, or, for a row without one (NULL or ''), where it lies in
     /// the table ([`NO_ID`] and its ctid), so that such a row fails alone and the
@@ -3208,9 +3217,9 @@ impl PgStore {
         };
         // Ids compare as text on both sides, so the cursor works for any id type.
         let q = format!(
-            "SELECT {cols}, NULL::text AS tid, NULL::int AS state_attempts, NULL::text[] AS held_routes FROM {table} o WHERE {w} \
+            "SELECT {cols} FROM {table} o WHERE {w} \
                AND ({seq} {cmp} $6 OR ({seq} = $6 AND {id}::text {cmp} $8)) ORDER BY {seq}{dir}, {id}::text{dir} LIMIT $7",
-            cols = s.select_cols,
+            cols = s.row_columns("NULL::text"),
             table = s.table,
             w = self.published_where(s),
             seq = s.seq,

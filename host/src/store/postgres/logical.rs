@@ -536,9 +536,8 @@ impl PgStore {
         }
         let s = self.sql()?;
         let rows = sqlx::query(&format!(
-            "SELECT {cols}, o.ctid::text AS tid, NULL::int AS state_attempts, NULL::text[] AS held_routes \
-             FROM {table} o WHERE {row}",
-            cols = s.select_cols,
+            "SELECT {cols} FROM {table} o WHERE {row}",
+            cols = s.row_columns("o.ctid::text"),
             table = s.table,
             row = s.is_one_of("$1::text[]"),
         ))
@@ -726,15 +725,14 @@ impl PgStore {
         let s = self.sql()?;
         let min = i64::MIN;
         let q = format!(
-            "SELECT {cols}, NULL::text AS tid, NULL::int AS state_attempts, NULL::text[] AS held_routes \
-             FROM {table} o, outroute_capture_backfill b \
+            "SELECT {cols} FROM {table} o, outroute_capture_backfill b \
              WHERE b.source = $1 AND {seq} <= b.upto AND {seq} >= coalesce(b.done_seq, {min}) \
                AND ({seq} > coalesce(b.done_seq, {min}) OR {id}::text > coalesce(b.done_id, '')) \
                AND {pending} \
                AND NOT EXISTS (SELECT 1 FROM outroute_event_state s WHERE s.source = $1 \
                    AND s.event_id = {id}::text AND (s.failed_at IS NOT NULL OR s.discarded_at IS NOT NULL)) \
              ORDER BY {seq}, {id}::text LIMIT $2",
-            cols = s.select_cols,
+            cols = s.row_columns("NULL::text"),
             table = s.table,
             seq = s.seq,
             id = s.id,
