@@ -59,7 +59,7 @@ struct Args {
     #[arg(long, default_value = "bench-results.json")]
     json: PathBuf,
     /// Only these sections (plugin, ceiling, produce, drain, marking, sources, tables,
-    /// baseline, wakeup, latency, backlog, history, logical, outage).
+    /// baseline, wakeup, latency, backlog, history, logical, outage, huge-txn).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Distinct aggregates in the pre-filled backlogs; 0: one per event (the
@@ -117,6 +117,16 @@ struct Args {
     /// one route's failure delays another's deliveries.
     #[arg(long)]
     failing_route: bool,
+    /// Rows of the one producer transaction in the `huge-txn` run.
+    #[arg(long, default_value_t = 300)]
+    huge_rows: usize,
+    /// Payload MiB of each of those rows.
+    #[arg(long, default_value_t = 20)]
+    huge_row_mib: usize,
+    /// Seconds the `huge-txn` run keeps the sink failing after the commit
+    /// (the relay backs off, holding what it read).
+    #[arg(long, default_value_t = 20)]
+    huge_stall_secs: u64,
 }
 
 /// How pre-filled tables are made (see `--aggregates`, `--analyse`).
@@ -524,6 +534,31 @@ async fn main() -> Result<()> {
             results.insert(format!("capture_{label}"), Value::Object(out));
         }
         MODE.store(0, Ordering::Relaxed);
+    }
+    if want("huge-txn") {
+        eprintln!(
+            "== log capture of one transaction of {} × {} MiB",
+            args.huge_rows, args.huge_row_mib
+        );
+        let h = huge_txn(args.huge_rows, args.huge_row_mib, args.huge_stall_secs).await?;
+        let f = |k: &str| h[k].as_f64().unwrap_or(0.0);
+        table.push((
+            format!(
+                "log capture, one txn of {} × {} MiB: relay peak RSS, sink failing {} s",
+                args.huge_rows, args.huge_row_mib, args.huge_stall_secs
+            ),
+            format!("{:.0} MiB", f("stalled_peak_rss_mib")),
+        ));
+        table.push((
+            "  then drained to a file: peak RSS, time".to_string(),
+            format!(
+                "{:.0} MiB, {:.1} s ({:.0} MiB/s)",
+                f("drain_peak_rss_mib"),
+                f("drain_seconds"),
+                f("drain_mib_per_s")
+            ),
+        ));
+        results.insert("huge_txn".into(), h);
     }
     if want("backlog") {
         eprintln!("== drain of a {}-event backlog → kafka", args.backlog);
@@ -1239,6 +1274,84 @@ async fn drain_table(n: usize, sink: &str, concurrency: u32, shape: Shape) -> Re
         "postgres_us_per_event": pg * 1e6 / done.max(1) as f64,
         "peak_rss_mib": rss,
         "plugin_call_seconds_sum": outroute_e2e::metric(&metrics, "outroute_plugin_call_seconds_sum{route=\"orders\"}"),
+    }))
+}
+
+/// Log-based capture of one producer transaction of `rows` rows of
+/// `mib` MiB payload each (the issue's "300 × 20 MB"): first with a sink
+/// that fails every write (`/dev/full`; the relay backs off and holds what
+/// it read), the relay's peak RSS after `stall_secs`; then a fresh relay
+/// drains it to a file: its peak RSS and the time until the table is empty.
+async fn huge_txn(rows: usize, mib: usize, stall_secs: u64) -> Result<Value> {
+    MODE.store(2, Ordering::Relaxed);
+    let db = bench_db().await?;
+    let dir = test_dir("huge-txn");
+    let config = |path: &str| {
+        write_config_with(
+            &dir,
+            store_keys(),
+            &db.url,
+            "concurrency = 2",
+            &format!(
+                "[http]\nlisten = \"\"\n[sinks.file]\nkind = \"file\"\npath = \"{path}\"\nmax_message_bytes = {}\n\
+                 [plugins.p]\npath = \"{}\"\n[[routes]]\nname = \"orders\"\nplugin = \"p\"\n\
+                 config = {{ sink = \"file\", topic = \"orders.{{event_type}}\" }}\n\
+                 allow = {{ file = [\"orders.*\"] }}\nmemory_mib = 512\nmax_bytes_per_event = {}\n",
+                (mib as u64 + 1) << 20,
+                plugin("order-router").display(),
+                (mib as u64 + 1) << 20,
+            ),
+        )
+    };
+    let stalled = config("/dev/full")?;
+    db.migrate(&stalled)?;
+    let mut relay = Relay::start(&stalled, &[("RUST_LOG", "warn")])?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let base = proc_stats(relay.child.id()).1;
+    // Highly compressible: cheap for the database to store, full size on
+    // the replication stream and in the relay.
+    sqlx::query(&format!(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'order', 'o-' || g, 'order-created', \
+                json_build_object('pad', repeat(md5(g::text), {} / 32)) \
+         FROM generate_series(1, {rows}) g",
+        mib << 20
+    ))
+    .execute(&db.pool)
+    .await?;
+    eprintln!("   committed; sink failing for {stall_secs} s");
+    tokio::time::sleep(Duration::from_secs(stall_secs)).await;
+    let stalled_rss = proc_stats(relay.child.id()).1;
+    relay.terminate(Duration::from_secs(15));
+    let file = dir.join("out.jsonl");
+    let flowing = config(&file.display().to_string())?;
+    let mut relay = Relay::start(&flowing, &[("RUST_LOG", "warn")])?;
+    let t0 = Instant::now();
+    let deadline = t0 + Duration::from_secs(1800);
+    while db.count("SELECT count(*) FROM outbox").await > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let drain_rss = proc_stats(relay.child.id()).1;
+    let left = db.count("SELECT count(*) FROM outbox").await;
+    relay.terminate(Duration::from_secs(15));
+    let written = std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0);
+    let _ = std::fs::remove_file(&file);
+    db.drop_db().await;
+    MODE.store(0, Ordering::Relaxed);
+    anyhow::ensure!(
+        left == 0,
+        "{left} rows were still in the table after 30 min"
+    );
+    Ok(json!({
+        "rows": rows,
+        "row_mib": mib,
+        "idle_rss_mib": base,
+        "stalled_peak_rss_mib": stalled_rss,
+        "drain_peak_rss_mib": drain_rss,
+        "drain_seconds": secs,
+        "drain_mib_per_s": (rows * mib) as f64 / secs.max(1e-3),
+        "file_bytes": written,
     }))
 }
 

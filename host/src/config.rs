@@ -111,7 +111,10 @@ pub struct RelayConfig {
     /// captured batch) stops at the event whose payload reaches it, and
     /// the messages after the one that reaches it wait for the next batch
     /// (a batch is split, never failed, so large payloads or a
-    /// fan-out-heavy route cannot balloon the relay's memory).
+    /// fan-out-heavy route cannot balloon the relay's memory). Under
+    /// `capture = "logical"` the relay holds at most
+    /// `(concurrency × 2 + 1) × max_batch_bytes` of captured events, plus
+    /// 16 messages read ahead.
     pub max_batch_bytes: u64,
     /// Batches worked on at once (a worker claims from the owned lanes no
     /// other worker has a batch in flight from;

@@ -939,7 +939,6 @@ pub async fn http_get(addr: &str, path: &str) -> Result<(u16, String)> {
     Ok((status, body))
 }
 
-/// A free TCP port on loopback for the relay's HTTP endpoint.
 /// A memory figure of process `pid` from `/proc/PID/status` in KiB
 /// (`field`: `VmRSS` now, `VmHWM` peak); 0 when unreadable.
 pub fn proc_memory_kib(pid: u32, field: &str) -> u64 {
@@ -954,6 +953,7 @@ pub fn proc_memory_kib(pid: u32, field: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// A free TCP port on loopback for the relay's HTTP endpoint.
 pub fn free_addr() -> String {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())

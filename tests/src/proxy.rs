@@ -186,6 +186,14 @@ impl Pipe {
                     Ok(n) => n,
                 },
             };
+            // A chunk read as the black hole began waits with the rest
+            // (forwarded, it would slip one message and its answer through).
+            while *self.fault.borrow_and_update() == Fault::BlackHole {
+                tokio::select! {
+                    _ = self.kill.changed() => return,
+                    r = self.fault.changed() => if r.is_err() { return },
+                }
+            }
             let current = *self.fault.borrow();
             match current {
                 Fault::Delay(d) => tokio::time::sleep(d).await,

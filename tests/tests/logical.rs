@@ -8,6 +8,7 @@
 //! tableless capture from `pg_logical_emit_message`, and the clear refusal
 //! on a server without `wal_level = logical`.
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use outroute_e2e::*;
@@ -896,6 +897,97 @@ async fn a_huge_transaction_is_cleaned_up_in_chunks() -> anyhow::Result<()> {
     // Sent once (a restart would have sent the transaction again).
     assert_eq!(sent.len() as i64, ROWS, "{}", relay.log_text());
     drop(relay);
+    db.drop_db().await;
+    Ok(())
+}
+
+/// One huge producer transaction of large rows while the sink fails
+/// (issue 41, item 12): the relay holds at most its capture budget of
+/// captured events, `(concurrency × 2 + 1) × max_batch_bytes` (here
+/// 12 MiB), plus the 16 messages the replication client reads ahead (here
+/// 64 MiB), not the transaction (600 MiB): its peak RSS grows by less
+/// than 300 MiB. Before, the reader went on into queues of thousands of
+/// events and the client's 8,192 messages of read-ahead: the whole
+/// transaction in memory (with 20 MB rows, gigabytes). Then, the sink
+/// back, every event goes out.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_huge_transaction_of_large_rows_is_read_within_the_capture_budget() -> anyhow::Result<()>
+{
+    const ROWS: i64 = 150;
+    const ROW_BYTES: i64 = 4 << 20;
+    let db = TestDb::new_logical().await?;
+    let dir = test_dir("logical-huge-rows");
+    let out = dir.join("out.jsonl");
+    let config_to = |path: &Path| {
+        write_config_with(
+            &dir,
+            &db.url,
+            LOGICAL,
+            "concurrency = 1\nmax_batch_bytes = 4194304",
+            &relay_body(
+                "",
+                &[TestSink::File(path)],
+                "order-router",
+                "orders",
+                FILE_ROUTE,
+            )
+            .replace(
+                "kind = \"file\"\n",
+                "kind = \"file\"\nmax_message_bytes = 8388608\n",
+            ),
+        )
+    };
+    // Every write fails (ENOSPC): each batch backs off and keeps its events.
+    let failing = config_to(Path::new("/dev/full"))?;
+    db.migrate(&failing)?;
+    let relay = Relay::start(&failing, &[])?;
+    let streaming = eventually(Duration::from_secs(30), || async {
+        relay
+            .log_text()
+            .contains("streaming from the replication slot")
+    })
+    .await;
+    assert!(streaming, "{}", relay.log_text());
+    let pid = relay.child.id();
+    let before = proc_memory_kib(pid, "VmHWM");
+    // Highly compressible: cheap for the database, full size on the stream.
+    sqlx::query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'order', 'o-' || g, 'order-created', \
+                json_build_object('pad', repeat(md5(g::text), ($2 / 32)::int)) \
+         FROM generate_series(1, $1::int8) g",
+    )
+    .bind(ROWS)
+    .bind(ROW_BYTES)
+    .execute(&db.pool)
+    .await?;
+    let backing_off = eventually(Duration::from_secs(60), || async {
+        relay.log_text().contains("every publish failed")
+    })
+    .await;
+    assert!(backing_off, "{}", relay.log_text());
+    // Time for the reader to take in all it may (the transaction reaches
+    // the relay in a few seconds when nothing stops it).
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let grown_mib = (proc_memory_kib(pid, "VmHWM") - before) / 1024;
+    eprintln!("peak RSS grew {grown_mib} MiB while the sink failed");
+    assert!(
+        grown_mib < 300,
+        "the relay's peak RSS grew {grown_mib} MiB while the sink failed (the transaction is {} MiB)",
+        (ROWS * ROW_BYTES) >> 20
+    );
+    drop(relay);
+    let relay = Relay::start(&config_to(&out)?, &[])?;
+    let cleaned = eventually(Duration::from_secs(240), || async {
+        db.count("SELECT count(*) FROM outbox").await == 0
+    })
+    .await;
+    assert!(cleaned, "{}", relay.log_text());
+    let sent = file_sink_deliveries(&out);
+    let unique: std::collections::HashSet<&str> = sent.iter().map(|d| d.id()).collect();
+    assert_eq!(unique.len() as i64, ROWS);
+    drop(relay);
+    let _ = std::fs::remove_file(&out);
     db.drop_db().await;
     Ok(())
 }

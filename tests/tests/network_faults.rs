@@ -371,47 +371,77 @@ async fn a_listen_connection_that_goes_silent_is_replaced() -> anyhow::Result<()
 
 /// A reload hands over while a batch still waits for its broker (issue 41,
 /// item 9): the broker's answers stop (a black hole) with one event out;
-/// the reload points the sink at the broker directly; the successor
-/// publishes the event, no retry or hold is recorded for it once the old
-/// batch's `publish_timeout` has passed, and the aggregate's next event goes
-/// out at once. (A build from before the old batches were stopped at
-/// `shutdown_timeout` passes this too: its stranded batch, on a timeout,
-/// records nothing. The item's fix has no failing test yet.)
+/// meanwhile its stream starts refusing the message (`max_msg_size`), and
+/// the reload points the route at another stream, directly. The successor
+/// publishes the event. Then the black hole lifts: the old publish reaches
+/// the server and is refused. The old batch, past `shutdown_timeout`, must be
+/// stopped by then: left running (the bug), it records that refusal as a
+/// retry of an event its successor already published, under the same relay
+/// id and epoch, and the aggregate's next event waits behind it.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_reload_stops_the_batches_its_predecessor_still_had_out() -> anyhow::Result<()> {
     let proxy = FaultProxy::start("127.0.0.1:0", "127.0.0.1:4222").await?;
     let t = tag();
-    let stream = format!("RLD{t}");
-    let js = nats_stream(&stream, vec![format!("rld{t}.>")]).await?;
+    let (old_stream, new_stream) = (format!("RLDA{t}"), format!("RLDB{t}"));
+    let js = nats_stream(&old_stream, vec![format!("rlda{t}.>")]).await?;
+    nats_stream(&new_stream, vec![format!("rldb{t}.>")]).await?;
     let db = TestDb::new().await?;
     let dir = test_dir("net-reload");
-    let route = format!(
-        "config = {{ sink = \"nats\", topic = \"rld{t}.{{event_type}}\" }}\nallow = {{ nats = [\"rld{t}.*\"] }}"
+    let route = |s: &str| {
+        format!(
+            "config = {{ sink = \"nats\", topic = \"{s}{t}.{{event_type}}\" }}\nallow = {{ nats = [\"{s}{t}.*\"] }}\n\
+             backoff_min = \"30s\"\nbackoff_max = \"60s\""
+        )
+    };
+    let proxied = relay_body(
+        "",
+        &[TestSink::Nats],
+        "order-router",
+        "orders",
+        &route("rlda"),
+    )
+    .replace(NATS, &format!("nats://{}", proxy.addr));
+    let direct = relay_body(
+        "",
+        &[TestSink::Nats],
+        "order-router",
+        "orders",
+        &route("rldb"),
     );
-    let direct = relay_body("", &[TestSink::Nats], "order-router", "orders", &route);
-    let proxied = direct.replace(NATS, &format!("nats://{}", proxy.addr));
-    let relay_settings = "lanes = 4\nbatch_size = 10\npublish_timeout = \"5s\"\nshutdown_timeout = \"1s\"\npoll_max = \"20ms\"";
+    let relay_settings = "lanes = 4\nbatch_size = 10\npublish_timeout = \"10s\"\nshutdown_timeout = \"1s\"\npoll_max = \"20ms\"";
     let config = write_config(&dir, &db.url, relay_settings, &proxied)?;
     db.migrate(&config)?;
     let mut relay = Relay::start(&config, &[])?;
     let warm = insert_events(&db.pool, "warm", 1, 1).await?;
-    consume_nats(&js, &stream, 1, Duration::from_secs(30)).await?;
+    consume_nats(&js, &old_stream, 1, Duration::from_secs(30)).await?;
 
     proxy.set(Fault::BlackHole);
     let stuck = insert_events(&db.pool, "x", 1, 1).await?;
     let id = stuck.committed[0].id.clone();
     // The batch is out and waits for its acknowledgement.
     tokio::time::sleep(Duration::from_millis(800)).await;
+    // The old stream will refuse the message when it arrives.
+    let mut refusing = js
+        .get_stream(&old_stream)
+        .await?
+        .info()
+        .await?
+        .config
+        .clone();
+    refusing.max_message_size = 16;
+    js.update_stream(&refusing).await?;
     write_config(&dir, &db.url, relay_settings, &direct)?;
     relay.reload();
-    let delivered = consume_nats(&js, &stream, 2, Duration::from_secs(30)).await?;
+    let delivered = consume_nats(&js, &new_stream, 1, Duration::from_secs(30)).await?;
     assert!(
         delivered.iter().any(|d| d.id() == id),
-        "the successor did not publish the event\n{}",
+        "the successor did not publish the event ({} pending)\n{}",
+        db.unpublished("").await,
         relay.log_text()
     );
-    // Past the old batch's publish_timeout: it would have recorded by now.
-    tokio::time::sleep(Duration::from_secs(7)).await;
+    // The old publish reaches the server now, and is refused.
+    proxy.set(Fault::None);
+    tokio::time::sleep(Duration::from_secs(3)).await;
     let state = db
         .count(&format!(
             "SELECT count(*) FROM outroute_event_state WHERE event_id = '{id}'"
@@ -425,10 +455,16 @@ async fn a_reload_stops_the_batches_its_predecessor_still_had_out() -> anyhow::R
     );
     // And the aggregate's next event goes out at once.
     let next = insert_events(&db.pool, "x", 1, 1).await?;
-    let delivered = consume_nats(&js, &stream, 3, Duration::from_secs(5)).await?;
-    assert!(delivered.iter().any(|d| d.id() == next.committed[0].id));
+    let delivered = consume_nats(&js, &new_stream, 2, Duration::from_secs(5)).await?;
+    assert!(
+        delivered.iter().any(|d| d.id() == next.committed[0].id),
+        "the aggregate's next event was held up\n{}",
+        relay.log_text()
+    );
     assert_eq!(warm.committed.len(), 1);
     relay.terminate(Duration::from_secs(15));
     db.drop_db().await;
+    drop_nats_stream(&old_stream).await;
+    drop_nats_stream(&new_stream).await;
     Ok(())
 }

@@ -34,6 +34,13 @@
 //! created again and the pending rows re-read, otherwise the source stops
 //! and names the LSN range that may have been missed.
 //!
+//! Memory: the captured events the relay holds at once (read from the
+//! stream and not yet handled) are bounded in bytes by a [`Budget`] of
+//! `(relay.concurrency × 2 + 1) × relay.max_batch_bytes`; the reader waits
+//! for room before it passes an event on, and up to [`READ_AHEAD`] more
+//! messages wait in the replication client. One event larger than the
+//! budget still goes, alone.
+//!
 //! Inputs: inserts into the outbox table (`logical.input = "table"`, the
 //! mapped columns in text form), or logical messages
 //! (`pg_logical_emit_message(true, '<prefix>', <envelope>)`, no table; the
@@ -49,7 +56,7 @@ use pgwire_replication::{
     Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent, SslMode, TlsConfig,
 };
 use serde::Deserialize;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -66,6 +73,51 @@ pub mod pgoutput;
 
 /// How often the parked queue is looked at when nothing else happens.
 const PARKED_EVERY: Duration = Duration::from_millis(500);
+
+/// Replication messages the client reads ahead of the reader task (its
+/// default, 8,192, would hold a whole huge transaction of large rows in
+/// memory while the sink is slow).
+const READ_AHEAD: usize = 16;
+
+/// Bytes of captured events the relay holds at once: the reader takes an
+/// event's share ([`Room`]) before passing it on, and gives it back when
+/// the batch that handled it ends. A slow or failing sink so stops the
+/// reading instead of filling the memory; the replication client then
+/// stops reading the socket (and keeps the connection alive).
+#[derive(Clone)]
+struct Budget {
+    room: Arc<Semaphore>,
+    /// The whole budget, in KiB.
+    units: u32,
+}
+
+/// An event's share of the [`Budget`]: given back when dropped.
+type Room = OwnedSemaphorePermit;
+
+impl Budget {
+    /// `(concurrency × BATCHES_IN_FLIGHT + 1)` batches of `max_batch_bytes`:
+    /// every worker's batches out, and the next one being gathered.
+    fn of(config: &crate::config::RelayConfig) -> Self {
+        let batches = u64::from(config.concurrency.max(1)) * BATCHES_IN_FLIGHT as u64 + 1;
+        let kib = (batches.saturating_mul(config.max_batch_bytes) / 1024).clamp(1, u32::MAX as u64);
+        let units = kib as u32;
+        Budget {
+            room: Arc::new(Semaphore::new(units as usize)),
+            units,
+        }
+    }
+
+    /// Wait for room for `bytes` (at most the whole budget, so an event
+    /// larger than it still goes, alone).
+    async fn take(&self, bytes: u64) -> Result<Room> {
+        let want = bytes.div_ceil(1024).clamp(1, u64::from(self.units)) as u32;
+        self.room
+            .clone()
+            .acquire_many_owned(want)
+            .await
+            .map_err(|_| anyhow!("the capture budget was closed"))
+    }
+}
 
 /// How often the confirmed position is recorded (one UPDATE; see
 /// `PgStore::note_confirmed`).
@@ -91,18 +143,15 @@ pub struct Envelope {
 /// What the reader task hands the capture loop, in stream order.
 #[derive(Debug)]
 enum Item {
-    Event(Box<Claim>),
+    /// A captured event and, once the reader took it, its share of the
+    /// [`Budget`].
+    Event(Box<Claim>, Option<Room>),
     /// The end of a transaction: once its events are handled the slot may
     /// be confirmed up to `end`.
-    Commit {
-        end: Lsn,
-        at: DateTime<Utc>,
-    },
+    Commit { end: Lsn, at: DateTime<Utc> },
     /// Nothing is open on the server's side up to `at`: confirmable once
     /// everything before it is handled.
-    Idle {
-        at: Lsn,
-    },
+    Idle { at: Lsn },
 }
 
 /// The replication connection of `sc`: the URL's host, port, user and
@@ -153,6 +202,7 @@ pub fn replication_config(
     .with_application_name(format!("outroute {relay_id}"))
     .with_status_interval(Duration::from_millis(100))
     .with_wakeup_interval(Duration::from_secs(1))
+    .with_buffer_size(READ_AHEAD)
     .with_tls(tls))
 }
 
@@ -402,6 +452,7 @@ struct Reader {
     shapes: std::collections::HashMap<u32, RowShape>,
     /// Inside a transaction: its commit LSN, commit time.
     open: Option<(i64, DateTime<Utc>)>,
+    budget: Budget,
 }
 
 impl Reader {
@@ -422,6 +473,21 @@ impl Reader {
             };
             let item = match ev {
                 Ok(Some(ev)) => match self.decode(ev) {
+                    Ok(Some(Item::Event(c, _))) => {
+                        // Wait for room, passing confirmations on meanwhile.
+                        let take = self.budget.take(c.bytes());
+                        tokio::pin!(take);
+                        let room = loop {
+                            tokio::select! {
+                                room = &mut take => break room,
+                                changed = confirmed.changed() => {
+                                    if changed.is_err() { break Err(anyhow!("the capture loop stopped")); }
+                                    client.update_applied_lsn(*confirmed.borrow_and_update());
+                                }
+                            }
+                        };
+                        room.map(|room| Item::Event(c, Some(room)))
+                    }
                     Ok(Some(item)) => Ok(item),
                     Ok(None) => continue,
                     Err(e) => Err(e),
@@ -482,7 +548,7 @@ impl Reader {
                     }
                 };
                 let row = envelope_event(&content, lsn, at);
-                Some(Item::Event(Box::new(captured(row, commit_lsn, at))))
+                Some(Item::Event(Box::new(captured(row, commit_lsn, at)), None))
             }
             ReplicationEvent::XLogData { data, .. } => {
                 if self.input != LogicalInput::Table {
@@ -519,7 +585,7 @@ impl Reader {
                             return Ok(None);
                         };
                         let row = shape.row(&self.table, values).validate();
-                        Some(Item::Event(Box::new(captured(row, commit_lsn, at))))
+                        Some(Item::Event(Box::new(captured(row, commit_lsn, at)), None))
                     }
                     pgoutput::Change::Other(_) => None,
                 }
@@ -593,7 +659,7 @@ fn confirmable(
 
 /// What the dispatcher hands a partition worker, in stream order.
 enum Feed {
-    Event(Box<Claim>),
+    Event(Box<Claim>, Option<Room>),
     /// Mark `n`: every event before it has been handed out. Reported back
     /// once this worker handled everything it got before it. With the
     /// commit time of the transaction it ends, if it ends one.
@@ -677,6 +743,9 @@ struct Batch {
     mark: Option<u64>,
     /// Commit time of the last transaction ended in the batch.
     last_commit: Option<DateTime<Utc>>,
+    /// Its events' share of the capture [`Budget`], given back when the
+    /// batch ends.
+    room: Option<Room>,
 }
 
 impl Relay {
@@ -798,6 +867,7 @@ impl Relay {
             relations: pgoutput::Relations::default(),
             shapes: Default::default(),
             open: None,
+            budget: Budget::of(&self.config),
         };
         let reader = tokio::spawn(reader.run(client, tx, confirm_rx).in_current_span());
         let _stop_reader = AbortOnDrop(reader);
@@ -882,7 +952,7 @@ impl Relay {
                         Some(Ok(item)) => item,
                     };
                     let (lsn, at) = match item {
-                        Item::Event(c) => {
+                        Item::Event(c, room) => {
                             match &c.row {
                                 Ok(e) => since_mark.push(e.sequence, by_id.then_some(e.id.as_str())),
                                 Err(m) if m.sequence > 0 => {
@@ -892,7 +962,7 @@ impl Relay {
                             }
                             let w = Partition::of_aggregate(&aggregate_key(&c), k);
                             // A worker that ended: join_next says why.
-                            let _ = feeds[w].send(Feed::Event(c)).await;
+                            let _ = feeds[w].send(Feed::Event(c, room)).await;
                             continue;
                         }
                         Item::Commit { end, at } => (end, Some(at)),
@@ -1144,7 +1214,7 @@ impl Relay {
                 .collect();
             let blocked = w.out.len() >= BATCHES_IN_FLIGHT
                 || w.out.back().is_some_and(|b| b.full)
-                || matches!(&carry, Some(Feed::Event(c))
+                || matches!(&carry, Some(Feed::Event(c, _))
                     if busy.contains(&aggregate_hash(&aggregate_key(c))));
             if blocked {
                 if !self.finish_oldest(pg, &mut w).await? {
@@ -1204,13 +1274,14 @@ impl Relay {
             let (me, held, mut guard, stop) =
                 (self.clone(), w.held.clone(), lease.clone(), stop.clone());
             let mut backoff = w.outage_backoff;
-            let claims = batch.claims;
+            let (claims, room) = (batch.claims, batch.room);
             let full = claims.len() >= self.config.batch_size as usize;
             let task = tokio::spawn(
                 async move {
                     let r = me
                         .hand_on(claims, &held, &mut guard, &stop, &mut backoff)
                         .await;
+                    drop(room);
                     (r, backoff)
                 }
                 .in_current_span(),
@@ -1404,13 +1475,17 @@ impl Relay {
         loop {
             match next {
                 None => bail!("the stream dispatcher stopped"),
-                Some(Feed::Event(c)) => {
+                Some(Feed::Event(c, room)) => {
                     if !busy.is_empty() && busy.contains(&aggregate_hash(&aggregate_key(&c))) {
-                        *carry = Some(Feed::Event(c));
+                        *carry = Some(Feed::Event(c, room));
                         break;
                     }
                     bytes += c.bytes();
-                    batch.claims.push(*c)
+                    batch.claims.push(*c);
+                    match (&mut batch.room, room) {
+                        (Some(all), Some(room)) => all.merge(room),
+                        (all, room) => *all = all.take().or(room),
+                    }
                 }
                 Some(Feed::Mark(n, at)) => {
                     batch.mark = Some(n);

@@ -27,6 +27,7 @@
 use std::collections::HashSet;
 
 use anyhow::{Context, Result, bail};
+use futures::TryStreamExt;
 use sqlx::Row;
 
 use super::{PgStore, TableSql, quote};
@@ -738,22 +739,33 @@ impl PgStore {
             id = s.id,
             pending = s.pending,
         );
-        let rows = sqlx::query(&q)
-            .bind(&self.source)
-            .bind(i64::from(limit))
-            .fetch_all(&self.pool)
-            .await
-            .context("reading rows written before the slot")?;
-        let mut claims = Vec::with_capacity(rows.len());
-        for r in &rows {
-            let mut c = super::to_claim(r, s.payload_is_json)?;
-            c.lane = CAPTURE_LANE;
-            c.captured = Some(Captured {
-                commit_lsn: slot_lsn,
-                parked: false,
-                committed_at: None,
-            });
-            claims.push(c);
+        // Bounded in bytes too: the batch ends with the row whose payload
+        // reaches `relay.max_batch_bytes` (progress is per row handled).
+        let mut claims = Vec::new();
+        let mut bytes = 0u64;
+        {
+            let mut rows = sqlx::query(&q)
+                .bind(&self.source)
+                .bind(i64::from(limit))
+                .fetch(&self.pool);
+            while let Some(r) = rows
+                .try_next()
+                .await
+                .context("reading rows written before the slot")?
+            {
+                let mut c = super::to_claim(&r, s.payload_is_json)?;
+                c.lane = CAPTURE_LANE;
+                c.captured = Some(Captured {
+                    commit_lsn: slot_lsn,
+                    parked: false,
+                    committed_at: None,
+                });
+                bytes += c.bytes();
+                claims.push(c);
+                if bytes >= self.max_batch_bytes {
+                    break;
+                }
+            }
         }
         // Lease mode's record of an event still retrying (no event stored):
         // the backfill is its next attempt, parked like a streamed one if
@@ -925,7 +937,8 @@ impl PgStore {
     /// The parked events whose turn came: for each aggregate whose queue
     /// head is due (not failed, retry time reached), the head and the due
     /// events right behind it, in (commit LSN, sequence) order; at most
-    /// `limit` in all, oldest heads first. A long queue drains at batch
+    /// `limit` in all, oldest heads first, and no more than the one that
+    /// reaches `relay.max_batch_bytes`. A long queue drains at batch
     /// speed; the pipeline keeps the order within the batch.
     pub async fn parked_heads(
         &self,
@@ -936,7 +949,7 @@ impl PgStore {
             .keys()
             .map(|(t, i)| (t.as_str(), i.as_str()))
             .unzip();
-        let rows = sqlx::query(&format!(
+        let q = format!(
             "WITH heads AS ( \
                SELECT DISTINCT ON (aggregate_type, aggregate_id) aggregate_type, aggregate_id, commit_lsn, seq, \
                  failed_at, next_attempt_at \
@@ -955,19 +968,19 @@ impl PgStore {
                  AND s.aggregate_type = d.aggregate_type AND s.aggregate_id = d.aggregate_id \
                ORDER BY s.commit_lsn, s.seq LIMIT $2) q \
              ORDER BY d.commit_lsn, d.seq, d.aggregate_type, d.aggregate_id, q.commit_lsn, q.seq"
-        ))
-        .bind(&self.source)
-        .bind(limit as i64)
-        .bind(&types)
-        .bind(&ids)
-        .fetch_all(&self.pool)
-        .await
-        .context("reading parked events")?;
-        let mut claims = Vec::with_capacity(rows.len());
+        );
+        let mut rows = sqlx::query(&q)
+            .bind(&self.source)
+            .bind(limit as i64)
+            .bind(&types)
+            .bind(&ids)
+            .fetch(&self.pool);
+        let mut claims = Vec::new();
+        let mut bytes = 0u64;
         // Per aggregate, the due prefix of its queue.
         let mut stopped: HashSet<(String, String)> = HashSet::new();
-        for r in rows {
-            if claims.len() >= limit as usize {
+        while let Some(r) = rows.try_next().await.context("reading parked events")? {
+            if claims.len() >= limit as usize || bytes >= self.max_batch_bytes {
                 break;
             }
             let aggregate: (String, String) = (r.try_get(6)?, r.try_get(7)?);
@@ -998,7 +1011,7 @@ impl PgStore {
                     raw: None,
                 }),
             };
-            claims.push(Claim {
+            let claim = Claim {
                 lane: CAPTURE_LANE,
                 tid: None,
                 has_state: true,
@@ -1012,7 +1025,9 @@ impl PgStore {
                 }),
                 route: None,
                 row,
-            });
+            };
+            bytes += claim.bytes();
+            claims.push(claim);
         }
         Ok(claims)
     }
