@@ -183,6 +183,17 @@ async fn hostile_plugins_fail_only_their_event_and_poison_holds_only_its_aggrega
         "{metrics}"
     );
 
+    // Held, not merely unseen so far: with every other event out and every
+    // hostile one failed, the poisoned aggregate's six events are all still
+    // pending in the table (a consumer read proves nothing about events
+    // that could still arrive).
+    assert_eq!(
+        db.unpublished("o.aggregate_id = 'poison'").await,
+        held.len() as i64 + 1,
+        "the poisoned aggregate's held events left the table before the discard\n{}",
+        relay.log_text()
+    );
+
     // The operator discards the poisoned event: the held ones follow, in order.
     let (code, out, err) = cli(&["failed", "discard", "--id", &poison, "-c", &cfg])?;
     assert_eq!(code, 0, "{err}");
