@@ -285,9 +285,18 @@ async fn postgres_restart_and_sigterm_mid_batch_lose_nothing() -> anyhow::Result
         0
     );
 
-    // PostgreSQL restarts under a running relay.
+    // PostgreSQL restarts under a running relay (running: it holds lanes;
+    // the one before gave all of them back).
     let mut relay = Relay::start(&config, &[])?;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let running = eventually(Duration::from_secs(30), || async {
+        db.count(
+            "SELECT count(*) FROM outroute_lanes WHERE owner IS NOT NULL AND lease_until > now()",
+        )
+        .await
+            > 0
+    })
+    .await;
+    assert!(running, "the relay holds no lane:\n{}", relay.log_text());
     let cluster = std::fs::read_dir("/etc/postgresql")?
         .next()
         .and_then(|e| e.ok())
@@ -307,6 +316,14 @@ async fn postgres_restart_and_sigterm_mid_batch_lose_nothing() -> anyhow::Result
     let r = check(&work, &kafka);
     println!("sigterm + postgres restart: {r}");
     r.assert_clean();
+    // It met the restart (its connections were ended), and rode it out.
+    assert!(
+        relay
+            .log_text()
+            .contains("terminating connection due to administrator command"),
+        "the relay never noticed the restart:\n{}",
+        relay.log_text()
+    );
     assert!(
         relay.child.try_wait()?.is_none(),
         "relay died with the database:\n{}",

@@ -278,16 +278,39 @@ async fn a_team_file_change_applies_without_restart() -> Result<()> {
         }
         anyhow::Ok(all)
     });
-    tokio::time::sleep(Duration::from_millis(800)).await;
     let shipped = |d: &[Delivered]| {
         d.iter()
             .filter(|d| d.topic.starts_with("logistics."))
             .count()
     };
+    // Running (orders' events go out) with shipping not started, named as
+    // such: its 100 events wait.
+    let running = eventually(Duration::from_secs(30), || async {
+        file_sink_deliveries(&out)
+            .iter()
+            .any(|d| d.topic.starts_with("payments."))
+            && relay.log_text().contains("no route reads this source")
+    })
+    .await;
+    assert!(running, "{}", relay.log_text());
     assert_eq!(
         shipped(&file_sink_deliveries(&out)),
         0,
         "no route for shipping yet"
+    );
+    // Waiting, not failed for want of a route.
+    assert_eq!(
+        shipping
+            .count("SELECT count(*) FROM outbox_events WHERE published_at IS NULL")
+            .await,
+        100
+    );
+    assert_eq!(
+        shipping
+            .count("SELECT count(*) FROM outroute_event_state")
+            .await,
+        0,
+        "shipping's events were failed instead of waiting"
     );
 
     // A new team file: a plugin and a route for the shipping source.
