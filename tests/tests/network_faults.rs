@@ -273,9 +273,13 @@ async fn store_connections_that_go_silent_are_given_up_and_replaced() -> anyhow:
 }
 
 /// `relay.notify_channel`: a LISTEN connection that goes silent is given up
-/// and replaced, so wake-ups resume. Polling alone would find the event
-/// late: an idle worker's pause doubles up to `relay.poll_max` (60 s
-/// here), and after 16 s of quiet it is 16 s or more.
+/// and replaced, so wake-ups resume. Each event must go out within 3 s of
+/// its NOTIFY, after 20 s of quiet: an idle worker's pause starts at
+/// `relay.poll_min` (1 ms) whenever it gains lanes or a LISTEN connection
+/// opens, and doubles up to `relay.poll_max` (60 s here), so its polls
+/// fall 16.4 s and 32.8 s after such a start and polling alone would find
+/// the event 12 s or more late. (With a 1 s quiet, as before, polling
+/// found it in time: the test passed with NOTIFY broken.)
 #[tokio::test(flavor = "multi_thread")]
 async fn a_listen_connection_that_goes_silent_is_replaced() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
@@ -329,10 +333,10 @@ async fn a_listen_connection_that_goes_silent_is_replaced() -> anyhow::Result<()
     })
     .await;
     assert!(leased, "no lane leased:\n{}", relay.log_text());
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    // A NOTIFY wakes the relay (nothing else would for a minute).
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    // A NOTIFY wakes the relay (polling would take 12 s or more).
     produce_and_notify(1).await?;
-    let woken = eventually(Duration::from_secs(10), || async {
+    let woken = eventually(Duration::from_secs(3), || async {
         db.unpublished("").await == 0
     })
     .await;
@@ -352,8 +356,10 @@ async fn a_listen_connection_that_goes_silent_is_replaced() -> anyhow::Result<()
     let log = relay.log_text();
     assert!(replaced, "the silent LISTEN connection was kept:\n{log}");
     assert!(log.contains("store.statement_timeout"), "{log}");
+    // The new connection restarted the pause: quiet again, then a NOTIFY.
+    tokio::time::sleep(Duration::from_secs(20)).await;
     produce_and_notify(2).await?;
-    let woken = eventually(Duration::from_secs(8), || async {
+    let woken = eventually(Duration::from_secs(3), || async {
         db.unpublished("").await == 0
     })
     .await;
