@@ -231,7 +231,8 @@ async fn store_connections_that_go_silent_are_given_up_and_replaced() -> anyhow:
     let route = format!(
         "config = {{ sink = \"nats\", topic = \"sil{t}.{{event_type}}\" }}\nallow = {{ nats = [\"sil{t}.*\"] }}"
     );
-    let body = relay_body("", &[TestSink::Nats], "order-router", "orders", &route);
+    let http = free_addr();
+    let body = relay_body(&http, &[TestSink::Nats], "order-router", "orders", &route);
     let config = write_config_with(
         &dir,
         &url,
@@ -261,6 +262,16 @@ async fn store_connections_that_go_silent_are_given_up_and_replaced() -> anyhow:
     assert!(
         log.contains("store.statement_timeout"),
         "no statement was given up:\n{log}"
+    );
+    // And says so where operators are told to alert.
+    let (_, metrics) = http_get(&http, "/metrics").await?;
+    let abandoned = metric(
+        &metrics,
+        "outroute_statements_abandoned_total{source=\"default\"}",
+    );
+    assert!(
+        abandoned.is_some_and(|n| n >= 1.0),
+        "outroute_statements_abandoned_total: {abandoned:?}\n{metrics}"
     );
     let delivered = consume_nats(&js, &stream, w.committed.len(), Duration::from_secs(30)).await?;
     let report = check(&w, &delivered);

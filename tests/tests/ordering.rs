@@ -76,10 +76,15 @@ fn stopped(pid: u32) -> bool {
 }
 
 /// A relay frozen (SIGSTOP) past its lease — right after claiming a batch,
-/// and again after handing the first event of a batch to the broker — while
-/// another relay takes its lanes and publishes everything. Resumed, it
-/// publishes nothing more for the lanes it lost: every event arrives once,
-/// except at most the one event it had handed over before freezing.
+/// after handing the first event of a batch to the broker, and after the
+/// broker acknowledged a batch — while another relay takes its lanes and
+/// publishes everything. Resumed, it publishes nothing more for the lanes
+/// it lost: every event arrives once, except at most the one event it had
+/// handed over before freezing (or, frozen after the acknowledgement, the
+/// batch it had sent, which its mark, fenced, leaves to the new owner).
+/// Operators see it in `/metrics`: the new owner's
+/// `outroute_lease_handovers_total`, and for the fenced mark the thawed
+/// relay's `outroute_mark_fenced_total`.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_relay_frozen_past_its_lease_publishes_nothing_for_lost_lanes_after_it_resumes()
 -> anyhow::Result<()> {
@@ -90,6 +95,11 @@ async fn a_relay_frozen_past_its_lease_publishes_nothing_for_lost_lanes_after_it
             "lane lease expired before publishing",
         ),
         ("mid-publish", 1, "lane lease lapsed while publishing"),
+        (
+            "after-ack",
+            usize::MAX,
+            "lane lease lost: rows were published but not marked",
+        ),
     ] {
         let db = TestDb::new().await?;
         let t = tag();
@@ -99,11 +109,32 @@ async fn a_relay_frozen_past_its_lease_publishes_nothing_for_lost_lanes_after_it
         let route = format!(
             "config = {{ sink = \"kafka\", topic = \"t{t}.{{event_type}}\" }}\nallow = {{ kafka = [\"t{t}.*\"] }}"
         );
+        // One config per relay: each its own metrics endpoint.
+        let (frozen_http, other_http) = (free_addr(), free_addr());
+        let settings = "lease_ttl = \"2s\"\nlanes = 8\nbatch_size = 400\nconcurrency = 1";
         let config = write_config(
             &dir,
             &db.url,
-            "lease_ttl = \"2s\"\nlanes = 8\nbatch_size = 400\nconcurrency = 1",
-            &relay_body("", &[TestSink::Kafka], "order-router", "orders", &route),
+            settings,
+            &relay_body(
+                &frozen_http,
+                &[TestSink::Kafka],
+                "order-router",
+                "orders",
+                &route,
+            ),
+        )?;
+        let other_config = write_config(
+            &dir.join("other"),
+            &db.url,
+            settings,
+            &relay_body(
+                &other_http,
+                &[TestSink::Kafka],
+                "order-router",
+                "orders",
+                &route,
+            ),
         )?;
         db.migrate(&config)?;
         let w = produce(&db.pool, &format!("frozen-{point}"), 40, 5, 0).await?;
@@ -122,7 +153,7 @@ async fn a_relay_frozen_past_its_lease_publishes_nothing_for_lost_lanes_after_it
             frozen.log_text()
         );
         // Another relay takes the lanes once the lease lapses, and publishes all.
-        let mut other = Relay::start(&config, &[])?;
+        let mut other = Relay::start(&other_config, &[])?;
         assert!(
             eventually(Duration::from_secs(60), || async {
                 db.unpublished("").await == 0
@@ -152,6 +183,23 @@ async fn a_relay_frozen_past_its_lease_publishes_nothing_for_lost_lanes_after_it
             log.contains(noticed) && frozen.child.try_wait()?.is_none(),
             "{point}: the thawed relay should notice its lease lapsed and keep running:\n{log}"
         );
+        let (_, metrics) = http_get(&other_http, "/metrics").await?;
+        let handovers = metric(
+            &metrics,
+            "outroute_lease_handovers_total{source=\"default\"}",
+        );
+        assert!(
+            handovers.is_some_and(|n| n >= 1.0),
+            "{point}: the new owner's outroute_lease_handovers_total: {handovers:?}"
+        );
+        if point == "after-ack" {
+            let (_, metrics) = http_get(&frozen_http, "/metrics").await?;
+            let fenced = metric(&metrics, "outroute_mark_fenced_total{source=\"default\"}");
+            assert!(
+                fenced.is_some_and(|n| n >= 1.0),
+                "{point}: the thawed relay's outroute_mark_fenced_total: {fenced:?}"
+            );
+        }
         frozen.terminate(Duration::from_secs(15));
         other.terminate(Duration::from_secs(15));
         db.drop_db().await;
