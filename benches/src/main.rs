@@ -1244,6 +1244,11 @@ async fn drain_table(n: usize, sink: &str, concurrency: u32, shape: Shape) -> Re
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
+    // A run that misses its deadline is a failure, not a figure.
+    if (done as usize) < n {
+        relay.terminate(Duration::from_secs(15));
+        anyhow::bail!("drain: only {done} of {n} events published within 600 s");
+    }
     let (t0, cpu0) = start.unwrap_or((Instant::now(), 0.0));
     let secs = t0.elapsed().as_secs_f64().max(1e-3);
     let (cpu1, rss) = proc_stats(pid);
@@ -1415,6 +1420,10 @@ async fn drain_sources(n: usize, k: usize, concurrency: u32) -> Result<Value> {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
+    if done < total {
+        relay.terminate(Duration::from_secs(15));
+        anyhow::bail!("drain of {k} sources: only {done} of {total} events published within 600 s");
+    }
     let (t0, cpu0) = start.unwrap_or((Instant::now(), 0.0));
     let secs = t0.elapsed().as_secs_f64().max(1e-3);
     let (cpu1, rss) = proc_stats(pid);
@@ -1576,6 +1585,10 @@ async fn drain_backlog(n: usize, concurrency: u32) -> Result<Value> {
     relay.terminate(Duration::from_secs(15));
     // Time at which the published count first reached `k`.
     let at = |k: f64| samples.iter().find(|(_, p)| *p >= k).map(|(t, _)| *t);
+    if at(n as f64).is_none() {
+        db.drop_db().await;
+        anyhow::bail!("backlog: not all {n} events published within 1800 s");
+    }
     let first = at(1.0).unwrap_or(0.0);
     let end = at(n as f64).unwrap_or(0.0);
     let span = 100_000f64.min(n as f64);
