@@ -837,6 +837,46 @@ max_batch_bytes = 3000000",
     Ok(())
 }
 
+/// A *disabled* queue trigger (someone ran `ALTER TABLE … DISABLE TRIGGER`
+/// for a bulk load): rows inserted meanwhile are never listed, so under the
+/// queue they would never be published and would count as published. The
+/// source does not start: it waits, naming the trigger and the way back,
+/// while the relay runs on; nothing is published behind the operator's back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_disabled_queue_trigger_keeps_the_source_from_starting() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("claim-trigger-off");
+    let config = write_config(&dir, &db.url, "lanes = 4", &file_body(&dir, ""))?;
+    db.migrate(&config)?;
+    fill(&db, 1, 10).await?;
+    sqlx::query("ALTER TABLE outbox DISABLE TRIGGER outroute_enqueue")
+        .execute(&db.pool)
+        .await?;
+    let mut relay = Relay::start(&config, &[])?;
+    let named = eventually(Duration::from_secs(30), || async {
+        relay
+            .log_text()
+            .contains("trigger `outroute_enqueue` on `outbox` is disabled")
+    })
+    .await;
+    assert!(named, "{}", relay.log_text());
+    assert!(
+        relay.log_text().contains("ENABLE TRIGGER outroute_enqueue"),
+        "{}",
+        relay.log_text()
+    );
+    assert!(relay.child.try_wait()?.is_none(), "the relay exited");
+    assert!(
+        !relay.log_text().contains("source started"),
+        "the source started with its trigger disabled: {}",
+        relay.log_text()
+    );
+    assert_eq!(db.unpublished("").await, 10, "rows were published");
+    relay.terminate(Duration::from_secs(15));
+    db.drop_db().await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_pending_queue_is_filled_by_its_trigger_and_claims_read_only_the_batch()
 -> anyhow::Result<()> {
