@@ -132,3 +132,38 @@ async fn kafka_end_to_end_with_headers_keys_metrics_and_shutdown() -> anyhow::Re
     db.drop_db().await;
     Ok(())
 }
+
+/// `sinks.<name>.options` cannot weaken what makes an acknowledgement mean
+/// stored and in order: `outroute run` itself (not only `config check`)
+/// refuses to start with `enable.idempotence = false` or `acks = 1`,
+/// naming each key and why, and publishes nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_options_that_weaken_delivery_are_refused_at_run() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let t = tag();
+    let dir = test_dir("kafka-weak-options");
+    let route = format!(
+        "config = {{ sink = \"kafka\", topic = \"w{t}.{{event_type}}\" }}\nallow = {{ kafka = [\"w{t}.*\"] }}"
+    );
+    let body = relay_body("", &[TestSink::Kafka], "order-router", "orders", &route).replace(
+        "kind = \"kafka\"\n",
+        "kind = \"kafka\"\noptions = { \"enable.idempotence\" = \"false\", \"acks\" = \"1\" }\n",
+    );
+    let config = write_config(&dir, &db.url, "", &body)?;
+    let mut relay = Relay::start(&config, &[])?;
+    let status = relay.wait_exit(Duration::from_secs(30));
+    let log = relay.log_text();
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "the relay ran with weakened Kafka options: {status:?}\n{log}"
+    );
+    for key in ["enable.idempotence", "acks"] {
+        assert!(
+            log.contains(&format!("sinks.kafka.options.\"{key}\"")),
+            "`{key}` not named:\n{log}"
+        );
+    }
+    assert!(log.contains("outroute sets this itself"), "{log}");
+    db.drop_db().await;
+    Ok(())
+}
