@@ -346,3 +346,69 @@ async fn a_table_without_a_sequence_orders_same_transaction_events_as_documented
     db.drop_db().await;
     Ok(())
 }
+
+/// `relay.ordering = "none"`, as the README's table says: an event refused
+/// before sending (the plugin rejects it) holds nothing back; the later
+/// events of its aggregate go out, and it alone fails, with its reason.
+/// (Under the default, `aggregate`, they wait: `plugins.rs`.)
+#[tokio::test(flavor = "multi_thread")]
+async fn under_ordering_none_a_failed_event_holds_nothing_back() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("ordering-none");
+    let out = dir.join("out.jsonl");
+    let config = write_config(
+        &dir,
+        &db.url,
+        "ordering = \"none\"",
+        &relay_body(
+            "",
+            &[TestSink::File(&out)],
+            "hostile",
+            "r",
+            "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }\n\
+             max_attempts = 1",
+        ),
+    )?;
+    db.migrate(&config)?;
+    let mut ids = Vec::new();
+    for payload in [
+        serde_json::json!({"hostile": "reject"}),
+        serde_json::json!({"n": 2}),
+        serde_json::json!({"n": 3}),
+    ] {
+        let id = uuid::Uuid::new_v4().to_string();
+        sqlx::query(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+             VALUES ($1::uuid, 'order', 'x', 'order-updated', $2)",
+        )
+        .bind(&id)
+        .bind(payload)
+        .execute(&db.pool)
+        .await?;
+        ids.push(id);
+    }
+    let mut relay = Relay::start(&config, &[])?;
+    let went = eventually(Duration::from_secs(30), || async {
+        file_sink_deliveries(&out).len() >= 2
+    })
+    .await;
+    let sent: Vec<String> = file_sink_deliveries(&out)
+        .iter()
+        .map(|d| d.id().to_string())
+        .collect();
+    assert!(
+        went,
+        "the aggregate's later events were held back: {sent:?}\n{}",
+        relay.log_text()
+    );
+    assert_eq!(sent, ids[1..].to_vec(), "only the later two, in order");
+    let c = config.to_string_lossy().to_string();
+    let (_, listed, _) = cli(&["failed", "list", "--json", "-c", &c])?;
+    assert!(
+        listed.contains(&ids[0]) && listed.contains("rejects this event"),
+        "{listed}"
+    );
+    relay.terminate(Duration::from_secs(15));
+    db.drop_db().await;
+    Ok(())
+}
