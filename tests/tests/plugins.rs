@@ -596,3 +596,49 @@ fn warming_fills_the_idle_pool_within_its_bounds() -> anyhow::Result<()> {
     assert!(matches!(answers.as_slice(), [Answer::Outcome(Ok(_))]));
     Ok(())
 }
+
+/// In a live relay a plugin has no world to reach: no file (not even
+/// `/etc/hostname`), no directory listing, no socket (not even to the
+/// database on loopback), no environment variables, no arguments. The
+/// `hostile` plugin's `probe-world` mode tries each and publishes what it
+/// got back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_plugin_reaches_no_file_socket_or_environment() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("probe-world");
+    let out = dir.join("out.jsonl");
+    let config = write_config(
+        &dir,
+        &db.url,
+        "",
+        &relay_body(
+            "",
+            &[TestSink::File(&out)],
+            "hostile",
+            "r",
+            "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }",
+        ),
+    )?;
+    db.migrate(&config)?;
+    insert(&db, "probe", serde_json::json!({"hostile": "probe-world"})).await?;
+    // The relay has a rich environment of its own to leak.
+    let relay = Relay::start(&config, &[("OUTROUTE_TEST_SECRET", "hunter2")])?;
+    let sent = eventually(Duration::from_secs(30), || async {
+        !file_sink_deliveries(&out).is_empty()
+    })
+    .await;
+    assert!(sent, "{}", relay.log_text());
+    let delivered = file_sink_deliveries(&out);
+    let report: serde_json::Value = serde_json::from_slice(&delivered[0].payload)?;
+    for probe in ["file", "dir", "socket"] {
+        assert!(
+            report[probe].get("error").is_some(),
+            "the plugin reached the world through `{probe}`: {report}"
+        );
+    }
+    assert_eq!(report["env"], serde_json::json!([]), "{report}");
+    assert_eq!(report["args"], 0, "{report}");
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}

@@ -125,6 +125,30 @@ impl Router for Hostile {
                 Ok(vec![good.header("x-slow", x.to_string())])
             }
             "fan-out-bomb" => Ok(vec![good; 10_000]),
+            // Reach for the world outside: what comes back is published,
+            // so a test can see that none of it is there.
+            "probe-world" => {
+                let outcome = |r: Result<String, String>| match r {
+                    Ok(v) => serde_json::json!({"ok": v}),
+                    Err(e) => serde_json::json!({"error": e}),
+                };
+                let file = std::fs::read_to_string("/etc/hostname").map_err(|e| e.to_string());
+                let dir = std::fs::read_dir("/")
+                    .map(|d| d.count().to_string())
+                    .map_err(|e| e.to_string());
+                let socket = std::net::TcpStream::connect("127.0.0.1:5432")
+                    .map(|_| "connected".to_string())
+                    .map_err(|e| e.to_string());
+                let env: Vec<String> = std::env::vars().map(|(k, _)| k).collect();
+                let report = serde_json::json!({
+                    "file": outcome(file),
+                    "dir": outcome(dir),
+                    "socket": outcome(socket),
+                    "env": env,
+                    "args": std::env::args().count(),
+                });
+                Ok(vec![good.payload(report.to_string().into_bytes())])
+            }
             "retry" => Err(Rejection::retryable("hostile plugin asks for a retry")),
             "reject" => Err(Rejection::invalid("hostile plugin rejects this event")),
             _ => Ok(vec![good]),
