@@ -572,6 +572,34 @@ pub fn write_config(dir: &Path, db_url: &str, relay: &str, body: &str) -> Result
     write_config_with(dir, db_url, "", relay, body)
 }
 
+/// The route of the tests that publish to a file sink: topic
+/// `orders.{event_type}`.
+pub const FILE_ROUTE: &str = "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }";
+
+/// A relay publishing to a file, set up and migrated: in test folder
+/// `name`, `[relay]` keys `relay`, one route `route_name` through plugin
+/// `plugin` with keys `route` (often [`FILE_ROUTE`]). Returns the config and
+/// the file the sink writes (`out.jsonl`).
+pub fn file_sink_config(
+    db: &TestDb,
+    name: &str,
+    relay: &str,
+    plugin: &str,
+    route_name: &str,
+    route: &str,
+) -> Result<(PathBuf, PathBuf)> {
+    let dir = test_dir(name);
+    let out = dir.join("out.jsonl");
+    let config = write_config(
+        &dir,
+        &db.url,
+        relay,
+        &relay_body("", &[TestSink::File(&out)], plugin, route_name, route),
+    )?;
+    db.migrate(&config)?;
+    Ok((config, out))
+}
+
 /// [`write_config`] with more `[store]` keys (`store`: TOML lines), e.g.
 /// `capture = "logical"`.
 pub fn write_config_with(

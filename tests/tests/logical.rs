@@ -15,8 +15,6 @@ use outroute_e2e::*;
 
 const POINTS: [&str; 4] = ["after-claim", "before-ack", "after-ack", "mid-mark"];
 const LOGICAL: &str = "capture = \"logical\"";
-/// The route of the tests that publish to a file sink.
-const FILE_ROUTE: &str = "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }";
 
 /// A log-capture config (in a test folder named after `name`) for table
 /// `ev` ordered by `pos`, with `table_keys` added to its mapping, publishing

@@ -197,21 +197,7 @@ fn services_start_detached_without_the_callers_descriptors() -> anyhow::Result<(
 #[tokio::test(flavor = "multi_thread")]
 async fn events_published_without_messages_are_counted_per_route_in_status() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
-    let dir = test_dir("no-messages");
-    let out = dir.join("out.jsonl");
-    let config = write_config(
-        &dir,
-        &db.url,
-        "",
-        &relay_body(
-            "",
-            &[TestSink::File(&out)],
-            "hostile",
-            "quiet",
-            "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }",
-        ),
-    )?;
-    db.migrate(&config)?;
+    let (config, out) = file_sink_config(&db, "no-messages", "", "hostile", "quiet", FILE_ROUTE)?;
     for (i, payload) in [
         r#"{"hostile":"nothing"}"#,
         "{}",

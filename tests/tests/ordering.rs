@@ -354,22 +354,14 @@ async fn a_table_without_a_sequence_orders_same_transaction_events_as_documented
 #[tokio::test(flavor = "multi_thread")]
 async fn under_ordering_none_a_failed_event_holds_nothing_back() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
-    let dir = test_dir("ordering-none");
-    let out = dir.join("out.jsonl");
-    let config = write_config(
-        &dir,
-        &db.url,
+    let (config, out) = file_sink_config(
+        &db,
+        "ordering-none",
         "ordering = \"none\"",
-        &relay_body(
-            "",
-            &[TestSink::File(&out)],
-            "hostile",
-            "r",
-            "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }\n\
-             max_attempts = 1",
-        ),
+        "hostile",
+        "r",
+        &format!("{FILE_ROUTE}\nmax_attempts = 1"),
     )?;
-    db.migrate(&config)?;
     let mut ids = Vec::new();
     for payload in [
         serde_json::json!({"hostile": "reject"}),

@@ -605,21 +605,7 @@ fn warming_fills_the_idle_pool_within_its_bounds() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_plugin_reaches_no_file_socket_or_environment() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
-    let dir = test_dir("probe-world");
-    let out = dir.join("out.jsonl");
-    let config = write_config(
-        &dir,
-        &db.url,
-        "",
-        &relay_body(
-            "",
-            &[TestSink::File(&out)],
-            "hostile",
-            "r",
-            "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }",
-        ),
-    )?;
-    db.migrate(&config)?;
+    let (config, out) = file_sink_config(&db, "probe-world", "", "hostile", "r", FILE_ROUTE)?;
     insert(&db, "probe", serde_json::json!({"hostile": "probe-world"})).await?;
     // The relay has a rich environment of its own to leak.
     let relay = Relay::start(&config, &[("OUTROUTE_TEST_SECRET", "hunter2")])?;
