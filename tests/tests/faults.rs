@@ -175,12 +175,6 @@ async fn three_relays_with_kills_keep_per_aggregate_order() -> anyhow::Result<()
     let report = check(&work, &delivered);
     println!("three relays, {kills} kills: {report}");
     report.assert_clean();
-    // The kills hit work in flight (acknowledged, not yet marked: sent
-    // again by the lanes' next owner), not only idle relays.
-    assert!(
-        report.duplicates > 0,
-        "no kill hit a batch in flight: {report}"
-    );
     // Work was shared: the status command sees three live relays (a killed
     // relay's heartbeat ages out after lease_ttl).
     let cfg = config.to_str().unwrap_or_default().to_string();

@@ -407,7 +407,7 @@ async fn a_reload_stops_the_batches_its_predecessor_still_had_out() -> anyhow::R
     let route = |s: &str| {
         format!(
             "config = {{ sink = \"nats\", topic = \"{s}{t}.{{event_type}}\" }}\nallow = {{ nats = [\"{s}{t}.*\"] }}\n\
-             backoff_min = \"30s\"\nbackoff_max = \"60s\""
+             backoff_min = \"60s\"\nbackoff_max = \"120s\""
         )
     };
     let proxied = relay_body(
@@ -470,9 +470,10 @@ async fn a_reload_stops_the_batches_its_predecessor_still_had_out() -> anyhow::R
         "the predecessor's batch recorded a retry of an event its successor published\n{}",
         relay.log_text()
     );
-    // And the aggregate's next event goes out at once.
+    // And the aggregate's next event goes out, well before a stale retry
+    // (60 s) would release it.
     let next = insert_events(&db.pool, "x", 1, 1).await?;
-    let delivered = consume_nats(&js, &new_stream, 2, Duration::from_secs(5)).await?;
+    let delivered = consume_nats(&js, &new_stream, 2, Duration::from_secs(20)).await?;
     assert!(
         delivered.iter().any(|d| d.id() == next.committed[0].id),
         "the aggregate's next event was held up\n{}",
