@@ -197,6 +197,14 @@ impl Quarantine {
         changed
     }
 
+    /// Is route `route` quarantined (as this relay knows it)?
+    pub fn is_quarantined(&self, route: usize) -> bool {
+        self.state
+            .get(route)
+            .and_then(|s| s.lock().ok().map(|st| st.quarantined.is_some()))
+            .unwrap_or(false)
+    }
+
     /// Quarantined routes and why (for `/readyz` and logs).
     pub fn quarantined(&self) -> Vec<(String, String)> {
         self.names

@@ -274,3 +274,144 @@ async fn a_hostile_route_is_quarantined_and_does_not_delay_a_healthy_one() -> an
     );
     Ok(())
 }
+
+/// The quarantine is the fleet's, and a probe ends it by itself. Relay A
+/// quarantines a route whose events loop and records it; relay B, which
+/// never saw a breach, follows the record: it defers the route's next
+/// event until an operator resumes the route. Then, with a probe every
+/// 3 s (applied by reload), B quarantines the route again after two
+/// more loops, and the next event, let through as a probe, keeps within
+/// its limits: the route resumes with no command and the event goes out.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_quarantine_is_followed_by_every_relay_and_a_good_probe_resumes_it() -> anyhow::Result<()>
+{
+    let db = TestDb::new().await?;
+    let dir = test_dir("quarantine-fleet");
+    let out = dir.join("out.jsonl");
+    let body = |http: &str, probe: &str| {
+        format!(
+            "[http]\nlisten = \"{http}\"\n\
+             [sinks.file]\nkind = \"file\"\npath = \"{out}\"\n\
+             [plugins.p]\npath = \"{plugin}\"\n\
+             [[routes]]\nname = \"hostile\"\nplugin = \"p\"\n\
+             config = {{ sink = \"file\", topic = \"q.{{event_type}}\" }}\nallow = {{ file = [\"q.*\"] }}\n\
+             cpu_budget = \"20ms\"\nmax_attempts = 1\nquarantine_after = 2\nquarantine_probe_interval = \"{probe}\"\n",
+            out = out.display(),
+            plugin = plugin("hostile").display()
+        )
+    };
+    let (http_a, http_b) = (free_addr(), free_addr());
+    let config_a = write_config(
+        &dir.join("a"),
+        &db.url,
+        "lease_ttl = \"3s\"",
+        &body(&http_a, "1h"),
+    )?;
+    let config_b = write_config(
+        &dir.join("b"),
+        &db.url,
+        "lease_ttl = \"3s\"",
+        &body(&http_b, "1h"),
+    )?;
+    db.migrate(&config_a)?;
+    let gauge = |http: String, name: &'static str| async move {
+        http_get(&http, "/metrics")
+            .await
+            .ok()
+            .and_then(|(_, m)| metric(&m, name))
+            .unwrap_or(0.0)
+    };
+    const QUARANTINED: &str = "outroute_route_quarantined{route=\"hostile\"}";
+    const DEFERRED: &str = "outroute_events_deferred_total{route=\"hostile\"}";
+
+    let mut a = Relay::start(&config_a, &[])?;
+    for i in 0..2 {
+        insert(
+            &db,
+            "bad",
+            &format!("loop-{i}"),
+            serde_json::json!({"hostile": "loop"}),
+        )
+        .await?;
+    }
+    let quarantined = eventually(Duration::from_secs(30), || async {
+        gauge(http_a.clone(), QUARANTINED).await == 1.0
+    })
+    .await;
+    assert!(
+        quarantined,
+        "relay A quarantines the route: {}",
+        a.log_text()
+    );
+    a.kill();
+
+    let b = Relay::start(&config_b, &[])?;
+    let first = insert(&db, "order", "p-1", serde_json::json!({})).await?;
+    let deferred = eventually(Duration::from_secs(30), || async {
+        gauge(http_b.clone(), DEFERRED).await >= 1.0
+            && gauge(http_b.clone(), QUARANTINED).await == 1.0
+    })
+    .await;
+    assert!(deferred, "relay B follows A's quarantine: {}", b.log_text());
+    assert_eq!(db.published("").await, 0, "nothing of the route went out");
+    let cfg_b = config_b.display().to_string();
+    let (code, o, e) = cli(&["route", "resume", "hostile", "-c", &cfg_b])?;
+    assert_eq!(code, 0, "{o}{e}");
+    let sent = eventually(Duration::from_secs(30), || async {
+        file_sink_deliveries(&out).iter().any(|d| d.id() == first)
+    })
+    .await;
+    assert!(sent, "resumed for every relay: {}", b.log_text());
+
+    // A probe every 3 s, then two more loops.
+    std::fs::write(
+        &config_b,
+        std::fs::read_to_string(&config_b)?.replace("\"1h\"", "\"3s\""),
+    )?;
+    b.reload();
+    let reloaded = eventually(Duration::from_secs(15), || async {
+        b.log_text().contains("config reload applied")
+    })
+    .await;
+    assert!(reloaded, "{}", b.log_text());
+    for i in 2..4 {
+        insert(
+            &db,
+            "bad",
+            &format!("loop-{i}"),
+            serde_json::json!({"hostile": "loop"}),
+        )
+        .await?;
+    }
+    let again = eventually(Duration::from_secs(30), || async {
+        gauge(http_b.clone(), QUARANTINED).await == 1.0
+    })
+    .await;
+    assert!(again, "{}", b.log_text());
+    let deferred_before = gauge(http_b.clone(), DEFERRED).await;
+    let probe = insert(&db, "order", "p-2", serde_json::json!({})).await?;
+    let resumed = eventually(Duration::from_secs(30), || async {
+        file_sink_deliveries(&out).iter().any(|d| d.id() == probe)
+            && gauge(http_b.clone(), QUARANTINED).await == 0.0
+    })
+    .await;
+    assert!(
+        resumed,
+        "the good probe resumed the route: {}",
+        b.log_text()
+    );
+    assert!(
+        gauge(http_b.clone(), DEFERRED).await > deferred_before,
+        "the event waited for its probe (deferred while quarantined)"
+    );
+    let (_, status, _) = cli(&["route", "list", "-c", &cfg_b])?;
+    assert!(
+        status
+            .lines()
+            .any(|l| l.starts_with("hostile") && l.contains("flowing")),
+        "{status}"
+    );
+    drop(b);
+    db.drop_db().await;
+    Ok(())
+}

@@ -1249,11 +1249,16 @@ fn failover_pair(action: &str) -> anyhow::Result<u16> {
 }
 
 /// PostgreSQL fails over: the primary crashes and its standby is promoted
-/// (before PostgreSQL 17 the slot does not survive). The relay sees the new
-/// timeline and the missing slot, says what happened, creates the slot
+/// (before PostgreSQL 17 the slot does not survive). One relay reads two
+/// sources there. Source `orders` (rows deleted once published) sees the
+/// new timeline and the missing slot, says what happened, creates the slot
 /// again and publishes the rows still pending in the table — those written
-/// while it was away included — then streams on. (Before, the source
-/// refused to start: "replication slot does not exist".)
+/// while it was away included — then streams on. Source `kept` keeps its
+/// published rows (`cleanup = "keep"`), so the relay cannot tell which were
+/// missed: that source stops, naming the position after which events may
+/// be missing and the command that brings it back, and `orders` is not
+/// held up by it. (Before, the source refused to start: "replication slot
+/// does not exist".)
 #[tokio::test(flavor = "multi_thread")]
 async fn a_promotion_that_loses_the_slot_re_reads_the_pending_rows() -> anyhow::Result<()> {
     let port = failover_pair("up")?;
@@ -1265,32 +1270,66 @@ async fn a_promotion_that_loses_the_slot_re_reads_the_pending_rows() -> anyhow::
 async fn promotion(port: u16) -> anyhow::Result<()> {
     let db = TestDb::new_at(&format!("postgres://root@127.0.0.1:{port}/postgres")).await?;
     create_ev(&db).await?;
-    let (config, out) = file_config("logical-promotion", &db, "", "order-router")?;
-    db.migrate(&config)?;
-    let add = |pool: sqlx::PgPool, id: &'static str| async move {
-        sqlx::query(
-            "INSERT INTO ev (id, aggregate_id, event_type, payload) VALUES ($1, $1, 'created', '{}')",
+    sqlx::query("CREATE TABLE ev_kept (LIKE ev INCLUDING ALL)")
+        .execute(&db.pool)
+        .await?;
+    let dir = test_dir("logical-promotion");
+    let out = dir.join("out.jsonl");
+    let source = |name: &str, table: &str, logical: &str| {
+        format!(
+            "[sources.{name}]\nurl = \"{}\"\n{LOGICAL}\n{logical}\n{}",
+            db.url,
+            own_table(table, "pos").replace("[store.table]", &format!("[sources.{name}.table]"))
         )
+    };
+    let config = dir.join("outroute.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[relay]\ncache_dir = \"{}\"\nlease_ttl = \"2s\"\n{}\n{}\n{}",
+            std::env::temp_dir().join("outroute-test-cache").display(),
+            source("orders", "ev", ""),
+            source(
+                "kept",
+                "ev_kept",
+                "logical = { slot = \"outroute_kept\", publication = \"outroute_kept\", cleanup = \"keep\" }"
+            ),
+            relay_body(
+                "",
+                &[TestSink::File(&out)],
+                "order-router",
+                "orders",
+                &format!("{FILE_ROUTE}\nsources = [\"orders\", \"kept\"]"),
+            ),
+        ),
+    )?;
+    db.migrate(&config)?;
+    let add = |pool: sqlx::PgPool, table: &'static str, id: &'static str| async move {
+        sqlx::query(&format!(
+            "INSERT INTO {table} (id, aggregate_id, event_type, payload) VALUES ($1, $1, 'created', '{{}}')"
+        ))
         .bind(id)
         .execute(&pool)
         .await
     };
     let relay = Relay::start(&config, &[])?;
     for id in ["a1", "a2", "a3"] {
-        add(db.pool.clone(), id).await?;
+        add(db.pool.clone(), "ev", id).await?;
     }
+    add(db.pool.clone(), "ev_kept", "k1").await?;
     assert!(
-        file_sink_reaches(&out, 3, Duration::from_secs(30)).await,
+        file_sink_reaches(&out, 4, Duration::from_secs(30)).await,
         "{}",
         relay.log_text()
     );
-    // Give the relay time to record its confirmed position, then stop it
+    // Give the relay time to record its confirmed positions, then stop it
     // and write what it has not seen; the standby has it all.
     tokio::time::sleep(Duration::from_secs(1)).await;
     drop(relay);
     for id in ["b1", "b2", "b3"] {
-        add(db.pool.clone(), id).await?;
+        add(db.pool.clone(), "ev", id).await?;
     }
+    add(db.pool.clone(), "ev_kept", "k2").await?;
     db.pool.close().await;
     failover_pair("promote")?;
     let pool = sqlx::PgPool::connect(&db.url).await?;
@@ -1299,17 +1338,17 @@ async fn promotion(port: u16) -> anyhow::Result<()> {
         .await?;
     assert_eq!(
         slots, 0,
-        "the slot survived the promotion: this checks nothing"
+        "the slots survived the promotion: this checks nothing"
     );
     let relay = Relay::start(&config, &[])?;
     assert!(
-        file_sink_reaches(&out, 6, Duration::from_secs(30)).await,
+        file_sink_reaches(&out, 7, Duration::from_secs(30)).await,
         "the rows written before the promotion were not published\n{}",
         relay.log_text()
     );
-    add(pool.clone(), "c1").await?;
+    add(pool.clone(), "ev", "c1").await?;
     assert!(
-        file_sink_reaches(&out, 7, Duration::from_secs(30)).await,
+        file_sink_reaches(&out, 8, Duration::from_secs(30)).await,
         "the relay did not stream on after the promotion\n{}",
         relay.log_text()
     );
@@ -1317,16 +1356,22 @@ async fn promotion(port: u16) -> anyhow::Result<()> {
     assert_eq!(
         sorted(got.clone()),
         sorted(
-            ["a1", "a2", "a3", "b1", "b2", "b3", "c1"]
+            ["a1", "a2", "a3", "k1", "b1", "b2", "b3", "c1"]
                 .map(String::from)
                 .to_vec()
         ),
-        "{got:?}"
+        "`kept` publishes nothing it cannot vouch for: {got:?}"
     );
     let log = relay.log_text();
     assert!(
-        log.contains("PostgreSQL was promoted (timeline 1 -> 2)")
+        log.contains("orders.logical.slot: PostgreSQL was promoted (timeline 1 -> 2)")
             && log.contains("re-read from the table"),
+        "{log}"
+    );
+    assert!(
+        log.contains("kept.logical.slot: PostgreSQL was promoted (timeline 1 -> 2)")
+            && log.contains("with cleanup = \"keep\" the published rows of `ev_kept` stay in it, so outroute cannot tell which rows written after 0/")
+            && log.contains("then run `outroute migrate` to create the slot again"),
         "{log}"
     );
     drop(relay);
@@ -1422,5 +1467,190 @@ async fn an_event_failed_in_lease_mode_still_holds_and_retries_after_the_switch(
     assert!(!got.contains(&a2));
     drop(relay);
     db.drop_db().await;
+    Ok(())
+}
+
+/// `outroute slot drop` is refused while a relay streams from the slot
+/// (naming the backend), the slot's lag is exported and shown by
+/// `status`; once the relay is stopped the drop goes through, a relay
+/// started without the slot waits naming the fix, and after `outroute
+/// migrate` it streams again by itself.
+#[tokio::test(flavor = "multi_thread")]
+async fn slot_drop_is_refused_while_a_relay_streams() -> anyhow::Result<()> {
+    let db = TestDb::new_logical().await?;
+    create_ev(&db).await?;
+    let (config, out) = file_config("slot-drop", &db, "", "order-router")?;
+    let http = free_addr();
+    std::fs::write(
+        &config,
+        std::fs::read_to_string(&config)?.replace("listen = \"\"", &format!("listen = \"{http}\"")),
+    )?;
+    db.migrate(&config)?;
+    let add = |id: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query("INSERT INTO ev (id, aggregate_id, event_type, payload) VALUES ($1, $1, 'created', '{}')")
+                .bind(id)
+                .execute(&pool)
+                .await
+        }
+    };
+    let cfg = config.display().to_string();
+    let mut relay = Relay::start(&config, &[])?;
+    add("a1").await?;
+    assert!(
+        file_sink_reaches(&out, 1, Duration::from_secs(30)).await,
+        "{}",
+        relay.log_text()
+    );
+    let (code, o, e) = cli(&["slot", "drop", "-c", &cfg])?;
+    assert_ne!(code, 0, "{o}{e}");
+    assert!(
+        e.contains("is in use by backend")
+            && e.contains("(a relay is streaming): stop the relays first"),
+        "{e}"
+    );
+    let slots = || {
+        db.count("SELECT count(*) FROM pg_replication_slots WHERE database = current_database()")
+    };
+    assert_eq!(slots().await, 1, "the slot is still there");
+    let lag = eventually(Duration::from_secs(10), || async {
+        http_get(&http, "/metrics")
+            .await
+            .is_ok_and(|(_, m)| metric(&m, "outroute_slot_lag_bytes{source=\"default\"}").is_some())
+    })
+    .await;
+    assert!(lag, "{:?}", http_get(&http, "/metrics").await);
+    let (_, status, _) = cli(&["status", "-c", &cfg])?;
+    assert!(
+        status.lines().any(|l| l.starts_with("slot")
+            && l.contains("streaming, backend")
+            && l.contains("bytes of WAL kept behind it")),
+        "{status}"
+    );
+
+    relay.terminate(Duration::from_secs(15));
+    let dropped = eventually(Duration::from_secs(10), || async {
+        cli(&["slot", "drop", "-c", &cfg]).is_ok_and(|(code, _, _)| code == 0)
+    })
+    .await;
+    assert!(dropped, "{:?}", cli(&["slot", "drop", "-c", &cfg]));
+    assert_eq!(slots().await, 0);
+    let relay = Relay::start(&config, &[])?;
+    let waits = eventually(Duration::from_secs(20), || async {
+        relay
+            .log_text()
+            .contains("does not exist (run `outroute migrate`)")
+    })
+    .await;
+    assert!(waits, "{}", relay.log_text());
+    db.migrate(&config)?;
+    add("a2").await?;
+    assert!(
+        file_sink_reaches(&out, 2, Duration::from_secs(60)).await,
+        "streams again once the slot is back: {}",
+        relay.log_text()
+    );
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}
+
+/// Is this process stopped (SIGSTOP)? Linux: state `T` in /proc/<pid>/stat.
+fn stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().starts_with('T'))
+        })
+        .unwrap_or(false)
+}
+
+/// The streaming relay frozen (SIGSTOP, not killed) past its capture lease
+/// — holding a batch it has not sent yet, or with a batch handed to the
+/// broker and not yet acknowledged — while a standby takes the slot over
+/// and publishes everything. Thawed, the frozen relay sends nothing it had
+/// not already handed over: nothing at all when frozen before sending, at
+/// most its one batch when frozen mid-send; it notices the lease is gone
+/// and keeps running as a standby. Nothing is lost or out of order.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_frozen_capture_owner_sends_nothing_after_its_lease_lapsed() -> anyhow::Result<()> {
+    for (point, may_duplicate) in [("after-claim", 0usize), ("before-ack", 40)] {
+        let db = TestDb::new_logical().await?;
+        let t = tag();
+        let topic = format!("t{t}.order-updated");
+        create_topic(&topic, 3).await?;
+        let dir = test_dir(&format!("logical-frozen-{point}"));
+        let settings = "lease_ttl = \"2s\"\nbatch_size = 40\nconcurrency = 1";
+        let config = kafka_config(&dir, &db, &t, settings)?;
+        let standby_config = kafka_config(&dir.join("standby"), &db, &t, settings)?;
+        db.migrate(&config)?;
+        let mut frozen = Relay::start(
+            &config,
+            &[
+                ("OUTROUTE_FAILPOINT", point),
+                ("OUTROUTE_FAILPOINT_ACTION", "stop"),
+            ],
+        )?;
+        // Streaming first, then the events.
+        let streaming = eventually(Duration::from_secs(30), || async {
+            frozen
+                .log_text()
+                .contains("streaming from the replication slot")
+        })
+        .await;
+        assert!(streaming, "{point}: {}", frozen.log_text());
+        let w = produce(&db.pool, &format!("frozen-{point}"), 40, 5, 0).await?;
+        let pid = frozen.child.id();
+        assert!(
+            eventually(Duration::from_secs(30), || async { stopped(pid) }).await,
+            "{point}: the relay never stopped at the failpoint:\n{}",
+            frozen.log_text()
+        );
+        let owner = capture_owner(&db).await;
+        let mut standby = Relay::start(&standby_config, &[])?;
+        let took = eventually(Duration::from_secs(30), || async {
+            capture_owner(&db)
+                .await
+                .is_some_and(|o| Some(&o) != owner.as_ref())
+        })
+        .await;
+        assert!(
+            took,
+            "{point}: the standby never took the slot: {}",
+            standby.log_text()
+        );
+        let all = consume_kafka(&topic, 3, w.committed.len(), Duration::from_secs(60))?;
+        assert_eq!(check(&w, &all).lost, 0, "{point}: {}", standby.log_text());
+        // Thaw the frozen owner, well past its lease.
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(pid as i32, libc::SIGCONT);
+        }
+        let noticed = eventually(Duration::from_secs(20), || async {
+            frozen.log_text().contains("capture lease lost")
+        })
+        .await;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let delivered = consume_kafka(&topic, 3, usize::MAX, Duration::from_secs(5))?;
+        let report = check(&w, &delivered);
+        println!("logical, frozen at {point}: {report}");
+        assert_eq!(report.lost, 0, "{point}: {report}");
+        assert_eq!(report.order_violations, 0, "{point}: {report}");
+        assert!(
+            report.duplicates <= may_duplicate,
+            "{point}: the thawed owner sent after its lease lapsed: {report}\n{}",
+            frozen.log_text()
+        );
+        assert!(
+            noticed && frozen.child.try_wait()?.is_none(),
+            "{point}: the thawed relay should notice its lease is gone and keep running:\n{}",
+            frozen.log_text()
+        );
+        frozen.terminate(Duration::from_secs(15));
+        standby.terminate(Duration::from_secs(15));
+        db.drop_db().await;
+    }
     Ok(())
 }

@@ -437,3 +437,385 @@ async fn a_team_file_change_applies_without_restart() -> Result<()> {
     shipping.drop_db().await;
     Ok(())
 }
+
+/// Team files written to take more than their grant gives are each refused
+/// by file and key, naming what was wrong, while an honest team's file is
+/// accepted: a route above its grant's ceiling (the value and the ceiling
+/// named), `quarantine_after = 0` (never quarantined), a plugin path that
+/// leaves the team's directories by `..` or by a symlink, and an
+/// `exclusive` route over aggregate types the team does not own. Two
+/// grants owning overlapping aggregate types are a main-file error: the
+/// relay refuses to start.
+#[tokio::test(flavor = "multi_thread")]
+async fn team_files_that_overreach_are_refused_by_file_and_key() -> Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("overreach");
+    let out = dir.join("out.jsonl");
+    let teams = [
+        "greedy", "immortal", "escaper", "linker", "grabber", "honest",
+    ];
+    let mut grants = String::new();
+    for t in teams {
+        grants.push_str(&format!(
+            "[grants.{t}]\nsources = [\"orders\"]\nallow = {{ file = [\"{t}.*\"] }}\nplugin_dirs = [\"{}\"]\n",
+            plugin_dist().display()
+        ));
+        if t == "greedy" {
+            grants.push_str("ceilings = { cpu_budget = \"100ms\" }\n");
+        }
+    }
+    let main = |extra_grants: &str| {
+        format!(
+            "include = [\"teams/*.toml\"]\n[relay]\ncache_dir = \"{}\"\n\
+             [sources.orders]\nurl = \"{}\"\n\
+             [sinks.file]\nkind = \"file\"\npath = \"{}\"\n{grants}{extra_grants}[http]\nlisten = \"\"\n",
+            dir.join("cache").display(),
+            db.url,
+            out.display(),
+        )
+    };
+    std::fs::create_dir_all(dir.join("teams"))?;
+    std::fs::create_dir_all(dir.join("outside"))?;
+    let outside = dir.join("outside/router.wasm");
+    std::fs::copy(plugin("order-router"), &outside)?;
+    let link = dir.join("teams/router.wasm");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&outside, &link)?;
+    let config = dir.join("outroute.toml");
+    std::fs::write(&config, main(""))?;
+    let route = |t: &str, extra: &str| {
+        format!(
+            "config = {{ sink = \"file\", topic = \"{t}.x\" }}\nallow = {{ file = [\"{t}.*\"] }}\n{extra}"
+        )
+    };
+    let with_plugin = |t: &str, path: &str| {
+        format!(
+            "team = \"{t}\"\n[plugins.{t}-router]\npath = \"{path}\"\n[[routes]]\nname = \"{t}\"\nplugin = \"{t}-router\"\n{}\n",
+            route(t, "")
+        )
+    };
+    std::fs::write(
+        dir.join("teams/greedy.toml"),
+        team(
+            "greedy",
+            "greedy-router",
+            "greedy",
+            &route("greedy", "cpu_budget = \"5s\""),
+        ),
+    )?;
+    std::fs::write(
+        dir.join("teams/immortal.toml"),
+        team(
+            "immortal",
+            "immortal-router",
+            "immortal",
+            &route("immortal", "quarantine_after = 0"),
+        ),
+    )?;
+    std::fs::write(
+        dir.join("teams/escaper.toml"),
+        with_plugin("escaper", "../outside/router.wasm"),
+    )?;
+    std::fs::write(
+        dir.join("teams/linker.toml"),
+        with_plugin("linker", "router.wasm"),
+    )?;
+    std::fs::write(
+        dir.join("teams/grabber.toml"),
+        team(
+            "grabber",
+            "grabber-router",
+            "grabber",
+            &route("grabber", "aggregate_types = [\"order\"]\nexclusive = true"),
+        ),
+    )?;
+    std::fs::write(
+        dir.join("teams/honest.toml"),
+        team(
+            "honest",
+            "honest-router",
+            "honest",
+            &route("honest", "cpu_budget = \"50ms\""),
+        ),
+    )?;
+    let c = config.display().to_string();
+    let (code, o, e) = cli(&["config", "check", "-c", &c])?;
+    assert_ne!(code, 0, "{o}{e}");
+    for (file, key, reason) in [
+        (
+            "greedy",
+            "routes[0].cpu_budget",
+            "\"5s\" is above team `greedy`'s ceiling \"100ms\"",
+        ),
+        (
+            "immortal",
+            "routes[0].quarantine_after",
+            "0 (never) is above",
+        ),
+        (
+            "escaper",
+            "plugins.escaper-router.path",
+            "outside team `escaper`'s directories",
+        ),
+        (
+            "linker",
+            "plugins.linker-router.path",
+            "outside team `linker`'s directories",
+        ),
+        (
+            "grabber",
+            "routes[0].exclusive",
+            "team `grabber` owns no aggregate types",
+        ),
+    ] {
+        let line = e
+            .lines()
+            .find(|l| l.contains(&format!("teams/{file}.toml:{key}")))
+            .unwrap_or_default();
+        assert!(
+            line.contains(reason),
+            "{file}: `{key}` refused with `{reason}`:\n{e}"
+        );
+    }
+    assert!(
+        !e.contains("teams/honest.toml:"),
+        "the honest team's file is accepted: {e}"
+    );
+
+    // Two grants owning overlapping aggregate types: the main file is
+    // wrong, and the relay does not start.
+    std::fs::write(
+        &config,
+        main(
+            "[grants.first]\nsources = [\"orders\"]\nowns = [\"order\"]\n[grants.second]\nsources = [\"orders\"]\nowns = [\"ord*\"]\n",
+        ),
+    )?;
+    for t in teams {
+        let _ = std::fs::remove_file(dir.join(format!("teams/{t}.toml")));
+    }
+    let (code, o, e) = cli(&["config", "check", "-c", &c])?;
+    assert_ne!(code, 0, "{o}{e}");
+    assert!(
+        e.contains("grants.second.owns") && e.contains("overlaps `order`, owned by team `first`"),
+        "{e}"
+    );
+    let mut relay = Relay::start(&config, &[])?;
+    let exited = relay.wait_exit(Duration::from_secs(20));
+    assert!(
+        exited.is_some_and(|s| !s.success()),
+        "a main file with overlapping owners refuses to start: {}",
+        relay.log_text()
+    );
+    assert!(
+        relay.log_text().contains("grants.second.owns"),
+        "{}",
+        relay.log_text()
+    );
+    db.drop_db().await;
+    Ok(())
+}
+
+/// A team's last known good file outlives the relay: after a restart with
+/// the team file gone (a bad deploy deleted it), the granted team's routes
+/// run from the copy the previous relay kept, and the relay says so.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_missing_team_file_runs_its_last_good_copy_after_a_restart() -> Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("last-good");
+    let out = dir.join("out.jsonl");
+    std::fs::create_dir_all(dir.join("teams"))?;
+    let config = dir.join("outroute.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "include = [\"teams/*.toml\"]\n[relay]\ncache_dir = \"{}\"\n\
+             [sources.orders]\nurl = \"{}\"\n\
+             [sinks.file]\nkind = \"file\"\npath = \"{}\"\n\
+             [grants.payments]\nsources = [\"orders\"]\nallow = {{ file = [\"payments.*\"] }}\nplugin_dirs = [\"{}\"]\n\
+             [http]\nlisten = \"\"\n",
+            dir.join("cache").display(),
+            db.url,
+            out.display(),
+            plugin_dist().display(),
+        ),
+    )?;
+    let team_file = dir.join("teams/payments.toml");
+    std::fs::write(
+        &team_file,
+        team(
+            "payments",
+            "payments-router",
+            "payments",
+            "config = { sink = \"file\", topic = \"payments.{event_type}\" }\nallow = { file = [\"payments.*\"] }",
+        ),
+    )?;
+    db.migrate(&config)?;
+    let insert = |agg: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            let id = uuid::Uuid::new_v4().to_string();
+            sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1::uuid, 'order', $2, 'order-created', '{}')")
+                .bind(&id)
+                .bind(agg)
+                .execute(&pool)
+                .await
+                .map(|_| id)
+        }
+    };
+    let delivered = |id: String| {
+        let out = out.clone();
+        async move {
+            eventually(Duration::from_secs(30), || async {
+                file_sink_deliveries(&out)
+                    .iter()
+                    .any(|d| d.id() == id && d.topic == "payments.order-created")
+            })
+            .await
+        }
+    };
+    let mut relay = Relay::start(&config, &[])?;
+    let first = insert("a").await?;
+    assert!(delivered(first).await, "{}", relay.log_text());
+    relay.terminate(Duration::from_secs(15));
+
+    std::fs::remove_file(&team_file)?;
+    let (code, _, e) = cli(&["config", "check", "-c", &config.display().to_string()])?;
+    assert_ne!(code, 0, "{e}");
+    assert!(
+        e.contains("team `payments` has a grant but no team file: its last known good copy runs"),
+        "{e}"
+    );
+    let relay = Relay::start(&config, &[])?;
+    let second = insert("b").await?;
+    assert!(
+        delivered(second).await,
+        "the kept copy serves the team after a restart: {}",
+        relay.log_text()
+    );
+    assert!(
+        relay.log_text().contains(
+            "team `payments` has a grant but no team file: its last known good copy runs"
+        ),
+        "{}",
+        relay.log_text()
+    );
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}
+
+/// A main-file reload that changes `[relay]` (the process's own settings)
+/// or fails validation is refused as a whole: logged with the key, counted
+/// as `outroute_config_reloads_total{result="rejected"}`, and the running
+/// config goes on relaying; the same file's route change alone is then
+/// applied.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_main_file_reload_that_needs_a_restart_or_fails_is_refused_whole() -> Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("main-reload");
+    let out = dir.join("out.jsonl");
+    let http = free_addr();
+    let config = write_config(
+        &dir,
+        &db.url,
+        "batch_size = 100",
+        &relay_body(
+            &http,
+            &[TestSink::File(&out)],
+            "order-router",
+            "r",
+            FILE_ROUTE,
+        ),
+    )?;
+    db.migrate(&config)?;
+    let relay = Relay::start(&config, &[])?;
+    let rejected = || async {
+        http_get(&http, "/metrics")
+            .await
+            .ok()
+            .and_then(|(_, m)| metric(&m, "outroute_config_reloads_total{result=\"rejected\"}"))
+            .unwrap_or(0.0)
+    };
+    let original = std::fs::read_to_string(&config)?;
+    let flows = |n: usize, total: usize| {
+        let (pool, out) = (db.pool.clone(), out.clone());
+        async move {
+            for i in 0..n {
+                sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES (gen_random_uuid(), 'order', $1, 'order-created', '{}')")
+                    .bind(format!("a{i}"))
+                    .execute(&pool)
+                    .await?;
+            }
+            anyhow::Ok(file_sink_reaches(&out, total, Duration::from_secs(30)).await)
+        }
+    };
+    assert!(flows(1, 1).await?, "{}", relay.log_text());
+
+    // [relay] changed together with the route's topic: nothing applies.
+    std::fs::write(
+        &config,
+        original
+            .replace("batch_size = 100", "batch_size = 7")
+            .replace(
+                "topic = \"orders.{event_type}\"",
+                "topic = \"orders.renamed\"",
+            ),
+    )?;
+    relay.reload();
+    let refused = eventually(Duration::from_secs(15), || async {
+        rejected().await == 1.0
+    })
+    .await;
+    assert!(refused, "{}", relay.log_text());
+    let log = relay.log_text();
+    assert!(
+        log.contains("config reload rejected; the running config is unchanged")
+            && log.contains("relay.batch_size"),
+        "{log}"
+    );
+    // A main file that does not validate: refused too.
+    std::fs::write(
+        &config,
+        original.replace("allow = { file", "allow = { nowhere"),
+    )?;
+    relay.reload();
+    let refused = eventually(Duration::from_secs(15), || async {
+        rejected().await == 2.0
+    })
+    .await;
+    assert!(refused, "{}", relay.log_text());
+    assert!(relay.log_text().contains("nowhere"), "{}", relay.log_text());
+    // The running config relays as before: the old topic.
+    assert!(flows(2, 3).await?, "{}", relay.log_text());
+    assert!(
+        file_sink_deliveries(&out)
+            .iter()
+            .all(|d| d.topic == "orders.order-created"),
+        "a refused reload applied a part of itself"
+    );
+    // The route change alone is applied.
+    std::fs::write(
+        &config,
+        original.replace(
+            "topic = \"orders.{event_type}\"",
+            "topic = \"orders.renamed\"",
+        ),
+    )?;
+    relay.reload();
+    let applied = eventually(Duration::from_secs(15), || async {
+        relay.log_text().contains("config reload applied")
+    })
+    .await;
+    assert!(applied, "{}", relay.log_text());
+    assert!(flows(3, 6).await?, "{}", relay.log_text());
+    assert_eq!(
+        file_sink_deliveries(&out)
+            .last()
+            .map(|d| d.topic.clone())
+            .as_deref(),
+        Some("orders.renamed")
+    );
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}

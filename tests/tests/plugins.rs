@@ -624,7 +624,213 @@ async fn a_plugin_reaches_no_file_socket_or_environment() -> anyhow::Result<()> 
     }
     assert_eq!(report["env"], serde_json::json!([]), "{report}");
     assert_eq!(report["args"], 0, "{report}");
+    // No clock: it stands at the Unix epoch.
+    assert_eq!(report["clock_ns"], "0", "{report}");
+    // `wasi:random` is one fixed stream for every instance: a fresh
+    // instance in `plugin test` draws what the live relay's drew.
+    let random = report["random"].as_str().unwrap_or_default().to_string();
+    assert!(!random.is_empty(), "{report}");
+    let one = test_dir("probe-world").join("one.json");
+    std::fs::write(
+        &one,
+        r#"{"aggregate_type": "order", "aggregate_id": "probe", "event_type": "order-updated", "payload": {"hostile": "probe-world"}}"#,
+    )?;
+    let hostile = plugin("hostile").display().to_string();
+    let (code, out, err) = cli(&[
+        "plugin",
+        "test",
+        &hostile,
+        "--config",
+        r#"{"sink": "file", "topic": "orders.{event_type}"}"#,
+        "--event",
+        one.to_str().unwrap_or_default(),
+    ])?;
+    assert_eq!(code, 0, "{out}{err}");
+    let tried: serde_json::Value = serde_json::from_str(&out)?;
+    assert_eq!(
+        tried[0]["messages"][0]["payload"]["random"].as_str(),
+        Some(random.as_str()),
+        "the live relay drew {random}; plugin test drew otherwise: {out}"
+    );
     drop(relay);
+    db.drop_db().await;
+    Ok(())
+}
+
+/// What a plugin returns is checked before anything is sent: it may not set
+/// the relay's own headers (`ce_*` but `ce_dataschema`, `Nats-*`), nor go
+/// over its route's `max_bytes_per_event` or `max_log_bytes_per_event`;
+/// each such event fails alone, naming what it broke, while the rest go
+/// out. A message without a key is keyed by its aggregate id, unless the
+/// route says `default_key = "none"` (applied by reload).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_plugins_messages_are_held_to_reserved_headers_and_route_limits() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let route = |default_key: &str| {
+        format!(
+            "{FILE_ROUTE}\nmax_bytes_per_event = 1048576\nmax_log_bytes_per_event = 4096\n\
+             max_attempts = 1\ndefault_key = \"{default_key}\""
+        )
+    };
+    let (config, out) = file_sink_config(
+        &db,
+        "plugin-output",
+        "",
+        "hostile",
+        "r",
+        &route("aggregate-id"),
+    )?;
+    let mut ids = std::collections::BTreeMap::new();
+    for mode in [
+        "spoof-header",
+        "spoof-nats",
+        "oversize",
+        "big-log",
+        "dataschema",
+        "no-key",
+        "plain",
+    ] {
+        ids.insert(
+            mode,
+            insert(
+                &db,
+                &format!("agg-{mode}"),
+                serde_json::json!({"hostile": mode}),
+            )
+            .await?,
+        );
+    }
+    let relay = Relay::start(&config, &[])?;
+    let cfg = config.to_str().unwrap_or_default().to_string();
+    let failed = || -> anyhow::Result<serde_json::Value> {
+        let (_, out, _) = cli(&["failed", "list", "--json", "-c", &cfg])?;
+        Ok(serde_json::from_str(&out)?)
+    };
+    let settled = eventually(Duration::from_secs(30), || async {
+        file_sink_deliveries(&out).len() == 3
+            && failed().is_ok_and(|f| f.as_array().is_some_and(|a| a.len() == 4))
+    })
+    .await;
+    let failures = failed()?;
+    assert!(settled, "{failures}\n{}", relay.log_text());
+    let reason_of = |id: &str| -> String {
+        failures
+            .as_array()
+            .and_then(|a| a.iter().find(|f| f["id"] == id))
+            .and_then(|f| f["reason"].as_str())
+            .unwrap_or_default()
+            .to_string()
+    };
+    for (mode, needle) in [
+        ("spoof-header", "header `ce_id` is reserved"),
+        ("spoof-nats", "header `Nats-Msg-Id` is reserved"),
+        (
+            "oversize",
+            "returned 2097152 payload bytes for one event (routes[].max_bytes_per_event = 1048576)",
+        ),
+        ("big-log", "4096 log bytes for one event"),
+    ] {
+        let r = reason_of(&ids[mode]);
+        assert!(r.contains(needle), "{mode}: {r}");
+    }
+    let delivered = file_sink_deliveries(&out);
+    let by_id = |id: &str| delivered.iter().find(|d| d.id() == id).cloned();
+    let schema = by_id(&ids["dataschema"]).ok_or_else(|| anyhow::anyhow!("dataschema"))?;
+    assert_eq!(
+        schema.headers.get("ce_dataschema").map(String::as_str),
+        Some("urn:test:order:1")
+    );
+    let keyless = by_id(&ids["no-key"]).ok_or_else(|| anyhow::anyhow!("no-key"))?;
+    assert_eq!(keyless.key.as_deref(), Some("agg-no-key"), "{keyless:?}");
+    assert!(by_id(&ids["plain"]).is_some());
+
+    // default_key = "none": a keyless message goes out without a key.
+    std::fs::write(
+        &config,
+        std::fs::read_to_string(&config)?
+            .replace("default_key = \"aggregate-id\"", "default_key = \"none\""),
+    )?;
+    relay.reload();
+    let reloaded = eventually(Duration::from_secs(15), || async {
+        relay.log_text().contains("config reload applied")
+    })
+    .await;
+    assert!(reloaded, "{}", relay.log_text());
+    let unkeyed = insert(&db, "agg-unkeyed", serde_json::json!({"hostile": "no-key"})).await?;
+    let sent = eventually(Duration::from_secs(20), || async {
+        file_sink_deliveries(&out).iter().any(|d| d.id() == unkeyed)
+    })
+    .await;
+    assert!(sent, "{}", relay.log_text());
+    let delivered = file_sink_deliveries(&out);
+    let d = delivered
+        .iter()
+        .find(|d| d.id() == unkeyed)
+        .ok_or_else(|| anyhow::anyhow!("unkeyed"))?;
+    assert_eq!(d.key, None, "{d:?}");
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}
+
+/// `outroute replay` says how it went in its exit status: 0 when every
+/// selected event was re-published, non-zero (with the count on stderr and
+/// each event's reason on stdout) when a plugin now refuses some of them.
+#[tokio::test(flavor = "multi_thread")]
+async fn replay_exits_non_zero_when_it_could_not_republish_every_selected_event()
+-> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let (config, out) = file_sink_config(&db, "replay-exit", "", "hostile", "r", FILE_ROUTE)?;
+    // Two events that route themselves whatever the route's mode, one that
+    // follows the route's mode.
+    let kept = [
+        insert(&db, "a", serde_json::json!({"hostile": "plain"})).await?,
+        insert(&db, "b", serde_json::json!({"hostile": "plain"})).await?,
+    ];
+    let follower = insert(&db, "c", serde_json::json!({})).await?;
+    let mut relay = Relay::start(&config, &[])?;
+    assert!(
+        file_sink_reaches(&out, 3, Duration::from_secs(30)).await,
+        "{}",
+        relay.log_text()
+    );
+    relay.terminate(Duration::from_secs(15));
+    assert_eq!(db.published("").await, 3);
+    let cfg = config.display().to_string();
+    let (code, stdout, stderr) = cli(&["replay", "-c", &cfg, "--aggregate-type", "order"])?;
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    assert!(
+        stdout.contains("selected 3 published event(s); re-published 3"),
+        "{stdout}"
+    );
+
+    // The route now rejects what it is not told otherwise.
+    std::fs::write(
+        &config,
+        std::fs::read_to_string(&config)?.replace(
+            "config = { sink = \"file\"",
+            "config = { mode = \"reject\", sink = \"file\"",
+        ),
+    )?;
+    let before = file_sink_deliveries(&out).len();
+    let (code, stdout, stderr) = cli(&["replay", "-c", &cfg, "--aggregate-type", "order"])?;
+    assert_ne!(code, 0, "{stdout}{stderr}");
+    assert!(
+        stdout.contains("selected 3 published event(s); re-published 2; 1 could not be")
+            && stdout.contains(&format!("{follower}: "))
+            && stdout.contains("hostile plugin rejects this event"),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains("replay incomplete: 1 of 3 selected event(s) were not re-published"),
+        "{stderr}"
+    );
+    let again: Vec<String> = file_sink_deliveries(&out)[before..]
+        .iter()
+        .map(|d| d.id().to_string())
+        .collect();
+    assert_eq!(again.len(), 2, "{again:?}");
+    assert!(kept.iter().all(|k| again.contains(k)), "{again:?}");
     db.drop_db().await;
     Ok(())
 }

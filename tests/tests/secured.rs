@@ -584,3 +584,106 @@ async fn postgres_over_tls_with_a_password_role() -> Result<()> {
         .await;
     Ok(())
 }
+
+/// At run time, a source whose database refuses the relay's password keeps
+/// only that source waiting: the other source relays, `/readyz` and
+/// `outroute_source_up` name the one that waits and why (the password
+/// itself never shown). With the password fixed and the config reloaded,
+/// the source joins and its backlog goes out, without a restart.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_source_whose_password_is_refused_waits_alone_at_run_time() -> Result<()> {
+    let pg = pg_tls()?;
+    let dir = test_dir("pg-tls-run");
+    std::fs::write(dir.join("password"), "nope-not-it\n")?;
+    let (admin, pool, db) = tls_database(&pg, "outroute_tlsrun").await?;
+    let open = TestDb::new().await?;
+    let out = dir.join("out.jsonl");
+    let http = free_addr();
+    let mut body = format!(
+        "[relay]\ncache_dir = \"{}\"\npoll_max = \"200ms\"\n[http]\nlisten = \"{http}\"\n\
+         [sinks.file]\nkind = \"file\"\npath = \"{}\"\n[plugins.p]\npath = \"{}\"\n\
+         [sources.open]\nurl = \"{}\"\n\
+         [sources.locked]\nurl = \"postgres://{}@127.0.0.1:{}/{db}\"\npassword_file = \"password\"\n\
+         [sources.locked.tls]\nmode = \"verify-full\"\nca_file = \"{}\"\n",
+        std::env::temp_dir().join("outroute-test-cache").display(),
+        out.display(),
+        plugin("order-router").display(),
+        open.url,
+        pg.user,
+        pg.port,
+        pg.ca.display(),
+    );
+    for name in ["open", "locked"] {
+        body.push_str(&format!(
+            "[[routes]]\nname = \"r{name}\"\nplugin = \"p\"\nsources = [\"{name}\"]\n\
+             config = {{ sink = \"file\", topic = \"{name}.{{event_type}}\" }}\nallow = {{ file = [\"{name}.*\"] }}\n"
+        ));
+    }
+    let config = dir.join("outroute.toml");
+    std::fs::write(&config, body)?;
+    let cfg = config.display().to_string();
+    // The locked source's tables, made with the right password.
+    std::fs::write(dir.join("password"), format!("{}\n", pg.password))?;
+    let (code, o, e) = cli(&["migrate", "-c", &cfg])?;
+    assert_eq!(code, 0, "{o}{e}");
+    let locked_backlog = produce(&pool, "locked", 4, 5, 0).await?;
+    std::fs::write(dir.join("password"), "nope-not-it\n")?;
+
+    let mut relay = Relay::start(&config, &[])?;
+    let w = produce(&open.pool, "open", 4, 5, 0).await?;
+    let of = |source: &str| -> Vec<Delivered> {
+        file_sink_deliveries(&out)
+            .into_iter()
+            .filter(|d| d.topic.starts_with(&format!("{source}.")))
+            .collect()
+    };
+    let flowed = eventually(Duration::from_secs(30), || async {
+        check(&w, &of("open")).lost == 0
+    })
+    .await;
+    assert!(
+        flowed,
+        "the open source relays beside the locked one: {}",
+        relay.log_text()
+    );
+    let named = eventually(Duration::from_secs(20), || async {
+        http_get(&http, "/readyz").await.is_ok_and(|(code, body)| {
+            code == 200 && body.contains("source `locked`") && body.contains("wrong password")
+        })
+    })
+    .await;
+    let (_, ready) = http_get(&http, "/readyz").await?;
+    assert!(named, "{ready}");
+    let (_, metrics) = http_get(&http, "/metrics").await?;
+    assert_eq!(
+        metric(&metrics, "outroute_source_up{source=\"locked\"}"),
+        Some(0.0),
+        "{metrics}"
+    );
+    assert!(of("locked").is_empty());
+    assert!(relay.child.try_wait()?.is_none(), "{}", relay.log_text());
+    let log = relay.log_text();
+    assert!(
+        !log.contains(pg.password) && !ready.contains(pg.password),
+        "secret shown"
+    );
+
+    std::fs::write(dir.join("password"), format!("{}\n", pg.password))?;
+    relay.reload();
+    let joined = eventually(Duration::from_secs(30), || async {
+        check(&locked_backlog, &of("locked")).lost == 0
+    })
+    .await;
+    assert!(
+        joined,
+        "fixed and reloaded, the source joins: {}",
+        relay.log_text()
+    );
+    relay.terminate(Duration::from_secs(10));
+    open.drop_db().await;
+    pool.close().await;
+    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+        .execute(&admin)
+        .await;
+    Ok(())
+}

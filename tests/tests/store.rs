@@ -321,6 +321,39 @@ async fn purge_a_day_old(config: &Path) -> anyhow::Result<u64> {
     purge_rounds(&s, Duration::from_secs(86_400), 3).await
 }
 
+/// Retention runs on one relay at a time: while another relay's round
+/// holds the table's purge lock (an advisory lock per source), a round
+/// deletes nothing and leaves the rows for the holder; once it is released
+/// the next round deletes them.
+#[tokio::test(flavor = "multi_thread")]
+async fn retention_rounds_skip_while_another_relay_holds_the_purge_lock() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("retention-lock");
+    let config = write_config(
+        &dir,
+        &db.url,
+        "",
+        &file_sink_body(&dir, &example_table("outbox-published-at.toml")?),
+    )?;
+    db.migrate(&config)?;
+    produce(&db.pool, "agg", 10, 1, 0).await?;
+    sqlx::query("UPDATE outbox SET published_at = now() - interval '3 days'")
+        .execute(&db.pool)
+        .await?;
+    // Another relay's round on this table, mid-transaction.
+    let mut other = db.pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('outroute purge'), hashtext('outbox'))")
+        .execute(&mut *other)
+        .await?;
+    assert_eq!(purge_a_day_old(&config).await?, 0);
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 10);
+    other.commit().await?;
+    assert_eq!(purge_a_day_old(&config).await?, 10);
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 0);
+    db.drop_db().await;
+    Ok(())
+}
+
 /// Under `published_at` marking retention ages rows by their stamp.
 #[tokio::test(flavor = "multi_thread")]
 async fn retention_deletes_only_published_rows_past_the_window() -> anyhow::Result<()> {

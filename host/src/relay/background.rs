@@ -39,6 +39,11 @@ impl Relay {
                             tracing::warn!(route = %route, "route quarantined by another relay: its events wait");
                         } else {
                             tracing::info!(route = %route, "route resumed");
+                            // Events this relay deferred while the resume
+                            // was being recorded are due too.
+                            if let Err(e) = self.store.make_waiting_due(&route).await {
+                                tracing::warn!(route = %route, "could not make the route's waiting events due: {e:#}");
+                            }
                         }
                         metrics::gauge!(m::ROUTE_QUARANTINED, "route" => route)
                             .set(if quarantined { 1.0 } else { 0.0 });

@@ -191,6 +191,8 @@ pub struct BatchReport {
     pub order_risks: usize,
     /// Events of quarantined routes, recorded as waiting.
     pub deferred: usize,
+    /// The routes those events wait for.
+    pub deferred_routes: std::collections::BTreeSet<usize>,
     /// On an outage, the batch's claims, untouched, for the caller that
     /// must try them again (logical capture cannot leave them pending).
     pub unsent: Vec<Claim>,
@@ -913,6 +915,20 @@ impl Relay {
                     "capture lease lost while recording failed and waiting events; the slot is not confirmed"
                 );
             }
+            // A route resumed (by a probe elsewhere or `outroute route
+            // resume`) while this batch was deferring its events: the
+            // resume made due what was recorded before it, these were
+            // recorded after. Make them due too, or they would wait a
+            // whole probe interval. (`follow_quarantines` covers the
+            // deferrals recorded before this relay heard of the resume.)
+            for r in &report.deferred_routes {
+                if !self.quarantine.is_quarantined(*r) {
+                    let name = self.routes.0[*r].name();
+                    if let Err(e) = self.store.make_waiting_due(name).await {
+                        tracing::warn!(route = %name, "could not make the route's waiting events due: {e:#}");
+                    }
+                }
+            }
         }
         metrics::histogram!(m::BATCH_SECONDS, "source" => self.source.clone())
             .record(started.elapsed().as_secs_f64());
@@ -1329,6 +1345,9 @@ impl Relay {
                     delay,
                 } => {
                     deferred = true;
+                    if let Some(r) = route {
+                        report.deferred_routes.insert(*r);
+                    }
                     let name = route.map_or("-", |r| self.routes.0[r].name()).to_string();
                     metrics::counter!(m::EVENTS_DEFERRED, "route" => name, "source" => self.source.clone())
                         .increment(1);

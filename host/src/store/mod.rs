@@ -611,6 +611,12 @@ impl Store {
         bounded!(self, "resuming a route", s => s.resume_route(route))
     }
 
+    /// Make `route`'s waiting events due now (a resume recorded while a
+    /// relay was deferring them); returns how many.
+    pub async fn make_waiting_due(&self, route: &str) -> anyhow::Result<u64> {
+        bounded!(self, "making a resumed route's events due", s => s.make_waiting_due(route))
+    }
+
     /// The quarantined routes.
     pub async fn quarantined_routes(&self) -> anyhow::Result<Vec<QuarantinedRoute>> {
         bounded!(self, "reading quarantined routes", s => s.quarantined_routes())

@@ -82,6 +82,10 @@ pub use floor::ROUND_INTERVAL as FLOOR_ROUND_INTERVAL;
 /// failed by hand (see [`PgStore::drop_orphans`]).
 pub const ORPHAN_SWEEP_INTERVAL: Duration = Duration::from_secs(30);
 
+/// A resumed route's waiting events (deferred by its quarantine), due now.
+const MAKE_WAITING_DUE: &str = "UPDATE outroute_event_state SET next_attempt_at = now(), blocks_until = now(), updated_at = now() \
+     WHERE source = $1 AND (route = $2 OR $2 = ANY(waiting_routes)) AND failed_at IS NULL AND blocks_until > now()";
+
 /// Queue entries looked at per lane by one [`PgStore::drop_orphans`] round.
 pub const ORPHAN_WALK: i64 = 64;
 
@@ -2914,17 +2918,23 @@ impl PgStore {
         .execute(&mut *tx)
         .await?
         .rows_affected();
-        let due = sqlx::query(
-            "UPDATE outroute_event_state SET next_attempt_at = now(), blocks_until = now(), updated_at = now() \
-             WHERE source = $1 AND (route = $2 OR $2 = ANY(waiting_routes)) AND failed_at IS NULL AND blocks_until > now()",
-        )
-        .bind(&self.source)
-        .bind(route)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
+        let due = sqlx::query(MAKE_WAITING_DUE)
+            .bind(&self.source)
+            .bind(route)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
         tx.commit().await?;
         Ok((was > 0, due))
+    }
+
+    pub async fn make_waiting_due(&self, route: &str) -> Result<u64> {
+        Ok(sqlx::query(MAKE_WAITING_DUE)
+            .bind(&self.source)
+            .bind(route)
+            .execute(&self.pool)
+            .await?
+            .rows_affected())
     }
 
     pub async fn quarantined_routes(&self) -> Result<Vec<QuarantinedRoute>> {

@@ -21,6 +21,10 @@ use crate::event::RawRow;
 
 static MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");
 
+/// A resumed route's waiting events (deferred by its quarantine), due now.
+const MAKE_WAITING_DUE: &str = "UPDATE outroute_event_state SET next_attempt_at = ?3, blocks_until = ?3, updated_at = ?3 \
+     WHERE source = ?1 AND route = ?2 AND failed_at IS NULL AND blocks_until > ?3";
+
 const SOURCE: &str = "outbox";
 
 pub struct SqliteStore {
@@ -275,19 +279,25 @@ impl SqliteStore {
         .execute(&mut *tx)
         .await?
         .rows_affected();
-        let now = now_ms();
-        let due = sqlx::query(
-            "UPDATE outroute_event_state SET next_attempt_at = ?3, blocks_until = ?3, updated_at = ?3 \
-             WHERE source = ?1 AND route = ?2 AND failed_at IS NULL AND blocks_until > ?3",
-        )
-        .bind(SOURCE)
-        .bind(route)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
+        let due = sqlx::query(MAKE_WAITING_DUE)
+            .bind(SOURCE)
+            .bind(route)
+            .bind(now_ms())
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
         tx.commit().await?;
         Ok((was > 0, due))
+    }
+
+    pub async fn make_waiting_due(&self, route: &str) -> Result<u64> {
+        Ok(sqlx::query(MAKE_WAITING_DUE)
+            .bind(SOURCE)
+            .bind(route)
+            .bind(now_ms())
+            .execute(&self.pool)
+            .await?
+            .rows_affected())
     }
 
     pub async fn quarantined_routes(&self) -> Result<Vec<QuarantinedRoute>> {

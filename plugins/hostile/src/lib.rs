@@ -12,7 +12,13 @@
 //! `log-flood` (10,000 `host.log` lines), `slow` (a few ms of CPU, then
 //! routes normally), `wrong-count` (route config only: `route-batch`
 //! answers one outcome short), `counter-name` (`host.count` with a name
-//! that breaks the rules), `counter-flood` (100 distinct counter names).
+//! that breaks the rules), `counter-flood` (100 distinct counter names),
+//! `spoof-header` / `spoof-nats` (sets the relay's own `ce_id` /
+//! `Nats-Msg-Id` header), `dataschema` (sets `ce_dataschema`, the one
+//! `ce_*` header a plugin may set), `no-key` (a message without key or
+//! partition), `to-nats` (the message goes to sink `nats`), `big-log` (64 KiB of `host.log` lines, in 8 KiB lines), `probe-world`
+//! (publishes what it got from files, sockets, environment, clock and
+//! `wasi:random`).
 
 use outroute_guest::{Event, Level, Message, Outcome, Rejection, Router, count, log, parse_config};
 use serde::Deserialize;
@@ -125,6 +131,24 @@ impl Router for Hostile {
                 Ok(vec![good.header("x-slow", x.to_string())])
             }
             "fan-out-bomb" => Ok(vec![good; 10_000]),
+            "spoof-header" => Ok(vec![good.header("ce_id", "spoofed")]),
+            "to-nats" => Ok(vec![
+                Message::to("nats", event.expand(&self.config.topic))
+                    .key(&event.aggregate_id)
+                    .payload(event.payload.clone()),
+            ]),
+            "spoof-nats" => Ok(vec![good.header("Nats-Msg-Id", "spoofed")]),
+            "dataschema" => Ok(vec![good.header("ce_dataschema", "urn:test:order:1")]),
+            "no-key" => Ok(vec![
+                Message::to(&self.config.sink, event.expand(&self.config.topic))
+                    .payload(event.payload.clone()),
+            ]),
+            "big-log" => {
+                for _ in 0..8 {
+                    log(Level::Info, "x".repeat(8 << 10));
+                }
+                Ok(vec![good])
+            }
             // Reach for the world outside: what comes back is published,
             // so a test can see that none of it is there.
             "probe-world" => {
@@ -140,12 +164,24 @@ impl Router for Hostile {
                     .map(|_| "connected".to_string())
                     .map_err(|e| e.to_string());
                 let env: Vec<String> = std::env::vars().map(|(k, _)| k).collect();
+                // The clock, and `wasi:random` (std seeds its hash keys
+                // from it on first use in an instance).
+                let clock = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos().to_string())
+                    .unwrap_or_else(|e| e.to_string());
+                let random = {
+                    use std::hash::BuildHasher;
+                    std::collections::hash_map::RandomState::new().hash_one("outroute")
+                };
                 let report = serde_json::json!({
                     "file": outcome(file),
                     "dir": outcome(dir),
                     "socket": outcome(socket),
                     "env": env,
                     "args": std::env::args().count(),
+                    "clock_ns": clock,
+                    "random": random.to_string(),
                 });
                 Ok(vec![good.payload(report.to_string().into_bytes())])
             }
