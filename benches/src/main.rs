@@ -1674,6 +1674,31 @@ fn bucket_share_above(metrics: &str, name: &str, le: f64) -> Option<f64> {
     (total > 0.0).then(|| 1.0 - count(&le.to_string()) / total)
 }
 
+/// The metrics text `after` with every histogram bucket less its count in
+/// `before`: the histograms of what happened between the two reads (the
+/// history run's measured window, not the history's own drain).
+fn buckets_since(before: &str, after: &str) -> String {
+    let earlier: HashMap<&str, f64> = before
+        .lines()
+        .filter(|l| l.contains("_bucket{"))
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k, v.parse().ok()?))
+        })
+        .collect();
+    after
+        .lines()
+        .map(|l| match l.rsplit_once(' ') {
+            Some((k, v)) if l.contains("_bucket{") => {
+                let v: f64 = v.parse().unwrap_or(0.0);
+                format!("{k} {}", v - earlier.get(k).copied().unwrap_or(0.0))
+            }
+            _ => l.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 /// Upper bound (ms) of the histogram bucket holding quantile `q`.
 fn bucket_quantile(metrics: &str, name: &str, q: f64) -> Value {
     quantile_of(&buckets(metrics, name, ""), q)
@@ -1758,7 +1783,7 @@ async fn latency(
         }
         body.push_str(&format!(
             "[plugins.quiet]\npath = \"{}\"\n[[routes]]\nname = \"history\"\nplugin = \"quiet\"\n\
-             aggregate_types = [\"history\"]\nconfig = {{ mode = \"nothing\" }}\n",
+             aggregate_types = [\"history\"]\nconfig = {{ mode = \"nothing\" }}\nallow = {{ {sink} = [\"b{t}.history\"] }}\n",
             plugin("hostile").display()
         ));
     }
@@ -1909,6 +1934,11 @@ async fn latency(
         }
     }
 
+    // The relay's histograms so far (history drain, warm-up), taken off
+    // the figures at the end.
+    let (_, before) = outroute_e2e::http_get(&http, "/metrics")
+        .await
+        .unwrap_or_default();
     // 4 writers, each at rate/4 events/s, each event its own transaction.
     let per_writer = Duration::from_secs_f64(4.0 / rate as f64);
     let pid = relay.child.id();
@@ -2013,6 +2043,7 @@ async fn latency(
     let (_, metrics) = outroute_e2e::http_get(&http, "/metrics")
         .await
         .unwrap_or_default();
+    let metrics = buckets_since(&before, &metrics);
     let rss = proc_stats(pid).1;
     relay.terminate(Duration::from_secs(15));
     db.drop_db().await;
