@@ -2,7 +2,9 @@
 //! after claiming, after handing messages to the broker but before the ack,
 //! after the ack but before marking, and between two marks — restart it,
 //! and check that every committed event arrived, nothing rolled back did,
-//! and per-aggregate order held. Also: three relays with random kills.
+//! and per-aggregate order held. Also: three relays, one of which dies
+//! right after a broker acknowledgement (the others send its unmarked batch
+//! again), then random kills.
 //!
 //! `OUTROUTE_CRASH_ITERATIONS` sets the crashes per point (default 2; the
 //! stress command `scripts/stress` uses 20).
@@ -154,13 +156,33 @@ async fn three_relays_with_kills_keep_per_aggregate_order() -> anyhow::Result<()
     )?;
     db.migrate(&config)?;
 
-    let mut relays: Vec<Relay> = (0..3)
-        .map(|_| Relay::start(&config, &[]))
-        .collect::<Result<_, _>>()?;
+    // Relay 0 dies (abort, as kill -9) right after the broker acknowledged
+    // its third batch, before marking it: a kill that certainly hits work
+    // in flight. The others take its lanes and send that batch again.
+    let mut relays: Vec<Relay> = vec![Relay::start(
+        &config,
+        &[
+            ("OUTROUTE_FAILPOINT", "after-ack"),
+            ("OUTROUTE_FAILPOINT_HIT", "3"),
+        ],
+    )?];
+    for _ in 1..3 {
+        relays.push(Relay::start(&config, &[])?);
+    }
     let pool = db.pool.clone();
     let producer = tokio::spawn(async move { produce(&pool, "agg", 500, 20, 0).await });
-    // Kill relays at random moments while events flow, restart them.
-    let mut kills = 0;
+    let died = relays[0].wait_exit(Duration::from_secs(60));
+    assert!(
+        died.is_some_and(|s| !s.success())
+            && relays[0]
+                .log_text()
+                .contains("failpoint `after-ack` reached"),
+        "relay 0 did not die after an acknowledgement: {died:?}\n{}",
+        relays[0].log_text()
+    );
+    relays[0] = Relay::start(&config, &[])?;
+    // Then kill relays at random moments while events flow, restart them.
+    let mut kills = 1;
     for round in 0..3usize {
         tokio::time::sleep(Duration::from_millis(700 + 300 * round as u64)).await;
         let victim = (round * 7 + uuid::Uuid::new_v4().as_u128() as usize) % 3;
@@ -175,6 +197,10 @@ async fn three_relays_with_kills_keep_per_aggregate_order() -> anyhow::Result<()
     let report = check(&work, &delivered);
     println!("three relays, {kills} kills: {report}");
     report.assert_clean();
+    assert!(
+        report.duplicates >= 1,
+        "the batch relay 0 had acknowledged but not marked was not sent again: {report}"
+    );
     // Work was shared: the status command sees three live relays (a killed
     // relay's heartbeat ages out after lease_ttl).
     let cfg = config.to_str().unwrap_or_default().to_string();
