@@ -116,8 +116,34 @@ async fn faults_while_producing(
     Ok((w, kinds, drained))
 }
 
-/// Print the figures; nothing pending, nothing lost, no order violation.
-fn conclude(sink: &str, kinds: [usize; 4], drained: bool, report: &Report, relay: &Relay) {
+/// Print the figures; nothing pending, nothing lost, no order violation,
+/// and the relay met the faults: its sink `sink_name` counted publish
+/// errors (read from `/metrics` at `http`).
+async fn conclude(
+    sink: &str,
+    kinds: [usize; 4],
+    drained: bool,
+    report: &Report,
+    relay: &Relay,
+    (http, sink_name): (&str, &str),
+) {
+    let metrics = http_get(http, "/metrics")
+        .await
+        .map(|(_, m)| m)
+        .unwrap_or_default();
+    let errors: f64 = metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with(&format!(
+                "outroute_publish_errors_total{{sink=\"{sink_name}\""
+            ))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(
+        errors >= 1.0,
+        "{sink}: the relay met none of the faults (no publish error counted):\n{metrics}"
+    );
     println!(
         "{sink}: {} faults (cut {}, delay {}, black hole {}, refuse {}): {report}",
         kinds.iter().sum::<usize>(),
@@ -151,7 +177,8 @@ async fn kafka_through_random_network_faults_loses_nothing_and_keeps_order() -> 
     let route = format!(
         "config = {{ sink = \"kafka\", topic = \"net{t}.{{event_type}}\" }}\nallow = {{ kafka = [\"net{t}.*\"] }}"
     );
-    let body = relay_body("", &[TestSink::Kafka], "order-router", "orders", &route)
+    let http = free_addr();
+    let body = relay_body(&http, &[TestSink::Kafka], "order-router", "orders", &route)
         .replace(KAFKA, &proxy.addr);
     let config = write_config(&dir, &db.url, relay_settings(), &body)?;
     db.migrate(&config)?;
@@ -166,7 +193,7 @@ async fn kafka_through_random_network_faults_loses_nothing_and_keeps_order() -> 
         Duration::from_secs(60),
     )?;
     let report = check(&w, &delivered);
-    conclude("kafka", kinds, drained, &report, &relay);
+    conclude("kafka", kinds, drained, &report, &relay, (&http, "kafka")).await;
     relay.terminate(Duration::from_secs(15));
     db.drop_db().await;
     Ok(())
@@ -186,7 +213,8 @@ async fn jetstream_through_random_network_faults_loses_nothing_and_keeps_order()
     let route = format!(
         "config = {{ sink = \"nats\", topic = \"net{t}.{{event_type}}\" }}\nallow = {{ nats = [\"net{t}.*\"] }}"
     );
-    let body = relay_body("", &[TestSink::Nats], "order-router", "orders", &route)
+    let http = free_addr();
+    let body = relay_body(&http, &[TestSink::Nats], "order-router", "orders", &route)
         .replace(NATS, &format!("nats://{}", proxy.addr));
     let config = write_config(&dir, &db.url, relay_settings(), &body)?;
     db.migrate(&config)?;
@@ -195,7 +223,15 @@ async fn jetstream_through_random_network_faults_loses_nothing_and_keeps_order()
     let (w, kinds, drained) = faults_while_producing(&db, &proxy, &mut rng).await?;
     let delivered = consume_nats(&js, &stream, w.committed.len(), Duration::from_secs(30)).await?;
     let report = check(&w, &delivered);
-    conclude("jetstream", kinds, drained, &report, &relay);
+    conclude(
+        "jetstream",
+        kinds,
+        drained,
+        &report,
+        &relay,
+        (&http, "nats"),
+    )
+    .await;
     relay.terminate(Duration::from_secs(15));
     db.drop_db().await;
     Ok(())
