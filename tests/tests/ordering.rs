@@ -7,8 +7,8 @@ use outroute_e2e::*;
 
 /// `t_outbox` (article 004) is ordered by `create_time`: rows written in one
 /// statement share it. `replay` pages by (order key, id), so a page boundary
-/// inside a run of tied rows skips nothing, and it says how many it selected
-/// and re-published.
+/// inside a run of tied rows skips nothing, keeps each aggregate's order,
+/// and it says how many it selected and re-published.
 #[tokio::test(flavor = "multi_thread")]
 async fn replay_across_tied_rows_republishes_every_selected_event() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
@@ -57,6 +57,20 @@ async fn replay_across_tied_rows_republishes_every_selected_event() -> anyhow::R
         })
         .collect::<anyhow::Result<_>>()?;
     assert_eq!(ids.len(), 1234, "messages written");
+    // Order holds on replay: each aggregate's events go out in outbox
+    // order, here (one timestamp for all) their id order.
+    let mut last: std::collections::HashMap<String, String> = std::collections::HashMap::new();
+    for d in file_sink_deliveries(&out) {
+        if let Some(before) = last.insert(d.aggregate().to_string(), d.id().to_string()) {
+            assert!(
+                before.as_str() < d.id(),
+                "aggregate {}: {} replayed after {before}",
+                d.aggregate(),
+                d.id()
+            );
+        }
+    }
+    assert_eq!(last.len(), 17, "aggregates replayed");
     ids.sort();
     ids.dedup();
     assert_eq!(ids.len(), 1234, "distinct events re-published");
@@ -401,6 +415,86 @@ async fn under_ordering_none_a_failed_event_holds_nothing_back() -> anyhow::Resu
         "{listed}"
     );
     relay.terminate(Duration::from_secs(15));
+    db.drop_db().await;
+    Ok(())
+}
+
+/// One aggregate's deep backlog cannot starve the others: its 3,000 slow
+/// events all sit in one lane, and an event of another lane written while
+/// they drain goes out long before they are done (claims take turns at
+/// which lane comes first).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_deep_lane_does_not_starve_the_others() -> anyhow::Result<()> {
+    const DEEP: i64 = 3_000;
+    let db = TestDb::new().await?;
+    let (config, out) = file_sink_config(
+        &db,
+        "deep-lane",
+        "lanes = 16\nbatch_size = 50\nconcurrency = 1",
+        "hostile",
+        "r",
+        FILE_ROUTE,
+    )?;
+    sqlx::query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'order', 'deep', 'order-updated', jsonb_build_object('hostile', 'slow', 'n', g) \
+         FROM generate_series(1, $1::bigint) g",
+    )
+    .bind(DEEP)
+    .execute(&db.pool)
+    .await?;
+    // An aggregate of another lane (the relay's lane: hashtext of
+    // `type/id`, modulo the lanes).
+    let lane = |agg: String| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i32>("SELECT (hashtext('order/' || $1) & 2147483647) % 16")
+                .bind(agg)
+                .fetch_one(&pool)
+                .await
+        }
+    };
+    let deep_lane = lane("deep".into()).await?;
+    let mut fresh = String::new();
+    for i in 0..50 {
+        let candidate = format!("fresh-{i}");
+        if lane(candidate.clone()).await? != deep_lane {
+            fresh = candidate;
+            break;
+        }
+    }
+    assert!(!fresh.is_empty());
+    let relay = Relay::start(&config, &[])?;
+    let deep_sent = || {
+        file_sink_deliveries(&out)
+            .iter()
+            .filter(|d| d.aggregate() == "deep")
+            .count()
+    };
+    let draining = eventually(Duration::from_secs(60), || async { deep_sent() >= 100 }).await;
+    assert!(draining, "{}", relay.log_text());
+    let id = uuid::Uuid::new_v4().to_string();
+    sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1::uuid, 'order', $2, 'order-updated', '{}')")
+        .bind(&id)
+        .bind(&fresh)
+        .execute(&db.pool)
+        .await?;
+    let sent = eventually(Duration::from_secs(120), || async {
+        file_sink_deliveries(&out).iter().any(|d| d.id() == id)
+    })
+    .await;
+    assert!(sent, "{}", relay.log_text());
+    let deep_then = file_sink_deliveries(&out)
+        .iter()
+        .take_while(|d| d.id() != id)
+        .filter(|d| d.aggregate() == "deep")
+        .count();
+    println!("the other lane's event went out after {deep_then} of {DEEP} deep events");
+    assert!(
+        deep_then <= (DEEP as usize) - 1_000,
+        "the other lane's event waited for {deep_then} of the deep lane's {DEEP} events"
+    );
+    drop(relay);
     db.drop_db().await;
     Ok(())
 }
