@@ -1,6 +1,8 @@
 //! The README's first command, as a newcomer runs it: the embedded default
 //! (SQLite outbox, example plugin, file sink) end to end.
 
+use std::time::Duration;
+
 use outroute_e2e::*;
 
 #[test]
@@ -186,5 +188,112 @@ fn shipped_example_configs_pass_config_check() -> anyhow::Result<()> {
         "{text}"
     );
     assert!(!text.contains("s3cr3t"), "a secret was printed: {text}");
+    Ok(())
+}
+
+/// The embedded store beyond the quickstart's happy path: a failing event
+/// holds only its own aggregate (others flow), `failed list` names it with
+/// its reason, `failed discard` lets the held one go in order; and a relay
+/// killed (-9) while it drains a backlog loses nothing when restarted.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_embedded_store_holds_failures_and_survives_a_kill() -> anyhow::Result<()> {
+    let dir = test_dir("sqlite-store");
+    let db = dir.join("outbox.db");
+    let out = dir.join("out.jsonl");
+    let config = dir.join("outroute.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[store]\nurl = \"sqlite://{}\"\n[relay]\ncache_dir = \"{}\"\nbatch_size = 20\n\
+             [sinks.file]\nkind = \"file\"\npath = \"{}\"\n\
+             [plugins.p]\npath = \"{}\"\n[[routes]]\nname = \"orders\"\nplugin = \"p\"\n{FILE_ROUTE}\nmax_attempts = 1\n",
+            db.display(),
+            std::env::temp_dir().join("outroute-test-cache").display(),
+            out.display(),
+            plugin("hostile").display(),
+        ),
+    )?;
+    let cfg = config.display().to_string();
+    let (code, o, e) = cli(&["migrate", "-c", &cfg])?;
+    assert_eq!(code, 0, "{o}{e}");
+    let pool = sqlx::sqlite::SqlitePool::connect(&format!("sqlite://{}", db.display())).await?;
+    let insert = |agg: String, payload: serde_json::Value| {
+        let pool = pool.clone();
+        async move {
+            let id = uuid::Uuid::new_v4().to_string();
+            sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES (?1, 'order', ?2, 'order-updated', ?3)")
+                .bind(&id)
+                .bind(agg)
+                .bind(payload.to_string())
+                .execute(&pool)
+                .await
+                .map(|_| id)
+        }
+    };
+    let bad = insert("a".into(), serde_json::json!({"hostile": "reject"})).await?;
+    let held = insert("a".into(), serde_json::json!({})).await?;
+    let other = insert("b".into(), serde_json::json!({})).await?;
+    let relay = Relay::start(&config, &[])?;
+    let failed = eventually(Duration::from_secs(30), || async {
+        cli(&["failed", "list", "--json", "-c", &cfg]).is_ok_and(|(_, o, _)| {
+            o.contains(&bad) && o.contains("hostile plugin rejects this event")
+        }) && file_sink_deliveries(&out).iter().any(|d| d.id() == other)
+    })
+    .await;
+    assert!(failed, "{}", relay.log_text());
+    assert!(
+        !file_sink_deliveries(&out).iter().any(|d| d.id() == held),
+        "an event behind a failed one of its aggregate went out"
+    );
+    let (code, o, e) = cli(&["failed", "discard", "--id", &bad, "-c", &cfg])?;
+    assert_eq!(code, 0, "{o}{e}");
+    let released = eventually(Duration::from_secs(30), || async {
+        file_sink_deliveries(&out).iter().any(|d| d.id() == held)
+    })
+    .await;
+    assert!(released, "{}", relay.log_text());
+    drop(relay);
+
+    // A backlog, a kill -9 while it drains, a restart: nothing lost, each
+    // aggregate in order.
+    let mut ids = Vec::new();
+    for i in 0..600 {
+        ids.push(insert(format!("k{}", i % 30), serde_json::json!({"n": i})).await?);
+    }
+    let before = file_sink_deliveries(&out).len();
+    let mut relay = Relay::start(&config, &[])?;
+    let started = eventually(Duration::from_secs(30), || async {
+        file_sink_deliveries(&out).len() > before
+    })
+    .await;
+    assert!(started, "{}", relay.log_text());
+    relay.kill();
+    let relay = Relay::start(&config, &[])?;
+    let all = eventually(Duration::from_secs(60), || async {
+        let got: std::collections::HashSet<String> = file_sink_deliveries(&out)
+            .iter()
+            .map(|d| d.id().to_string())
+            .collect();
+        ids.iter().all(|id| got.contains(id))
+    })
+    .await;
+    assert!(all, "{}", relay.log_text());
+    let mut last: std::collections::HashMap<String, i64> = std::collections::HashMap::new();
+    let mut seen = std::collections::HashSet::new();
+    for d in file_sink_deliveries(&out).iter().skip(before) {
+        if !seen.insert(d.id().to_string()) {
+            continue; // a re-send after the kill: allowed, not a first delivery
+        }
+        if let Some(prev) = last.insert(d.aggregate().to_string(), d.number()) {
+            assert!(
+                prev < d.number(),
+                "{}: {} after {prev}",
+                d.aggregate(),
+                d.number()
+            );
+        }
+    }
+    drop(relay);
+    pool.close().await;
     Ok(())
 }
