@@ -616,6 +616,71 @@ impl SinkConfig {
     }
 }
 
+/// librdkafka settings `sinks.<name>.options` may not set, with what each
+/// protects: they are what makes "acknowledged" mean stored and keeps an
+/// aggregate's messages in order. `config check` and start-up refuse them.
+pub const KAFKA_PROTECTED_OPTIONS: &[(&str, &str)] = &[
+    (
+        "enable.idempotence",
+        "no duplicates or reordering on producer retries",
+    ),
+    (
+        "enable.gapless.guarantee",
+        "a failed message never leaves a silent gap before a later one",
+    ),
+    (
+        "acks",
+        "an acknowledgement means every in-sync replica has the message",
+    ),
+    (
+        "request.required.acks",
+        "an acknowledgement means every in-sync replica has the message",
+    ),
+    (
+        "max.in.flight.requests.per.connection",
+        "order with idempotence needs at most 5 requests in flight",
+    ),
+    (
+        "max.in.flight",
+        "order with idempotence needs at most 5 requests in flight",
+    ),
+    (
+        "retries",
+        "the producer retries in order instead of failing",
+    ),
+    (
+        "message.send.max.retries",
+        "the producer retries in order instead of failing",
+    ),
+    ("message.timeout.ms", "set from relay.publish_timeout"),
+    ("delivery.timeout.ms", "set from relay.publish_timeout"),
+    ("bootstrap.servers", "set from sinks.<name>.brokers"),
+    ("metadata.broker.list", "set from sinks.<name>.brokers"),
+    ("partitioner", "one key always goes to one partition"),
+    ("security.protocol", "set from sinks.<name>.tls and .sasl"),
+    ("sasl.mechanism", "set from sinks.<name>.sasl"),
+    ("sasl.mechanisms", "set from sinks.<name>.sasl"),
+    ("sasl.username", "set from sinks.<name>.sasl"),
+    (
+        "sasl.password",
+        "set from sinks.<name>.sasl (password_file keeps it out of the file)",
+    ),
+    ("ssl.ca.location", "set from sinks.<name>.tls.ca_file"),
+    (
+        "ssl.certificate.location",
+        "set from sinks.<name>.tls.cert_file",
+    ),
+    ("ssl.key.location", "set from sinks.<name>.tls.key_file"),
+    (
+        "enable.ssl.certificate.verification",
+        "the brokers' certificates are verified; a test cluster may opt out with tls.insecure_skip_verify",
+    ),
+    (
+        "ssl.endpoint.identification.algorithm",
+        "a broker's certificate must name its host; a test cluster may opt out with tls.insecure_skip_verify",
+    ),
+];
+
 #[derive(PartialEq, Debug, Clone, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct KafkaSinkConfig {

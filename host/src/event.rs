@@ -7,7 +7,9 @@ use std::borrow::Cow;
 
 use chrono::{DateTime, SecondsFormat, Utc};
 
-use crate::sink::Header;
+/// A message header: name and value, borrowed from the event where they can
+/// be (the envelope of every message would otherwise allocate ~20 strings).
+pub type Header<'a> = (&'a str, std::borrow::Cow<'a, str>);
 
 /// One outbox row, validated.
 #[derive(Debug, Clone, PartialEq)]

@@ -8,20 +8,27 @@
 //! * `plugin`  — the sandboxed wasmtime runtime for routing plugins
 //! * `sink`    — Kafka, NATS and file publishers that wait for acks
 //! * `routing` — which route handles an event, what its messages may do
+//! * `pattern` — name and topic patterns: syntax and matching
 //! * `config`  — the TOML file, its schema and its validation
-//! * `metrics` — Prometheus series and the HTTP endpoints
+//! * `metrics` — every Prometheus series, named once
+//! * `http`    — `/metrics`, `/healthz`, `/readyz`, `/shadow`
 //! * `health`  — which sources, sinks and routes are up (`/readyz`)
 //! * `topology` — the sources of one process, each brought up on its own
 //! * `shadow`  — a candidate plugin version compared on live events
 //! * `ops`     — status, failed events, replay, plugin test (operator tools)
+//! * `backoff`, `error` — retry delays with jitter; errors on one line
 
+pub mod backoff;
 pub mod capture;
 pub mod config;
+pub mod error;
 pub mod event;
 pub mod failpoint;
 pub mod health;
+pub mod http;
 pub mod metrics;
 pub mod ops;
+pub mod pattern;
 pub mod pipeline;
 pub mod plugin;
 pub mod quarantine;

@@ -102,23 +102,7 @@ impl Failures {
     }
 }
 
-/// An error and its causes on one line, each cause once: sqlx's database
-/// errors repeat their source's text ("…: role \"x\" does not exist: role
-/// \"x\" does not exist"), so a cause already ending the text is skipped.
-pub fn describe(e: &anyhow::Error) -> String {
-    let mut out = String::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
-        if out.ends_with(&text) {
-            continue;
-        }
-        if !out.is_empty() {
-            out.push_str(": ");
-        }
-        out.push_str(&text);
-    }
-    out
-}
+pub use crate::error::describe;
 
 /// Load config or explain every problem.
 pub fn load(path: &Path) -> Result<Loaded> {
@@ -190,7 +174,7 @@ pub async fn run(arg: &ConfigArg) -> Result<ExitCode> {
         None
     } else {
         Some(
-            metrics::serve(
+            crate::http::serve(
                 &http_listen,
                 prom,
                 ready.clone(),

@@ -275,7 +275,7 @@ impl Pipeline {
                     attempts.saturating_sub(1).min(20)
                 };
                 FailureKind::Retry {
-                    delay: jitter(min.saturating_mul(1 << exponent).min(max)),
+                    delay: crate::backoff::jitter(min.saturating_mul(1 << exponent).min(max)),
                 }
             }
             _ => FailureKind::Failed {
@@ -750,13 +750,6 @@ impl<'e> Sending<'e> {
                 .any(|j| matches!(self.acks.get(j), Some(Err(_))))
         })
     }
-}
-
-/// Between 50% and 100% of `d` ("equal jitter"), so retries spread out.
-pub fn jitter(d: Duration) -> Duration {
-    use rand::Rng;
-    let f: f64 = rand::rng().random_range(0.5..=1.0);
-    d.mul_f64(f)
 }
 
 #[cfg(test)]

@@ -9,46 +9,19 @@
 //! the sink. This is how one shared relay keeps a team's plugin out of
 //! another team's topics.
 
-use globset::{GlobBuilder, GlobMatcher};
+use globset::GlobMatcher;
 
 use crate::config::{Config, Grant, RouteConfig};
 
 /// How the stand-in route of a team whose file is refused is named.
 const WAITING_PREFIX: &str = "team:";
 use crate::event::Message;
-
-/// Compile a topic/subject pattern: `*` is any run of characters except
-/// `.`, `**` is anything (including `.`), everything else is literal.
-pub fn topic_matcher(pattern: &str) -> Result<GlobMatcher, String> {
-    if pattern.is_empty() {
-        return Err("empty topic pattern".into());
-    }
-    // globset separates on '/'; topics on '.'. Swap so `*` stops at dots.
-    let swapped = pattern.replace('/', "\u{1}").replace('.', "/");
-    GlobBuilder::new(&swapped)
-        .literal_separator(true)
-        .build()
-        .map(|g| g.compile_matcher())
-        .map_err(|e| format!("bad topic pattern `{pattern}`: {e}"))
-}
-
-/// Compile a name pattern (aggregate type, event type): plain glob.
-pub fn name_matcher(pattern: &str) -> Result<GlobMatcher, String> {
-    GlobBuilder::new(pattern)
-        .build()
-        .map(|g| g.compile_matcher())
-        .map_err(|e| format!("bad pattern `{pattern}`: {e}"))
-}
+pub use crate::pattern::{name_matcher, topic_key, topic_matcher};
 
 /// Compile a list of name patterns (a route's `aggregate_types` or
 /// `event_types`).
 fn name_matchers(patterns: &[String]) -> Result<Vec<GlobMatcher>, String> {
     patterns.iter().map(|p| name_matcher(p)).collect()
-}
-
-/// A topic as [`topic_matcher`]'s matchers see it.
-pub fn topic_key(topic: &str) -> String {
-    topic.replace('/', "\u{1}").replace('.', "/")
 }
 
 /// One sink a route may publish to.

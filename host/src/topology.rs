@@ -166,7 +166,7 @@ async fn open_until_up(
             Ok(store) => return Some(Arc::new(store)),
             Err(e) => e,
         };
-        let why = crate::ops::describe(&e);
+        let why = crate::error::describe(&e);
         let limit = if unreachable(&e) {
             UNREACHABLE_BACKOFF
         } else {
@@ -179,7 +179,7 @@ async fn open_until_up(
         health.database.set_down(why);
         tokio::select! {
             _ = stop.cancelled() => return None,
-            _ = tokio::time::sleep(crate::pipeline::jitter(backoff)) => {},
+            _ = tokio::time::sleep(crate::backoff::jitter(backoff)) => {},
         }
         backoff = (backoff * 2).min(limit);
     }

@@ -1099,7 +1099,7 @@ impl Relay {
             }
             go = std::mem::take(&mut report.unsent);
             tracing::warn!(backoff = ?*backoff, reason = report.outage_reason.as_deref().unwrap_or(""), "every publish failed; backing off (the slot is not confirmed)");
-            sleep_or_cancel(crate::pipeline::jitter(*backoff), stop).await;
+            sleep_or_cancel(crate::backoff::jitter(*backoff), stop).await;
             *backoff = (*backoff * 2).min(Duration::from_secs(10));
             if stop.is_cancelled() || !lease.held() {
                 return Ok(None);

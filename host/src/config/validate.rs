@@ -277,7 +277,7 @@ impl Loaded {
             }
             if let SinkConfig::Kafka(k) = sink {
                 for key in k.options.keys() {
-                    if let Some((_, why)) = crate::sink::kafka::PROTECTED_OPTIONS
+                    if let Some((_, why)) = super::KAFKA_PROTECTED_OPTIONS
                         .iter()
                         .find(|(p, _)| p == key)
                     {
@@ -403,7 +403,7 @@ impl Loaded {
                     );
                 }
                 for pat in patterns {
-                    if let Err(e) = crate::routing::topic_matcher(pat) {
+                    if let Err(e) = crate::pattern::topic_matcher(pat) {
                         err(key(&format!("allow.{sink}")), e);
                     } else if let Some(Err(e)) =
                         c.sinks.get(sink).map(|s| check_pattern_for(s, pat))
@@ -413,7 +413,7 @@ impl Loaded {
                 }
             }
             for pat in r.aggregate_types.iter().chain(&r.event_types) {
-                if let Err(e) = crate::routing::name_matcher(pat) {
+                if let Err(e) = crate::pattern::name_matcher(pat) {
                     err(key("event_types"), e);
                 }
             }

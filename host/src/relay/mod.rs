@@ -31,12 +31,13 @@ use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::backoff::jitter;
 use crate::config::{Loaded, RelayConfig};
 use crate::event::{Message, Outcome, Rejection};
 use crate::failpoint;
 use crate::health::{Health, Part};
 use crate::metrics as m;
-use crate::pipeline::{Fate, LeaseGuard, LeaseView, Pipeline, Plan, attempts_so_far, jitter};
+use crate::pipeline::{Fate, LeaseGuard, LeaseView, Pipeline, Plan, attempts_so_far};
 use crate::plugin::{Answer, Limit, Limits, PluginHandle, PluginInputs, Runtime};
 use crate::quarantine::{Admission, Change, Quarantine};
 use crate::routing::{Route, Routes};

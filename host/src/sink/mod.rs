@@ -32,9 +32,7 @@ pub mod kafka;
 pub mod nats;
 pub mod starting;
 
-/// A message header: name and value, borrowed from the event where they can
-/// be (the envelope of every message would otherwise allocate ~20 strings).
-pub type Header<'a> = (&'a str, std::borrow::Cow<'a, str>);
+pub use crate::event::Header;
 
 /// One message with its final headers, ready for a broker.
 #[derive(Debug, Clone)]

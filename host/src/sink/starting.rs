@@ -61,7 +61,7 @@ impl StartingSink {
 async fn retry(sink: Weak<StartingSink>, build: Build) {
     let mut backoff = Duration::from_millis(250);
     loop {
-        tokio::time::sleep(crate::pipeline::jitter(backoff)).await;
+        tokio::time::sleep(crate::backoff::jitter(backoff)).await;
         backoff = (backoff * 2).min(MAX_BACKOFF);
         if sink.strong_count() == 0 {
             return;
