@@ -967,6 +967,17 @@ pub async fn http_get(addr: &str, path: &str) -> Result<(u16, String)> {
     Ok((status, body))
 }
 
+/// Is this process stopped (SIGSTOP)? Linux: state `T` in /proc/<pid>/stat.
+pub fn stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().starts_with('T'))
+        })
+        .unwrap_or(false)
+}
+
 /// A memory figure of process `pid` from `/proc/PID/status` in KiB
 /// (`field`: `VmRSS` now, `VmHWM` peak); 0 when unreadable.
 pub fn proc_memory_kib(pid: u32, field: &str) -> u64 {

@@ -1556,17 +1556,6 @@ async fn slot_drop_is_refused_while_a_relay_streams() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Is this process stopped (SIGSTOP)? Linux: state `T` in /proc/<pid>/stat.
-fn stopped(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            s.rsplit_once(')')
-                .map(|(_, rest)| rest.trim_start().starts_with('T'))
-        })
-        .unwrap_or(false)
-}
-
 /// The streaming relay frozen (SIGSTOP, not killed) past its capture lease
 /// — holding a batch it has not sent yet, or with a batch handed to the
 /// broker and not yet acknowledged — while a standby takes the slot over

@@ -78,17 +78,6 @@ async fn replay_across_tied_rows_republishes_every_selected_event() -> anyhow::R
     Ok(())
 }
 
-/// Is this process stopped (SIGSTOP)? Linux: state `T` in /proc/<pid>/stat.
-fn stopped(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            s.rsplit_once(')')
-                .map(|(_, rest)| rest.trim_start().starts_with('T'))
-        })
-        .unwrap_or(false)
-}
-
 /// A relay frozen (SIGSTOP) past its lease — right after claiming a batch,
 /// after handing the first event of a batch to the broker, and after the
 /// broker acknowledged a batch — while another relay takes its lanes and
