@@ -323,21 +323,31 @@ async fn a_quarantine_is_followed_by_every_relay_and_a_good_probe_resumes_it() -
     };
     const QUARANTINED: &str = "outroute_route_quarantined{route=\"hostile\"}";
     const DEFERRED: &str = "outroute_events_deferred_total{route=\"hostile\"}";
+    // Events of the route that loop (each breaks its CPU budget), then
+    // whether the relay at `http` quarantined the route within 30 s.
+    let loop_until_quarantined = |events: std::ops::Range<i32>, http: &String| {
+        let (db, http) = (&db, http.clone());
+        async move {
+            for i in events {
+                insert(
+                    db,
+                    "bad",
+                    &format!("loop-{i}"),
+                    serde_json::json!({"hostile": "loop"}),
+                )
+                .await?;
+            }
+            anyhow::Ok(
+                eventually(Duration::from_secs(30), || async {
+                    gauge(http.clone(), QUARANTINED).await == 1.0
+                })
+                .await,
+            )
+        }
+    };
 
     let mut a = Relay::start(&config_a, &[])?;
-    for i in 0..2 {
-        insert(
-            &db,
-            "bad",
-            &format!("loop-{i}"),
-            serde_json::json!({"hostile": "loop"}),
-        )
-        .await?;
-    }
-    let quarantined = eventually(Duration::from_secs(30), || async {
-        gauge(http_a.clone(), QUARANTINED).await == 1.0
-    })
-    .await;
+    let quarantined = loop_until_quarantined(0..2, &http_a).await?;
     assert!(
         quarantined,
         "relay A quarantines the route: {}",
@@ -374,19 +384,7 @@ async fn a_quarantine_is_followed_by_every_relay_and_a_good_probe_resumes_it() -
     })
     .await;
     assert!(reloaded, "{}", b.log_text());
-    for i in 2..4 {
-        insert(
-            &db,
-            "bad",
-            &format!("loop-{i}"),
-            serde_json::json!({"hostile": "loop"}),
-        )
-        .await?;
-    }
-    let again = eventually(Duration::from_secs(30), || async {
-        gauge(http_b.clone(), QUARANTINED).await == 1.0
-    })
-    .await;
+    let again = loop_until_quarantined(2..4, &http_b).await?;
     assert!(again, "{}", b.log_text());
     let deferred_before = gauge(http_b.clone(), DEFERRED).await;
     let probe = insert(&db, "order", "p-2", serde_json::json!({})).await?;

@@ -321,14 +321,11 @@ async fn purge_a_day_old(config: &Path) -> anyhow::Result<u64> {
     purge_rounds(&s, Duration::from_secs(86_400), 3).await
 }
 
-/// Retention runs on one relay at a time: while another relay's round
-/// holds the table's purge lock (an advisory lock per source), a round
-/// deletes nothing and leaves the rows for the holder; once it is released
-/// the next round deletes them.
-#[tokio::test(flavor = "multi_thread")]
-async fn retention_rounds_skip_while_another_relay_holds_the_purge_lock() -> anyhow::Result<()> {
+/// A migrated database whose outbox is marked by `published_at`
+/// (`examples/outbox-published-at.toml`), in test folder `name`.
+async fn stamped_outbox(name: &str) -> anyhow::Result<(TestDb, std::path::PathBuf)> {
     let db = TestDb::new().await?;
-    let dir = test_dir("retention-lock");
+    let dir = test_dir(name);
     let config = write_config(
         &dir,
         &db.url,
@@ -336,6 +333,16 @@ async fn retention_rounds_skip_while_another_relay_holds_the_purge_lock() -> any
         &file_sink_body(&dir, &example_table("outbox-published-at.toml")?),
     )?;
     db.migrate(&config)?;
+    Ok((db, config))
+}
+
+/// Retention runs on one relay at a time: while another relay's round
+/// holds the table's purge lock (an advisory lock per source), a round
+/// deletes nothing and leaves the rows for the holder; once it is released
+/// the next round deletes them.
+#[tokio::test(flavor = "multi_thread")]
+async fn retention_rounds_skip_while_another_relay_holds_the_purge_lock() -> anyhow::Result<()> {
+    let (db, config) = stamped_outbox("retention-lock").await?;
     produce(&db.pool, "agg", 10, 1, 0).await?;
     sqlx::query("UPDATE outbox SET published_at = now() - interval '3 days'")
         .execute(&db.pool)
@@ -357,15 +364,7 @@ async fn retention_rounds_skip_while_another_relay_holds_the_purge_lock() -> any
 /// Under `published_at` marking retention ages rows by their stamp.
 #[tokio::test(flavor = "multi_thread")]
 async fn retention_deletes_only_published_rows_past_the_window() -> anyhow::Result<()> {
-    let db = TestDb::new().await?;
-    let dir = test_dir("retention");
-    let config = write_config(
-        &dir,
-        &db.url,
-        "",
-        &file_sink_body(&dir, &example_table("outbox-published-at.toml")?),
-    )?;
-    db.migrate(&config)?;
+    let (db, config) = stamped_outbox("retention").await?;
     produce(&db.pool, "agg", 10, 3, 0).await?; // 30 rows
     sqlx::query("UPDATE outbox SET published_at = now() - interval '3 days' WHERE seq <= 10")
         .execute(&db.pool)

@@ -10,9 +10,12 @@ use outroute_e2e::workspace;
 /// The top-level modules `crate::X` names in `text` (`use crate::a::b`,
 /// `crate::a::f()`, `use crate::{a, b::c}`), comments left out.
 fn crate_refs(text: &str) -> BTreeSet<String> {
+    // A line comment starts a line or follows a space (a `//` inside a
+    // string, as in `postgres://`, does neither).
     let code: String = text
         .lines()
-        .map(|l| l.split("//").next().unwrap_or(""))
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .map(|l| l.split(" //").next().unwrap_or(""))
         .collect::<Vec<_>>()
         .join("\n");
     let ident = |s: &str| -> String {
