@@ -8,7 +8,7 @@ use outroute::ops::ConfigArg;
 use outroute::{config, ops, quickstart};
 
 /// mimalloc rather than glibc's malloc: allocation was a quarter of the
-/// relay's CPU per event (README, "Benchmarks").
+/// relay's CPU per event (docs/src/performance.md).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -54,7 +54,7 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Failed events (outroute's dead-letter state): list, show, retry, discard.
+    /// Failed events (outroute's dead-letter state): list, show, edit, retry, discard.
     Failed {
         #[command(subcommand)]
         action: ops::FailedAction,
@@ -71,7 +71,7 @@ enum Command {
     },
     /// Re-publish already-published events.
     Replay(ops::ReplayArgs),
-    /// Try and inspect plugins.
+    /// Plugins: scaffold, test, inspect, try on recorded events, shadow report, promote.
     Plugin {
         #[command(subcommand)]
         action: ops::PluginAction,
@@ -83,6 +83,38 @@ enum Command {
     },
     /// Run the embedded demo end to end: SQLite outbox, example plugin, file sink.
     Quickstart(quickstart::QuickstartArgs),
+    /// Print a reference page of the user guide (Markdown), generated from
+    /// the code: `docs/src/reference/<PAGE>.md`.
+    Reference {
+        #[arg(value_enum)]
+        page: ReferencePage,
+    },
+}
+
+/// The generated pages of the user guide's reference.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ReferencePage {
+    /// Every configuration key (from the config's JSON Schema).
+    Config,
+    /// Every command and option (from this command line's definitions).
+    Cli,
+    /// Every Prometheus series with its kind, labels and meaning.
+    Metrics,
+}
+
+/// The reference page `page`.
+fn reference(page: ReferencePage) -> String {
+    match page {
+        ReferencePage::Config => config::reference_markdown(),
+        ReferencePage::Cli => {
+            let options = clap_markdown::MarkdownOptions::new()
+                .title("Command-line reference".to_string())
+                .show_footer(false)
+                .show_table_of_contents(true);
+            clap_markdown::help_markdown_custom::<Cli>(&options)
+        }
+        ReferencePage::Metrics => outroute::metrics::reference_markdown(),
+    }
 }
 
 #[derive(Subcommand)]
@@ -110,12 +142,8 @@ enum ConfigAction {
         old: std::path::PathBuf,
         new: std::path::PathBuf,
     },
-    /// Print the JSON Schema of the configuration file.
-    Schema {
-        /// The reference as Markdown (docs/config-reference.md) instead.
-        #[arg(long)]
-        markdown: bool,
-    },
+    /// Print the JSON Schema of the configuration file (for editors).
+    Schema,
 }
 
 fn main() -> ExitCode {
@@ -167,15 +195,30 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             action: ConfigAction::Diff { old, new },
         } => ops::config_diff(&old, &new),
         Command::Config {
-            action: ConfigAction::Schema { markdown },
+            action: ConfigAction::Schema,
         } => {
-            if markdown {
-                print!("{}", config::reference_markdown());
-            } else {
-                println!("{}", serde_json::to_string_pretty(&config::schema())?);
-            }
+            println!("{}", serde_json::to_string_pretty(&config::schema())?);
             Ok(ExitCode::SUCCESS)
         }
         Command::Quickstart(args) => quickstart::run(args).await,
+        Command::Reference { page } => {
+            print!("{}", reference(page));
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_command_line_reference_page_is_fresh() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/src/reference/cli.md");
+        let page = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            page == reference(ReferencePage::Cli),
+            "docs/src/reference/cli.md is stale: run `outroute reference cli > docs/src/reference/cli.md`"
+        );
     }
 }

@@ -4,6 +4,9 @@
 //! right after a burst: the claim must walk the lane index anyway, touching
 //! rows in proportion to the batch, not to the backlog. Costs are counted
 //! by PostgreSQL itself (`EXPLAIN ANALYZE` row counts), not timed.
+//!
+//! One concern, one file: the end-to-end tests of what claims cost the
+//! database and that they keep order; each fills its own table.
 
 use std::path::Path;
 use std::time::Duration;

@@ -7,6 +7,9 @@
 //! sharing an order value, a partitioned outbox,
 //! tableless capture from `pg_logical_emit_message`, and the clear refusal
 //! on a server without `wal_level = logical`.
+//!
+//! One concern, one file: the end-to-end tests of log-based capture on its
+//! own cluster; each sets up its slot and table.
 
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -350,7 +350,7 @@ async fn a_table_without_a_sequence_orders_same_transaction_events_as_documented
     Ok(())
 }
 
-/// `relay.ordering = "none"`, as the README's table says: an event refused
+/// `relay.ordering = "none"`, as the guide's ordering table says: an event refused
 /// before sending (the plugin rejects it) holds nothing back; the later
 /// events of its aggregate go out, and it alone fails, with its reason.
 /// (Under the default, `aggregate`, they wait: `plugins.rs`.)

@@ -4,6 +4,9 @@
 //! change applied on SIGHUP while events flow — no restart, no loss — while a
 //! change that reaches outside the team's grant is refused and the running
 //! config keeps working.
+//!
+//! One concern, one file: the end-to-end tests of the shared platform relay
+//! (sources, teams, grants, reloads).
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;

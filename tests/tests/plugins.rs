@@ -4,6 +4,9 @@
 //! specific reason while good events keep flowing; a poisoned aggregate
 //! holds back only itself until an operator discards its failed event; a
 //! relay that makes no progress turns not-ready; plugins hot-reload.
+//!
+//! One concern, one file: the end-to-end tests of plugin isolation, one
+//! hostile mode each.
 
 use std::time::Duration;
 

@@ -3,6 +3,9 @@
 //! relayed end to end (to NATS JetStream) without migrating them, including
 //! the operator workflow for a malformed row (`failed list` → fix → `failed
 //! retry`).
+//!
+//! One concern, one file: the end-to-end tests of the PostgreSQL store; each
+//! sets up its own database and table.
 
 use std::path::Path;
 use std::time::Duration;

@@ -1,6 +1,8 @@
 //! House rules anyone can check with the project's own tools (issue 42):
 //! the host's top-level modules import each other without circles, so each
-//! can be read (and replaced) knowing only what it stands on.
+//! can be read (and replaced) knowing only what it stands on; every Rust
+//! file opens with a comment saying what it is for; and no file grows past
+//! [`MAX_LINES`] unless its opening comment says why it is one concern.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -164,4 +166,87 @@ fn a_circle_is_found() {
     g.insert("d".into(), ["a".to_string()].into());
     let found = circles(&g);
     assert_eq!(found, vec![vec!["a", "b", "c", "a"]]);
+}
+
+/// Longer than this, a file must say why it is one concern.
+const MAX_LINES: usize = 700;
+
+/// Every Rust file of the workspace's own crates (not build output).
+fn rust_files() -> Vec<std::path::PathBuf> {
+    let root = workspace();
+    let mut out = Vec::new();
+    let mut stack: Vec<_> = [
+        "host/src",
+        "guest-sdk/src",
+        "tests/src",
+        "tests/tests",
+        "benches/src",
+        "plugins",
+    ]
+    .iter()
+    .map(|d| root.join(d))
+    .collect();
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let path = e.path();
+            let name = e.file_name().to_string_lossy().to_string();
+            if path.is_dir() {
+                if !["target", "node_modules", "dist", "wit_world"].contains(&name.as_str()) {
+                    stack.push(path);
+                }
+            } else if name.ends_with(".rs") {
+                out.push(path);
+            }
+        }
+    }
+    out
+}
+
+/// The file's opening comment: its leading `//!` (or `//`) lines.
+fn header(text: &str) -> String {
+    text.lines()
+        .take_while(|l| l.starts_with("//"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn every_file_says_what_it_is_for_and_long_ones_why_they_are_one_concern() {
+    let root = workspace();
+    let files = rust_files();
+    assert!(files.len() > 50, "only {} files found", files.len());
+    let mut problems = Vec::new();
+    for path in &files {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        let shown = path
+            .strip_prefix(&root)
+            .unwrap_or(path)
+            .display()
+            .to_string();
+        let head = header(&text);
+        if head.is_empty() {
+            problems.push(format!("{shown}: no opening comment saying what it is for"));
+        }
+        let lines = text.lines().count();
+        if lines > MAX_LINES && !head.contains("One concern") {
+            problems.push(format!(
+                "{shown}: {lines} lines; split it by concern, or say in its opening comment why it is one (\"One concern, one file: …\")"
+            ));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn a_long_file_without_a_reason_is_found() {
+    let long = "//! Something.\n".to_string() + &"fn f() {}\n".repeat(MAX_LINES);
+    assert!(!header(&long).contains("One concern"));
+    assert!(long.lines().count() > MAX_LINES);
+    assert_eq!(
+        header("//! A.\n//! B.\nuse x;\n//! not header"),
+        "//! A.\n//! B."
+    );
 }

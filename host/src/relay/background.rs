@@ -183,7 +183,7 @@ impl Relay {
                     metrics::gauge!(m::SLOT_LAG_BYTES, "source" => self.source.clone())
                         .set(s.lag_bytes as f64);
                     if s.wal_status.as_deref() == Some("lost") {
-                        tracing::error!(slot = %s.slot, "the replication slot lost WAL it needed (max_slot_wal_keep_size): events may be missing; see README \"Log-based capture\"");
+                        tracing::error!(slot = %s.slot, "the replication slot lost WAL it needed (max_slot_wal_keep_size): events may be missing; see the guide, \"Operating the replication slot\"");
                     }
                 }
                 Ok(None) => tracing::warn!("the replication slot is gone (dropped?)"),

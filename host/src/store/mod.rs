@@ -14,6 +14,10 @@
 //!
 //! PostgreSQL is the production store (many relays); SQLite is the embedded
 //! default for one relay and the quickstart.
+//!
+//! One concern, one file: the store interface every backend implements (its
+//! types and the one enum that dispatches to PostgreSQL or SQLite); splitting
+//! it would separate a method from its contract.
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;

@@ -69,6 +69,10 @@
 //!
 //! Cost per batch: 1 claim round-trip, 1 mark round-trip, plus one per
 //! failed event; lease upkeep is 2–3 statements every `lease_ttl / 3`.
+//!
+//! One concern, one file: the connection to one source's database and the
+//! design every `postgres/` file follows; most of its length is that design,
+//! written once here.
 
 use std::time::Duration;
 
@@ -601,7 +605,7 @@ mod col {
 /// sqlx's per-value type-compatibility check — most of the cost of reading
 /// a row, measured — proves nothing; a value of another type still fails
 /// to decode, as an error.
-fn to_claim(r: &PgRow, payload_is_json: bool) -> Result<Claim> {
+pub(super) fn to_claim(r: &PgRow, payload_is_json: bool) -> Result<Claim> {
     let id: Option<String> = r.try_get_unchecked(col::ID)?;
     let tid: Option<String> = r.try_get_unchecked(col::TID)?;
     let lane: i32 = r.try_get_unchecked(col::LANE)?;

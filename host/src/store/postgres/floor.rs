@@ -64,6 +64,9 @@
 //! `setval` backwards) would otherwise lift every lane's floor above every
 //! row to come, each then waiting for the sweep, until restart. Now only its
 //! own lane's next row waits for one sweep; its claim brings `M` back down.
+//!
+//! One concern, one file: claim floors — the rounds that raise them, the
+//! sweep below them and their tests — which only make sense read together.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

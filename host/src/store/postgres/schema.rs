@@ -94,7 +94,7 @@ impl PgStore {
                             table = %t.name,
                             "column `{col}` is jsonb: PostgreSQL re-serialises every payload it hands \
                              out; as `json` it passes the producer's bytes on as written, with less work \
-                             per event (README \"Payload type\")"
+                             per event (guide: \"Table shapes and payload types\")"
                         );
                     }
                 }

@@ -3,6 +3,10 @@
 //! the lane expression, the claim statements (by lane index, by pending
 //! queue, by scan), the floor rounds and the queue trigger. Text only: it
 //! runs nothing (the files beside it do).
+//!
+//! One concern, one file: the text of one table's statements, generated
+//! together because they share its column list, lane expression and
+//! predicates.
 
 use super::*;
 

@@ -1,0 +1,183 @@
+//! `[relay]`, `[http]` and `[log]`: the settings of the relay process
+//! itself (batching, leases, ordering, polling, shutdown, plugin cache; its
+//! HTTP endpoints; its log). A reload that changes any of them is refused:
+//! they need a restart.
+
+use super::*;
+
+/// Per-aggregate ordering mode. What each guarantees, per sink, is in the
+/// docs/src/concepts/ordering.md; `pipeline.rs` is the code that keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Ordering {
+    /// Events of one aggregate are sent in outbox order, many in flight at
+    /// once; a failing event holds back only the later events of its own
+    /// aggregate. A broker that loses an earlier message after storing a
+    /// later one (ack-time failure) is counted in
+    /// `outroute_order_risk_total`; the later event is re-sent after it.
+    #[default]
+    Aggregate,
+    /// At most one unacknowledged event per aggregate: the next event of an
+    /// aggregate is sent only after the previous one was acknowledged, so
+    /// first deliveries are always in order. Costs a broker round trip per
+    /// repeated aggregate within a batch.
+    Strict,
+    /// No ordering: every event is independent (maximum parallelism).
+    None,
+}
+
+#[derive(PartialEq, Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct RelayConfig {
+    /// Identity of this relay instance (lease owner). Default: host-pid-random.
+    pub id: Option<String>,
+    /// Most events claimed per batch. Each worker starts at an eighth of it
+    /// and doubles after every full batch (the first events after a start
+    /// go out sooner).
+    pub batch_size: u32,
+    /// Most payload bytes one batch holds and publishes: a claim (and a
+    /// captured batch) stops at the event whose payload reaches it, and
+    /// the messages after the one that reaches it wait for the next batch
+    /// (a batch is split, never failed, so large payloads or a
+    /// fan-out-heavy route cannot balloon the relay's memory). Under
+    /// `capture = "logical"` the relay holds at most
+    /// `(concurrency × 2 + 1) × max_batch_bytes` of captured events, plus
+    /// 16 messages read ahead.
+    pub max_batch_bytes: u64,
+    /// Batches worked on at once (a worker claims from the owned lanes no
+    /// other worker has a batch in flight from;
+    /// under `capture = "logical"`, a share of the aggregates).
+    pub concurrency: u32,
+    /// Number of ordering lanes (aggregates are hashed onto lanes; each lane
+    /// has one owner at a time). Must be the same for every relay of a table.
+    pub lanes: u32,
+    /// How long a lane lease lasts without renewal.
+    #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
+    pub lease_ttl: Duration,
+    /// Shortest pause between polls while events keep arriving.
+    #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
+    pub poll_min: Duration,
+    /// Longest pause between polls when the outbox is idle.
+    #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
+    pub poll_max: Duration,
+    /// Also LISTEN on this channel (producers must `NOTIFY` it; this taxes
+    /// producer commits, see the guide, "Deploying and running"). Off by default.
+    pub notify_channel: Option<String>,
+    /// Ordering mode: `aggregate` (default), `strict` or `none`.
+    pub ordering: Ordering,
+    /// How long SIGTERM (or a reload that changes a source) waits for
+    /// in-flight batches; then they are stopped, their rows left pending.
+    #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
+    pub shutdown_timeout: Duration,
+    /// How long a broker may take to acknowledge before the event is retried.
+    #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
+    pub publish_timeout: Duration,
+    /// The relay reports not-ready when the backlog is non-empty and nothing
+    /// was published for this long.
+    #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
+    pub stall_after: Duration,
+    /// Delete published rows after this long (aged by `published_at`, or by
+    /// `created_at` under `status` and `queue` marking; nothing to delete
+    /// under `delete`). Unset: keep them.
+    #[serde(default, with = "humantime_serde")]
+    #[schemars(with = "Option<String>")]
+    pub retention: Option<Duration>,
+    /// Directory for compiled plugin artifacts (native code, verified by a
+    /// MAC before use; must be private to the relay's user). Default:
+    /// `$HOME/.cache/outroute/plugins`.
+    pub cache_dir: Option<PathBuf>,
+    /// Keep compiled plugins on disk. `false`: compile in memory at every
+    /// start (slower starts, nothing on disk).
+    pub plugin_cache: bool,
+    /// Check the config file and its includes this often and reload when
+    /// one changed (as SIGHUP does). Unset: only on SIGHUP.
+    #[serde(default, with = "humantime_serde")]
+    #[schemars(with = "Option<String>")]
+    pub config_watch_interval: Option<Duration>,
+    /// The most a team file's route may set for each of its limits (CPU
+    /// budget, memory, log volume, messages, bytes, quarantine threshold);
+    /// a grant may lower them for its team, never raise them. Unset fields:
+    /// the built-in maxima.
+    pub route_ceilings: grants::Ceilings,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        RelayConfig {
+            id: None,
+            batch_size: 500,
+            max_batch_bytes: 64 << 20,
+            concurrency: 2,
+            lanes: 64,
+            lease_ttl: Duration::from_secs(10),
+            poll_min: Duration::from_millis(1),
+            poll_max: Duration::from_millis(100),
+            notify_channel: None,
+            ordering: Ordering::Aggregate,
+            shutdown_timeout: Duration::from_secs(10),
+            publish_timeout: Duration::from_secs(30),
+            stall_after: Duration::from_secs(60),
+            retention: None,
+            cache_dir: None,
+            plugin_cache: true,
+            config_watch_interval: None,
+            route_ceilings: grants::Ceilings::default(),
+        }
+    }
+}
+
+#[derive(PartialEq, Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpConfig {
+    /// Address for `/metrics`, `/healthz`, `/readyz`. Empty: no server.
+    pub listen: String,
+    /// Bearer token for the endpoints that show event content (`/shadow`):
+    /// a request must send `Authorization: Bearer <token>`. Unset: those
+    /// endpoints answer 401 to everyone. `/metrics`, `/healthz` and
+    /// `/readyz` stay open. Better from `OUTROUTE_HTTP__TOKEN` or
+    /// `token_file` than in the file.
+    pub token: Option<Secret>,
+    /// A file holding `token` (a mounted secret).
+    pub token_file: Option<PathBuf>,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            listen: "127.0.0.1:9464".into(),
+            token: None,
+            token_file: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, JsonSchema, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Human,
+    Json,
+}
+
+#[derive(PartialEq, Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    pub format: LogFormat,
+    /// `tracing` filter, e.g. `info,outroute=debug`. `RUST_LOG` wins.
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            format: LogFormat::Human,
+            level: "info".into(),
+        }
+    }
+}
