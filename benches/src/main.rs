@@ -55,6 +55,7 @@ mod latency;
 mod measure;
 mod outage;
 mod plugins;
+mod scale;
 mod setup;
 mod wakeup;
 use ceilings::*;
@@ -63,6 +64,7 @@ use latency::*;
 use measure::*;
 use outage::*;
 use plugins::*;
+use scale::*;
 use setup::*;
 use wakeup::*;
 
@@ -87,9 +89,16 @@ struct Args {
     #[arg(long, default_value = "bench-results.json")]
     json: PathBuf,
     /// Only these sections (plugin, ceiling, produce, drain, marking, sources, tables,
-    /// baseline, wakeup, latency, backlog, history, logical, outage, huge-txn).
+    /// baseline, wakeup, latency, backlog, history, logical, outage, huge-txn;
+    /// `scale` runs only when named).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// `--only scale`: the numbers of idle sources one relay serves.
+    #[arg(long, value_delimiter = ',', default_value = "1,10,100,200")]
+    scale_sources: Vec<usize>,
+    /// `--only scale`: seconds of idleness measured.
+    #[arg(long, default_value_t = 60)]
+    scale_idle_secs: u64,
     /// Distinct aggregates in the pre-filled backlogs; 0: one per event (the
     /// hardest case for ordering bookkeeping, and the default).
     #[arg(long, default_value_t = 0)]
@@ -366,6 +375,37 @@ async fn main() -> Result<()> {
             b["events_per_s"].clone(),
         );
         results.insert("baseline_kafka".into(), b);
+    }
+    if args.only.iter().any(|o| o == "scale") {
+        eprintln!("== scale: idle sources in one relay");
+        let mut runs = Vec::new();
+        for &n in &args.scale_sources {
+            let s = scale_one(n, args.scale_idle_secs).await?;
+            table.push((
+                format!(
+                    "{n} idle sources: relay cores, RSS, connections/source, statements/s per db"
+                ),
+                format!(
+                    "{:.4}, {:.0} MiB, {:.2}, {:.3} ({} of {n} asleep)",
+                    s["relay_cores"].as_f64().unwrap_or(0.0),
+                    s["rss_mib"].as_f64().unwrap_or(0.0),
+                    s["connections_per_source"].as_f64().unwrap_or(0.0),
+                    s["statements_per_s_per_db"].as_f64().unwrap_or(0.0),
+                    s["asleep"].as_f64().unwrap_or(0.0),
+                ),
+            ));
+            table.push((
+                format!("{n} idle sources: first event after the quiet spell, commit→file"),
+                format!(
+                    "p50 {:.1} ms, p99 {:.1} ms ({} samples)",
+                    s["first_event_pickup_ms"]["p50"].as_f64().unwrap_or(0.0),
+                    s["first_event_pickup_ms"]["p99"].as_f64().unwrap_or(0.0),
+                    s["first_event_pickup_ms"]["samples"].as_u64().unwrap_or(0),
+                ),
+            ));
+            runs.push(s);
+        }
+        results.insert("scale".into(), json!(runs));
     }
     if want("wakeup") {
         eprintln!("== wake-up cost to producers");

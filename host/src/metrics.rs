@@ -148,6 +148,10 @@ series! {
     /// 1 while a source's database answers (its store open, its last
     /// statement through), 0 while the relay waits for it.
     SOURCE_UP = "outroute_source_up", Gauge ["source"];
+    /// 1 while a source sleeps: idle, its relay waits for the pending
+    /// queue's insert trigger to notify it instead of polling, and costs its
+    /// database next to nothing.
+    SOURCE_ASLEEP = "outroute_source_asleep", Gauge ["source"];
     /// 1 while a sink's broker is connected, 0 while publishing to it waits.
     SINK_UP = "outroute_sink_up", Gauge ["sink"];
     /// 1 while a route's events wait for a part that is not up (`reason`:

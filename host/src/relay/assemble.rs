@@ -236,6 +236,8 @@ impl Relay {
             config: config.relay.clone(),
             health,
             handing_over: std::sync::atomic::AtomicBool::new(false),
+            asleep: watch::Sender::new(false),
+            recorded_asleep: std::sync::atomic::AtomicBool::new(false),
             capture: store_config.logical(source),
             store_key: config.source_key(source),
             store_table: store_config.table(),

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
+use super::sleep::WAKE_CHANNEL;
 use super::{Relay, sleep_or_cancel};
 use crate::metrics as m;
 use crate::pipeline::LeaseView;
@@ -52,7 +53,7 @@ impl Relay {
                 Err(e) => tracing::debug!("could not read route quarantines: {e:#}"),
             }
             self.health.set_quarantined(self.quarantine.quarantined());
-            sleep_or_cancel(QUARANTINE_FOLLOW, &shutdown).await;
+            self.background_pause(QUARANTINE_FOLLOW, &shutdown).await;
         }
     }
 
@@ -74,9 +75,12 @@ impl Relay {
                     self.drop_orphans(&lanes, &mut orphan_walk).await;
                     orphans_due = Instant::now() + ORPHAN_SWEEP_INTERVAL;
                 }
+                // Asleep, a round every `IDLE_EVERY`: its sweep below the
+                // floors still finds a row committed late.
                 self.store.raise_floors(&lanes).await;
             }
-            sleep_or_cancel(crate::store::postgres::FLOOR_ROUND_INTERVAL, &shutdown).await;
+            self.background_pause(crate::store::postgres::FLOOR_ROUND_INTERVAL, &shutdown)
+                .await;
         }
     }
 
@@ -208,7 +212,8 @@ impl Relay {
                     tracing::debug!("backlog query failed: {e:#}");
                 }
             }
-            sleep_or_cancel(Duration::from_secs(1), &shutdown).await;
+            self.background_pause(Duration::from_secs(1), &shutdown)
+                .await;
         }
     }
 
@@ -297,16 +302,18 @@ impl Relay {
         }
     }
 
-    /// Opt-in LISTEN wake-up (PostgreSQL only), on a connection of its
-    /// own. A LISTEN connection that goes silent (a partition, a failover
-    /// that leaves the old address dark) would stop wake-ups with no error,
-    /// leaving pickup to `relay.poll_max`: after `store.statement_timeout`
-    /// with no notification it is asked a `SELECT 1`, and one that does not
-    /// answer within that long is given up and replaced. Workers are woken
-    /// whenever a LISTEN starts, in case a notification was missed.
+    /// LISTEN wake-ups (PostgreSQL only), on a connection of its own: the
+    /// pending queue's trigger waking a sleeping source ([`WAKE_CHANNEL`],
+    /// payload the table's name; others' are ignored) and the opt-in
+    /// `relay.notify_channel`. A LISTEN connection that goes silent (a
+    /// partition, a failover that leaves the old address dark) would stop
+    /// wake-ups with no error: after `store.statement_timeout` with no
+    /// notification it is asked a `SELECT 1`, and one that does not answer
+    /// within that long is given up and replaced. Workers are woken whenever
+    /// a LISTEN starts, in case a notification was missed.
     pub(super) async fn listen(
         self: Arc<Self>,
-        channel: String,
+        channels: Vec<String>,
         wake: Arc<Notify>,
         shutdown: CancellationToken,
     ) {
@@ -332,8 +339,10 @@ impl Relay {
                 }
             };
             if let Err(e) = pg
-                .bounded(&format!("LISTEN {channel}"), async {
-                    Ok(listener.listen(&channel).await?)
+                .bounded(&format!("LISTEN {}", channels.join(", ")), async {
+                    Ok(listener
+                        .listen_all(channels.iter().map(String::as_str))
+                        .await?)
                 })
                 .await
             {
@@ -346,7 +355,12 @@ impl Relay {
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
                     n = tokio::time::timeout(quiet, listener.try_recv()) => match n {
-                        Ok(Ok(Some(_))) => wake.notify_waiters(),
+                        Ok(Ok(Some(n))) => {
+                            // Another table's in the same database: not ours.
+                            if n.channel() != WAKE_CHANNEL || n.payload() == pg.source_key() {
+                                wake.notify_waiters();
+                            }
+                        }
                         // The connection closed; sqlx reconnects and listens
                         // again. Notifications meanwhile were missed.
                         Ok(Ok(None)) => {

@@ -73,6 +73,13 @@ impl InFlight {
     }
 }
 
+impl InFlight {
+    /// No lane has a batch in flight.
+    pub fn none(&self) -> bool {
+        self.lock().values().all(|l| !l.busy)
+    }
+}
+
 impl Free {
     pub fn lanes(&self) -> Vec<i32> {
         self.0.iter().map(|(l, _)| *l).collect()

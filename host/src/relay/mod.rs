@@ -20,7 +20,8 @@
 //! `assemble.rs` (building a source's relay: its plugins and sinks),
 //! `workers.rs` (the run loop: workers claiming batches), `lanes.rs` (which
 //! lanes have a batch in flight), `settle.rs` (recording what a batch left:
-//! retries, deferrals, failures), `background.rs` (leases, plugin reload,
+//! retries, deferrals, failures), `sleep.rs` (an idle source stops polling
+//! until its next insert), `background.rs` (leases, plugin reload,
 //! retention, backlog gauge, LISTEN).
 //!
 //! One concern, one file: one batch, claim to mark, read top to bottom; the
@@ -54,6 +55,7 @@ mod assemble;
 mod background;
 mod lanes;
 mod settle;
+mod sleep;
 mod workers;
 pub use assemble::*;
 pub use lanes::*;
@@ -102,6 +104,13 @@ pub struct Relay {
     pub relay_id: String,
     /// Lanes in a batch in flight (lease mode).
     pub in_flight: InFlight,
+    /// The source sleeps: idle, its workers wait for the insert trigger's
+    /// notification instead of polling, and the background tasks slow down
+    /// (`relay/sleep.rs`, `store/postgres/wake.rs`).
+    pub asleep: watch::Sender<bool>,
+    /// `outroute_wake` may say this source is asleep (recorded on the way
+    /// to sleep): the next events claimed record it awake.
+    pub recorded_asleep: std::sync::atomic::AtomicBool,
 }
 
 /// How many events a batch published, held and failed.

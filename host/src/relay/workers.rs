@@ -3,6 +3,7 @@
 //! from the lanes no other worker has in flight and hands it to
 //! [`Relay::process`]; a supervisor restarts a worker that failed.
 
+use super::sleep::{Drowsy, WAKE_CHANNEL};
 use super::*;
 
 /// A task aborted when this is dropped: a task that must not outlive its
@@ -99,9 +100,16 @@ impl Relay {
         if let Some(retention) = self.config.retention {
             background.push(spawn_here(self.clone().purge(retention, shutdown.clone())));
         }
-        if let Some(channel) = self.config.notify_channel.clone() {
+        // LISTEN for the pending queue's wake-ups (a sleeping source, see
+        // `relay/sleep.rs`) and for the producers' own NOTIFY, if any.
+        let mut channels = Vec::new();
+        if self.store.postgres().is_some_and(|p| p.wakes()) {
+            channels.push(WAKE_CHANNEL.to_string());
+        }
+        channels.extend(self.config.notify_channel.clone());
+        if !channels.is_empty() {
             background.push(spawn_here(self.clone().listen(
-                channel,
+                channels,
                 wake.clone(),
                 shutdown.clone(),
             )));
@@ -203,6 +211,8 @@ impl Relay {
         // (re)start the first events go out after a short claim and a short
         // publish, not after a full batch of each.
         let mut size = (self.config.batch_size / 8).max(1);
+        // Worker 0 puts an idle source to sleep (`relay/sleep.rs`).
+        let mut drowsy = Drowsy::default();
         while !shutdown.is_cancelled() {
             let view = leases.borrow_and_update().clone();
             let mut lanes: Vec<i32> = if Instant::now() < view.valid_until {
@@ -221,6 +231,7 @@ impl Relay {
             let first = turn % lanes.len();
             lanes.rotate_left(first);
             turn = turn.wrapping_add(1);
+            let owned = lanes.len();
             let free = self.in_flight.free(&lanes);
             let lanes = free.lanes();
             if lanes.is_empty() {
@@ -270,12 +281,46 @@ impl Relay {
             };
             if claims.is_empty() {
                 drop(reserved);
+                if self.is_asleep() {
+                    if index == 0 {
+                        self.sleep(notified, &mut leases, &view.lanes, &shutdown)
+                            .await;
+                    } else {
+                        // Worker 0 keeps the backstop; the others wait for
+                        // a notification or for the source to wake.
+                        let mut awake = self.asleep.subscribe();
+                        tokio::select! {
+                            _ = shutdown.cancelled() => break,
+                            _ = notified => {},
+                            _ = awake.wait_for(|asleep| !*asleep) => {},
+                        }
+                    }
+                    idle = self.config.poll_min;
+                    continue;
+                }
+                if index == 0
+                    && idle >= self.config.poll_max
+                    && lanes.len() == owned
+                    && self.in_flight.none()
+                {
+                    // Polling has backed off and nothing is in flight:
+                    // one step towards sleep per empty claim over every lane.
+                    self.drift_off(&mut drowsy).await;
+                    if self.is_asleep() {
+                        continue;
+                    }
+                }
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
                     _ = notified => idle = self.config.poll_min,
                     _ = tokio::time::sleep(idle) => idle = (idle * 2).min(self.config.poll_max),
                 }
                 continue;
+            }
+            // Events: the source is awake (recorded so, if it slept).
+            if self.drowsy() {
+                self.stir().await;
+                drowsy = Drowsy::Awake;
             }
             let full = claims.len() as u32 >= size;
             if full {

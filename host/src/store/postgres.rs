@@ -97,11 +97,15 @@ mod mark;
 mod operator;
 mod schema;
 mod sql;
+mod wake;
 pub use floor::ROUND_INTERVAL as FLOOR_ROUND_INTERVAL;
 use sql::*;
 /// How often a relay removes queue entries whose row was deleted or
 /// failed by hand (see [`PgStore::drop_orphans`]).
 pub const ORPHAN_SWEEP_INTERVAL: Duration = Duration::from_secs(30);
+
+/// How long a pooled connection may stay unused before it is closed.
+const IDLE_CONNECTION: Duration = Duration::from_secs(30);
 
 /// A resumed route's waiting events (deferred by its quarantine), due now.
 const MAKE_WAITING_DUE: &str = "UPDATE outroute_event_state SET next_attempt_at = now(), blocks_until = now(), updated_at = now() \
@@ -184,6 +188,9 @@ pub struct PgStore {
     /// Set when the claim cannot use a lane index: the statement that
     /// would make it cheap.
     missing_index: Option<String>,
+    /// The pending queue's trigger notifies a sleeping source's relays
+    /// (set by `check_table`; see `postgres/wake.rs`).
+    wakes: bool,
     /// Where each lane's claim starts (lane-index claims of tables with a
     /// sequence column; see `postgres/floor.rs`).
     floors: std::sync::Mutex<floor::Floors>,
@@ -311,6 +318,10 @@ impl PgStore {
         let abandoned = std::sync::Arc::new(Abandoned::default());
         let pool = match PgPoolOptions::new()
             .max_connections(sc.max_connections.max(2))
+            // Connections close after a while unused: a quiet (or sleeping)
+            // source keeps the one its lease rounds use, not one per worker.
+            .min_connections(0)
+            .idle_timeout(Some(IDLE_CONNECTION))
             // sqlx pings every connection it hands out (a round trip
             // before each claim and each mark). A connection used within
             // the last half second has just proven itself (sqlx also pings
@@ -412,6 +423,7 @@ impl PgStore {
             claim_sql: String::new(),
             claim_skip_sql: String::new(),
             missing_index: None,
+            wakes: false,
             floors: Default::default(),
             routes: Default::default(),
             floor_sql: None,

@@ -424,6 +424,12 @@ impl PgStore {
             );
             sqlx::query(&q).bind(&ids).execute(&mut *tx).await?;
         }
+        // A relay sleeping on this source (`postgres/wake.rs`) hears of
+        // the events put back at this commit.
+        sqlx::query("SELECT pg_notify('outroute_wake', $1)")
+            .bind(&self.source)
+            .execute(&mut *tx)
+            .await?;
         tx.commit().await?;
         if !gone.is_empty() {
             bail!(
@@ -495,11 +501,17 @@ impl PgStore {
              WHERE {}",
             Self::failed_where(f)
         );
-        Ok(self
+        let discarded = self
             .bind_failed(sqlx::query(&q), f)
             .execute(&self.pool)
             .await?
-            .rows_affected())
+            .rows_affected();
+        if discarded > 0 {
+            // The aggregates they held are released: a sleeping relay
+            // (`postgres/wake.rs`) claims their later events now.
+            self.notify_wake().await?;
+        }
+        Ok(discarded)
     }
 
     pub(super) fn published_where(&self, s: &TableSql) -> String {

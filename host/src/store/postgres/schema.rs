@@ -192,6 +192,16 @@ impl PgStore {
                         .bind(quote(&queue_function(t)))
                         .fetch_optional(&self.pool)
                         .await?;
+                self.wakes = body.as_deref().is_some_and(|b| b.contains("outroute_wake"));
+                if !self.wakes {
+                    tracing::info!(
+                        table = %t.name,
+                        "the pending queue's trigger on `{}` was set up by an older outroute: an idle source \
+                         keeps polling instead of sleeping until its next insert. Run `outroute migrate` \
+                         (or `migrate --table`) to bring the trigger up to date",
+                        t.name
+                    );
+                }
                 if let Some(body) = body
                     && !body.contains(&format!("% {})", self.lanes))
                 {

@@ -171,6 +171,12 @@ pub(super) fn queue_function(t: &TableConfig) -> String {
 /// moves its entry with it (`outroute_requeue`): the row goes out in its new
 /// aggregate's lane and order. (Left behind, the entry would point at no row
 /// and the event would never be published.)
+///
+/// While one of the table's relays sleeps (`outroute_wake`, see
+/// `postgres/wake.rs`), an insert also sends `pg_notify('outroute_wake',
+/// <table>)`: one notification on the idle→busy edge, none while the relays
+/// are awake (a notification serialises commits, so busy producers must not
+/// pay one each).
 pub(super) fn queue_function_ddl(t: &TableConfig, function: &str, seq: &str, lanes: u32) -> String {
     let new = Shape::new(t, lanes, "NEW");
     let old = Shape::new(t, lanes, "OLD");
@@ -190,7 +196,11 @@ pub(super) fn queue_function_ddl(t: &TableConfig, function: &str, seq: &str, lan
              WHERE source = {src} AND lane = {old_lane} AND seq = {old_seq}; \
            RETURN NULL; \
          END IF; \
-         INSERT INTO %2$I.outroute_queue (source, lane, seq) VALUES ({src}, {lane}, {new_seq}); RETURN NULL; END $outroute$",
+         INSERT INTO %2$I.outroute_queue (source, lane, seq) VALUES ({src}, {lane}, {new_seq}); \
+         IF EXISTS (SELECT 1 FROM %2$I.outroute_wake w WHERE w.source = {src} AND w.asleep \
+             AND w.since > now() - interval '2 minutes') \
+           THEN PERFORM pg_notify('outroute_wake', {src}); END IF; \
+         RETURN NULL; END $outroute$",
         f = quote(function).replace('%', "%%"),
         src = literal(&t.name).replace('%', "%%"),
         lane = new.lane.replace('%', "%%"),

@@ -1,0 +1,176 @@
+//! An idle source sleeps (issue 43): once a lease-mode source on the pending
+//! queue has nothing to claim, its relay stops polling and waits for the
+//! insert trigger's notification — and no event is missed on the way into
+//! sleep or out of it. Each test waits well under the sleeping relay's
+//! 30 s backstop, so an event found only by the backstop fails it.
+
+use std::path::Path;
+use std::time::Duration;
+
+use outroute_e2e::{
+    Relay, TestDb, eventually, file_sink_deliveries, file_sink_reaches, free_addr, http_get,
+    metric, plugin, test_dir, write_config,
+};
+
+fn file_body(dir: &Path, http: &str) -> String {
+    format!(
+        "[http]\nlisten = \"{http}\"\n[sinks.file]\nkind = \"file\"\npath = \"{}\"\n[plugins.p]\npath = \"{}\"\n\
+         [[routes]]\nname = \"r\"\nplugin = \"p\"\nconfig = {{ sink = \"file\", topic = \"orders.{{event_type}}\" }}\n\
+         allow = {{ file = [\"orders.*\"] }}\n",
+        dir.join("out.jsonl").display(),
+        plugin("order-router").display()
+    )
+}
+
+async fn insert(pool: &sqlx::PgPool, aggregate: &str) -> anyhow::Result<String> {
+    let id = uuid::Uuid::new_v4().to_string();
+    sqlx::query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ($1::uuid, 'order', $2, 'order-created', '{}')",
+    )
+    .bind(&id)
+    .bind(aggregate)
+    .execute(pool)
+    .await?;
+    Ok(id)
+}
+
+/// A series of the relay's /metrics (0 when absent).
+async fn series(http: &str, name: &str) -> f64 {
+    http_get(http, "/metrics")
+        .await
+        .ok()
+        .and_then(|(_, m)| metric(&m, name))
+        .unwrap_or(0.0)
+}
+
+const ASLEEP: &str = "outroute_source_asleep{source=\"default\"}";
+const CLAIMS: &str = "outroute_claim_seconds_count{source=\"default\"}";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_idle_source_stops_polling_and_its_next_insert_wakes_it() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("idle-sleeps");
+    let http = free_addr();
+    let config = write_config(&dir, &db.url, "lanes = 8", &file_body(&dir, &http))?;
+    db.migrate(&config)?;
+    let out = dir.join("out.jsonl");
+    let relay = Relay::start(&config, &[])?;
+    insert(&db.pool, "a1").await?;
+    assert!(
+        file_sink_reaches(&out, 1, Duration::from_secs(30)).await,
+        "{}",
+        relay.log_text()
+    );
+    let asleep = eventually(Duration::from_secs(10), || async {
+        series(&http, ASLEEP).await == 1.0
+    })
+    .await;
+    assert!(
+        asleep,
+        "the idle source never fell asleep: {}",
+        relay.log_text()
+    );
+    // Asleep, it does not poll: no claim for seconds (awake, its two
+    // workers claim up to 20 times a second).
+    let before = series(&http, CLAIMS).await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let claims = series(&http, CLAIMS).await - before;
+    assert!(
+        claims <= 1.0,
+        "{claims} claims in 5 s while asleep: {}",
+        relay.log_text()
+    );
+    // The next insert wakes it, long before the backstop.
+    let id = insert(&db.pool, "a2").await?;
+    let woke = eventually(Duration::from_secs(10), || async {
+        file_sink_deliveries(&out).iter().any(|d| d.id() == id)
+    })
+    .await;
+    assert!(
+        woke,
+        "the insert did not wake the source: {}",
+        relay.log_text()
+    );
+    // And it sleeps again once idle.
+    let again = eventually(Duration::from_secs(10), || async {
+        series(&http, ASLEEP).await == 1.0
+    })
+    .await;
+    assert!(again, "{}", relay.log_text());
+    // Producers of a busy source pay no notification: the trigger sends one
+    // only while a relay is recorded asleep.
+    let asleep_rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outroute_wake WHERE source = 'outbox' AND asleep")
+            .fetch_one(&db.pool)
+            .await?;
+    assert_eq!(asleep_rows, 1, "one relay, recorded asleep");
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}
+
+/// A producer transaction that inserted before the relay recorded itself
+/// asleep saw no sleeper, so its commit sends no notification: the relay
+/// must not sleep before it ended, or its event would wait for the backstop.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_insert_in_flight_while_the_relay_falls_asleep_is_not_missed() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("idle-in-flight");
+    let http = free_addr();
+    let config = write_config(&dir, &db.url, "lanes = 8", &file_body(&dir, &http))?;
+    db.migrate(&config)?;
+    let out = dir.join("out.jsonl");
+    // The producer's transaction inserts before any relay runs (no sleeper
+    // recorded: its trigger notifies nobody) and stays open.
+    let mut tx = db.pool.begin().await?;
+    let id = uuid::Uuid::new_v4().to_string();
+    sqlx::query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ($1::uuid, 'order', 'b1', 'order-created', '{}')",
+    )
+    .bind(&id)
+    .execute(&mut *tx)
+    .await?;
+    let relay = Relay::start(&config, &[])?;
+    // The relay finds nothing (the row is not committed), records itself
+    // asleep, and must then wait for that transaction.
+    let recorded = eventually(Duration::from_secs(15), || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM outroute_wake WHERE asleep")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap_or(0)
+            == 1
+    })
+    .await;
+    assert!(
+        recorded,
+        "the relay never went for sleep: {}",
+        relay.log_text()
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        series(&http, ASLEEP).await,
+        0.0,
+        "the relay fell asleep while a transaction that missed its record was open: {}",
+        relay.log_text()
+    );
+    tx.commit().await?;
+    let sent = eventually(Duration::from_secs(10), || async {
+        file_sink_deliveries(&out).iter().any(|d| d.id() == id)
+    })
+    .await;
+    assert!(
+        sent,
+        "the event committed after the relay recorded itself asleep waited: {}",
+        relay.log_text()
+    );
+    let asleep = eventually(Duration::from_secs(10), || async {
+        series(&http, ASLEEP).await == 1.0
+    })
+    .await;
+    assert!(asleep, "{}", relay.log_text());
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}
