@@ -2,12 +2,12 @@
 //! costs while nothing happens (relay CPU and RSS, connections, statements
 //! per second on each producer database) and how fast it picks up the first
 //! event after a quiet spell. Runs on a cluster of its own
-//! (`scripts/pg-logical`, named `outroute_scale`, port 5436, max_connections
+//! (`scripts/pg-logical`, named `outroute_scale`, port 5438, max_connections
 //! 1200), one database per source, each with the canonical outbox.
 
 use super::*;
 
-const PORT: &str = "5436";
+const PORT: &str = "5438";
 
 /// The scale cluster's URL for database `db`.
 fn url(db: &str) -> String {
@@ -61,13 +61,31 @@ pub(crate) async fn scale_one(n: usize, idle_secs: u64) -> Result<Value> {
             .execute(&admin)
             .await?;
     }
+    let result = measure(&admin, &dbs, idle_secs).await;
+    for db in &dbs {
+        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+            .execute(&admin)
+            .await;
+    }
+    result
+}
+
+/// [`scale_one`] on its databases `dbs`.
+async fn measure(admin: &PgPool, dbs: &[String], idle_secs: u64) -> Result<Value> {
+    let n = dbs.len();
     let dir = test_dir("scale");
     let http = outroute_e2e::free_addr();
     let mut body = String::new();
     for (i, db) in dbs.iter().enumerate() {
         body.push_str(&format!("[sources.s{i}]\nurl = \"{}\"\n", url(db)));
     }
-    body.push_str(&file_sink_body(&dir).replace("listen = \"\"", &format!("listen = \"{http}\"")));
+    body.push_str(&format!(
+        "[http]\nlisten = \"{http}\"\n[sinks.file]\nkind = \"file\"\npath = \"{}\"\n\
+         [plugins.p]\npath = \"{}\"\n[[routes]]\nname = \"r\"\nplugin = \"p\"\n\
+         config = {{ sink = \"file\", topic = \"orders.{{event_type}}\" }}\nallow = {{ file = [\"orders.*\"] }}\n",
+        dir.join("out.jsonl").display(),
+        plugin("order-router").display()
+    ));
     let config = dir.join("outroute.toml");
     std::fs::write(&config, body)?;
     let migrated = std::process::Command::new(outroute_e2e::bin())
@@ -100,13 +118,13 @@ pub(crate) async fn scale_one(n: usize, idle_secs: u64) -> Result<Value> {
     // A little more, so the connections opened at start have idled out.
     tokio::time::sleep(Duration::from_secs(35)).await;
     let (cpu0, _) = proc_stats(pid);
-    let tx0 = transactions(&admin, &dbs).await?;
+    let tx0 = transactions(admin, dbs).await?;
     let started = Instant::now();
     tokio::time::sleep(Duration::from_secs(idle_secs)).await;
     let secs = started.elapsed().as_secs_f64();
     let (cpu1, hwm) = proc_stats(pid);
-    let tx1 = transactions(&admin, &dbs).await?;
-    let connections = relay_connections(&admin).await?;
+    let tx1 = transactions(admin, dbs).await?;
+    let connections = relay_connections(admin).await?;
     let rss = std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
@@ -150,11 +168,6 @@ pub(crate) async fn scale_one(n: usize, idle_secs: u64) -> Result<Value> {
     pickups.sort_by(f64::total_cmp);
     let mut relay = relay;
     relay.terminate(Duration::from_secs(30));
-    for db in &dbs {
-        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-            .execute(&admin)
-            .await;
-    }
     Ok(json!({
         "sources": n,
         "asleep": asleep,

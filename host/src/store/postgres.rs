@@ -104,8 +104,12 @@ use sql::*;
 /// failed by hand (see [`PgStore::drop_orphans`]).
 pub const ORPHAN_SWEEP_INTERVAL: Duration = Duration::from_secs(30);
 
-/// How long a pooled connection may stay unused before it is closed.
-const IDLE_CONNECTION: Duration = Duration::from_secs(30);
+/// How long a pooled connection may stay unused before it is closed. The
+/// pool hands out its least recently used connection first, so a sleeping
+/// source's lease rounds (every `lease_ttl / 3`, 3.3 s by default) would keep
+/// every connection alive under a longer limit; under this one they come
+/// down to the one the rounds use.
+const IDLE_CONNECTION: Duration = Duration::from_secs(5);
 
 /// A resumed route's waiting events (deferred by its quarantine), due now.
 const MAKE_WAITING_DUE: &str = "UPDATE outroute_event_state SET next_attempt_at = now(), blocks_until = now(), updated_at = now() \
