@@ -2,12 +2,13 @@
 //! costs while nothing happens (relay CPU and RSS, connections, statements
 //! per second on each producer database) and how fast it picks up the first
 //! event after a quiet spell. Runs on a cluster of its own
-//! (`scripts/pg-logical`, named `outroute_scale`, port 5438, max_connections
-//! 1200), one database per source, each with the canonical outbox.
+//! (`scripts/pg-logical`, named `outroute_scale`, port 5450, max_connections
+//! 1200; 5432–5438 are the tests' clusters), one database per source, each
+//! with the canonical outbox.
 
 use super::*;
 
-const PORT: &str = "5438";
+const PORT: &str = "5450";
 
 /// The scale cluster's URL for database `db`.
 fn url(db: &str) -> String {
