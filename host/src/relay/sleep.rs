@@ -28,6 +28,10 @@ pub(super) const WAKE_CHANNEL: &str = "outroute_wake";
 /// floors) run while the source sleeps; they run again at once when it wakes.
 pub(super) const IDLE_EVERY: Duration = Duration::from_secs(30);
 
+/// How often worker 0 asks whether the transactions it waits for on its way
+/// to sleep have ended.
+const SETTLED_EVERY: Duration = Duration::from_secs(1);
+
 /// Worker 0's way into sleep, one step per empty claim.
 #[derive(Debug, Default)]
 pub(super) enum Drowsy {
@@ -35,8 +39,9 @@ pub(super) enum Drowsy {
     #[default]
     Awake,
     /// Recorded asleep; waiting for these transactions (in progress right
-    /// after the record) to end.
-    Waiting(Vec<i64>),
+    /// after the record) to end, asked about again from the instant given
+    /// (once a second: a long transaction must not cost a statement per poll).
+    Waiting(Vec<i64>, Instant),
     /// They have: the next empty claim over every lane puts it to sleep
     /// (and the state starts over for the next time).
     Settled,
@@ -62,7 +67,7 @@ impl Relay {
             Drowsy::Awake => match pg.fall_asleep().await {
                 Ok(Some(running)) => {
                     self.recorded_asleep.store(true, AtomicOrdering::Release);
-                    Drowsy::Waiting(running)
+                    Drowsy::Waiting(running, Instant::now())
                 }
                 Ok(None) => Drowsy::Awake,
                 Err(e) => {
@@ -70,12 +75,15 @@ impl Relay {
                     Drowsy::Awake
                 }
             },
-            Drowsy::Waiting(running) => match pg.settled(&running).await {
+            Drowsy::Waiting(running, next) if Instant::now() < next => {
+                Drowsy::Waiting(running, next)
+            }
+            Drowsy::Waiting(running, _) => match pg.settled(&running).await {
                 Ok(true) => Drowsy::Settled,
-                Ok(false) => Drowsy::Waiting(running),
+                Ok(false) => Drowsy::Waiting(running, Instant::now() + SETTLED_EVERY),
                 Err(e) => {
                     tracing::debug!("could not check the transactions in progress: {e:#}");
-                    Drowsy::Waiting(running)
+                    Drowsy::Waiting(running, Instant::now() + SETTLED_EVERY)
                 }
             },
             Drowsy::Settled => {
