@@ -104,28 +104,24 @@ impl PgStore {
 
     /// Renew this relay's asleep record (the trigger ignores stale ones).
     pub async fn still_asleep(&self) -> Result<()> {
-        self.bounded("renewing the asleep record", async {
-            sqlx::query(
-                "UPDATE outroute_wake SET since = now() WHERE source = $1 AND relay = $2 AND asleep",
-            )
-            .bind(&self.source)
-            .bind(&self.relay_id)
-            .execute(&self.pool)
-            .await?;
-            Ok(())
-        })
-        .await
+        self.update_record("renewing the asleep record", true).await
     }
 
     /// Record this relay awake on the source.
     pub async fn wake_up(&self) -> Result<()> {
-        self.bounded("recording the relay awake", async {
+        self.update_record("recording the relay awake", false).await
+    }
+
+    /// Stamp this relay's asleep record now, leaving it asleep or not.
+    async fn update_record(&self, what: &str, asleep: bool) -> Result<()> {
+        self.bounded(what, async {
             sqlx::query(
-                "UPDATE outroute_wake SET asleep = false, since = now() \
+                "UPDATE outroute_wake SET asleep = $3, since = now() \
                  WHERE source = $1 AND relay = $2 AND asleep",
             )
             .bind(&self.source)
             .bind(&self.relay_id)
+            .bind(asleep)
             .execute(&self.pool)
             .await?;
             Ok(())
