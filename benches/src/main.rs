@@ -57,6 +57,7 @@ mod outage;
 mod plugins;
 mod scale;
 mod setup;
+mod skew;
 mod wakeup;
 use ceilings::*;
 use drain::*;
@@ -66,6 +67,7 @@ use outage::*;
 use plugins::*;
 use scale::*;
 use setup::*;
+use skew::*;
 use wakeup::*;
 
 #[derive(Parser)]
@@ -90,7 +92,7 @@ struct Args {
     json: PathBuf,
     /// Only these sections (plugin, ceiling, produce, drain, marking, sources, tables,
     /// baseline, wakeup, latency, backlog, history, logical, outage, huge-txn;
-    /// `scale` runs only when named).
+    /// `scale` and `skew` run only when named).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// `--only scale`: the numbers of idle sources one relay serves.
@@ -99,6 +101,18 @@ struct Args {
     /// `--only scale`: seconds of idleness measured.
     #[arg(long, default_value_t = 60)]
     scale_idle_secs: u64,
+    /// `--only skew`: quiet sources beside the one with a backlog.
+    #[arg(long, default_value_t = 99)]
+    skew_quiet: usize,
+    /// `--only skew`: events in the one source's backlog.
+    #[arg(long, default_value_t = 1_000_000)]
+    skew_backlog: usize,
+    /// `--only skew`: events/s committed to each quiet source.
+    #[arg(long, default_value_t = 10)]
+    skew_rate: u64,
+    /// `--only skew`: seconds the quiet sources are measured alone.
+    #[arg(long, default_value_t = 30)]
+    skew_secs: u64,
     /// Distinct aggregates in the pre-filled backlogs; 0: one per event (the
     /// hardest case for ordering bookkeeping, and the default).
     #[arg(long, default_value_t = 0)]
@@ -395,6 +409,23 @@ async fn main() -> Result<()> {
                 ),
             ));
             table.push((
+                format!("{n} idle sources: statements/s per db, the most run"),
+                s["top_statements"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .take(4)
+                    .map(|t| {
+                        format!(
+                            "{:.3} {}",
+                            t["per_s_per_db"].as_f64().unwrap_or(0.0),
+                            t["statement"].as_str().unwrap_or("")
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join(" | "),
+            ));
+            table.push((
                 format!("{n} idle sources: first event after the quiet spell, commit→file"),
                 format!(
                     "p50 {:.1} ms, p99 {:.1} ms ({} samples)",
@@ -406,6 +437,41 @@ async fn main() -> Result<()> {
             runs.push(s);
         }
         results.insert("scale".into(), json!(runs));
+    }
+    if args.only.iter().any(|o| o == "skew") {
+        eprintln!("== skew: one deep backlog beside quiet sources");
+        let s = skew(
+            args.skew_quiet,
+            args.skew_backlog,
+            args.skew_rate,
+            args.skew_secs,
+        )
+        .await?;
+        let ms = |k: &str, q: &str| s[k][q].as_f64().unwrap_or(0.0);
+        table.push((
+            format!(
+                "skew: {} quiet sources at {}/s, pickup commit→subscriber",
+                args.skew_quiet, args.skew_rate
+            ),
+            format!(
+                "alone p50 {:.1} / p99 {:.1} ms; beside the backlog p50 {:.1} / p99 {:.1} ms ({:.2}×)",
+                ms("quiet_pickup_ms_alone", "p50"),
+                ms("quiet_pickup_ms_alone", "p99"),
+                ms("quiet_pickup_ms_beside_backlog", "p50"),
+                ms("quiet_pickup_ms_beside_backlog", "p99"),
+                s["quiet_p99_ratio"].as_f64().unwrap_or(0.0),
+            ),
+        ));
+        table.push((
+            format!("skew: {}-event backlog drain", args.skew_backlog),
+            format!(
+                "alone {:.0} events/s; beside the quiet sources {:.0} events/s ({:.2}×)",
+                s["backlog_drain_alone"].as_f64().unwrap_or(0.0),
+                s["backlog_drain_beside_quiet"].as_f64().unwrap_or(0.0),
+                s["backlog_drain_ratio"].as_f64().unwrap_or(0.0),
+            ),
+        ));
+        results.insert("skew".into(), s);
     }
     if want("wakeup") {
         eprintln!("== wake-up cost to producers");

@@ -11,16 +11,17 @@ use super::*;
 const PORT: &str = "5450";
 
 /// The scale cluster's URL for database `db`.
-fn url(db: &str) -> String {
+pub(crate) fn url(db: &str) -> String {
     format!("postgres://root@127.0.0.1:{PORT}/{db}")
 }
 
 /// Start (or find) the scale cluster.
-fn cluster() -> Result<()> {
+pub(crate) fn cluster() -> Result<()> {
     let status = std::process::Command::new(outroute_e2e::workspace().join("scripts/pg-logical"))
         .env("OUTROUTE_PG_LOGICAL_NAME", "outroute_scale")
         .env("OUTROUTE_PG_LOGICAL_PORT", PORT)
         .env("OUTROUTE_PG_MAX_CONNECTIONS", "1200")
+        .env("OUTROUTE_PG_PRELOAD", "pg_stat_statements")
         .stdout(std::process::Stdio::null())
         .status()
         .context("running scripts/pg-logical")?;
@@ -31,14 +32,28 @@ fn cluster() -> Result<()> {
     Ok(())
 }
 
-/// Transactions committed or rolled back in each of `dbs`, summed.
-async fn transactions(admin: &PgPool, dbs: &[String]) -> Result<f64> {
+/// Statements the relay ran in each of `dbs` (`pg_stat_statements`, which
+/// counts BEGIN, COMMIT and LISTEN too), summed.
+async fn statements(admin: &PgPool, dbs: &[String]) -> Result<f64> {
     Ok(sqlx::query_scalar::<_, f64>(
-        "SELECT coalesce(sum(xact_commit + xact_rollback), 0)::float8 FROM pg_stat_database \
-         WHERE datname = ANY($1)",
+        "SELECT coalesce(sum(s.calls), 0)::float8 FROM pg_stat_statements s \
+         JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = ANY($1)",
     )
     .bind(dbs)
     .fetch_one(admin)
+    .await?)
+}
+
+/// What the relay ran most in `dbs` since the reset (the first words of
+/// each statement with its calls), to tell where the idle cost comes from.
+async fn top_statements(admin: &PgPool, dbs: &[String]) -> Result<Vec<(String, i64)>> {
+    Ok(sqlx::query_as::<_, (String, i64)>(
+        "SELECT left(regexp_replace(s.query, '\\s+', ' ', 'g'), 60), sum(s.calls)::bigint \
+         FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid \
+         WHERE d.datname = ANY($1) GROUP BY 1 ORDER BY 2 DESC LIMIT 8",
+    )
+    .bind(dbs)
+    .fetch_all(admin)
     .await?)
 }
 
@@ -55,6 +70,10 @@ async fn relay_connections(admin: &PgPool) -> Result<f64> {
 pub(crate) async fn scale_one(n: usize, idle_secs: u64) -> Result<Value> {
     cluster()?;
     let admin = PgPool::connect(&url("postgres")).await?;
+    sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        .execute(&admin)
+        .await
+        .context("pg_stat_statements (the scale cluster preloads it; one made before may not: drop it with `pg_dropcluster 15 outroute_scale --stop`)")?;
     let t = tag();
     let dbs: Vec<String> = (0..n).map(|i| format!("scale_{t}_{i}")).collect();
     for db in &dbs {
@@ -119,12 +138,16 @@ async fn measure(admin: &PgPool, dbs: &[String], idle_secs: u64) -> Result<Value
     // A little more, so the connections opened at start have idled out.
     tokio::time::sleep(Duration::from_secs(35)).await;
     let (cpu0, _) = proc_stats(pid);
-    let tx0 = transactions(admin, dbs).await?;
+    sqlx::query("SELECT pg_stat_statements_reset()")
+        .execute(admin)
+        .await?;
+    let st0 = statements(admin, dbs).await?;
     let started = Instant::now();
     tokio::time::sleep(Duration::from_secs(idle_secs)).await;
     let secs = started.elapsed().as_secs_f64();
     let (cpu1, hwm) = proc_stats(pid);
-    let tx1 = transactions(admin, dbs).await?;
+    let st1 = statements(admin, dbs).await?;
+    let top = top_statements(admin, dbs).await?;
     let connections = relay_connections(admin).await?;
     let rss = std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
@@ -178,7 +201,8 @@ async fn measure(admin: &PgPool, dbs: &[String], idle_secs: u64) -> Result<Value
         "peak_rss_mib": hwm,
         "connections": connections,
         "connections_per_source": connections / n as f64,
-        "statements_per_s_per_db": (tx1 - tx0) / secs / n as f64,
+        "statements_per_s_per_db": (st1 - st0) / secs / n as f64,
+        "top_statements": top.iter().map(|(q, c)| json!({"statement": q, "per_s_per_db": *c as f64 / secs / n as f64})).collect::<Vec<_>>(),
         "first_event_pickup_ms": {
             "p50": percentile(&pickups, 0.5),
             "p99": percentile(&pickups, 0.99),

@@ -1,5 +1,7 @@
-//! What an idle relay costs the database while it waits for events
-//! (statements per second by wake-up mode).
+//! What the relay costs producers: commits/s of 8 writers with no relay, a
+//! relay draining what they write (busy), and a relay asleep beside writers
+//! that commit business rows only (idle: what a sleeping source costs its
+//! database's other work).
 
 use super::*;
 
@@ -7,7 +9,7 @@ use super::*;
 /// (one outbox insert per transaction) with no relay, with the relay polling
 /// adaptively, and with a NOTIFY in every transaction (relay listening).
 pub(crate) async fn wakeup_cost() -> Result<Value> {
-    async fn writers(pool: &PgPool, notify: bool, secs: u64) -> Result<f64> {
+    async fn writers(pool: &PgPool, notify: bool, outbox: bool, secs: u64) -> Result<f64> {
         let end = Instant::now() + Duration::from_secs(secs);
         let mut tasks = Vec::new();
         for w in 0..8 {
@@ -16,7 +18,11 @@ pub(crate) async fn wakeup_cost() -> Result<Value> {
                 let mut n = 0u64;
                 while Instant::now() < end {
                     let mut tx = pool.begin().await?;
-                    sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'order', $2, 'order-created', '{}')")
+                    sqlx::query(if outbox {
+                        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'order', $2, 'order-created', '{}')"
+                    } else {
+                        "INSERT INTO business (id, note) VALUES ($1, $2)"
+                    })
                         .bind(uuid::Uuid::new_v4())
                         .bind(format!("w{w}-{}", n % 50))
                         .execute(&mut *tx)
@@ -37,10 +43,12 @@ pub(crate) async fn wakeup_cost() -> Result<Value> {
         Ok(total as f64 / secs as f64)
     }
     let mut out = serde_json::Map::new();
-    for (label, relay_mode) in [
-        ("no relay", None),
-        ("relay polling", Some(false)),
-        ("NOTIFY per commit + LISTEN", Some(true)),
+    for (label, relay_mode, outbox) in [
+        ("no relay", None, true),
+        ("relay polling", Some(false), true),
+        ("NOTIFY per commit + LISTEN", Some(true), true),
+        ("idle: business rows, no relay", None, false),
+        ("idle: business rows, relay asleep", Some(false), false),
     ] {
         let db = bench_db().await?;
         let dir = test_dir("wakeup");
@@ -62,8 +70,28 @@ pub(crate) async fn wakeup_cost() -> Result<Value> {
             Some(_) => Some(Relay::start(&config, &[("RUST_LOG", "warn")])?),
             None => None,
         };
+        sqlx::query("CREATE TABLE business (id uuid PRIMARY KEY, note text)")
+            .execute(&db.pool)
+            .await?;
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let rate = writers(&db.pool, relay_mode == Some(true), 8).await?;
+        if relay.is_some() && !outbox {
+            // Asleep: the relay's record in the wake table, and a moment
+            // more for its last claims.
+            let until = Instant::now() + Duration::from_secs(30);
+            while Instant::now() < until {
+                let asleep: i64 =
+                    sqlx::query_scalar("SELECT count(*) FROM outroute_wake WHERE asleep")
+                        .fetch_one(&db.pool)
+                        .await
+                        .unwrap_or(0);
+                if asleep > 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            tokio::time::sleep(Duration::from_secs(3)).await;
+        }
+        let rate = writers(&db.pool, relay_mode == Some(true), outbox, 8).await?;
         out.insert(label.into(), json!(rate));
         if let Some(mut r) = relay {
             r.terminate(Duration::from_secs(15));

@@ -152,6 +152,11 @@ series! {
     /// queue's insert trigger to notify it instead of polling, and costs its
     /// database next to nothing.
     SOURCE_ASLEEP = "outroute_source_asleep", Gauge ["source"];
+    /// Connections this relay holds to a source's database: its pool's
+    /// (opened on demand, closed after 5 s unused) and the LISTEN one (which
+    /// carries a sleeping source's lease rounds). Set every second, every
+    /// minute while the source sleeps.
+    SOURCE_CONNECTIONS = "outroute_source_connections", Gauge ["source"];
     /// 1 while a sink's broker is connected, 0 while publishing to it waits.
     SINK_UP = "outroute_sink_up", Gauge ["sink"];
     /// 1 while a route's events wait for a part that is not up (`reason`:

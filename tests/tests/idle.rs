@@ -2,7 +2,8 @@
 //! queue has nothing to claim, its relay stops polling and waits for the
 //! insert trigger's notification — and no event is missed on the way into
 //! sleep or out of it. Each test waits well under the sleeping relay's
-//! 30 s backstop, so an event found only by the backstop fails it.
+//! backstop (a claim once a minute), so an event found only by the backstop
+//! fails it.
 
 use std::path::Path;
 use std::time::Duration;
@@ -170,6 +171,93 @@ async fn an_insert_in_flight_while_the_relay_falls_asleep_is_not_missed() -> any
     })
     .await;
     assert!(asleep, "{}", relay.log_text());
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}
+
+/// A sleeping source holds one connection to its database: the LISTEN one,
+/// which also carries its lease rounds, while the pool's connections close.
+/// Its lanes stay leased all along, and the next insert still wakes it (on
+/// a connection opened for it).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sleeping_source_holds_one_connection_and_keeps_its_lanes() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("idle-one-connection");
+    let http = free_addr();
+    let config = write_config(&dir, &db.url, "lanes = 8", &file_body(&dir, &http))?;
+    db.migrate(&config)?;
+    let out = dir.join("out.jsonl");
+    let relay = Relay::start(&config, &[])?;
+    insert(&db.pool, "c1").await?;
+    assert!(
+        file_sink_reaches(&out, 1, Duration::from_secs(30)).await,
+        "{}",
+        relay.log_text()
+    );
+    let connections = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = $1 AND application_name = 'outroute'",
+        )
+        .bind(&db.name)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap_or(-1)
+    };
+    let lease_until = || async {
+        sqlx::query_scalar::<_, Option<f64>>(
+            "SELECT extract(epoch FROM min(lease_until))::float8 FROM outroute_lanes \
+             WHERE source = 'outbox' AND lane >= 0 AND owner IS NOT NULL",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(0.0)
+    };
+    let one = eventually(Duration::from_secs(30), || async {
+        series(&http, ASLEEP).await == 1.0 && connections().await == 1
+    })
+    .await;
+    assert!(
+        one,
+        "asleep {}, {} connections: {}",
+        series(&http, ASLEEP).await,
+        connections().await,
+        relay.log_text()
+    );
+    // Over two lease rounds (every lease_ttl / 3 = 3.3 s): the leases are
+    // renewed and no pool connection is opened for it (the sleeping
+    // source's backstop, once a minute, may open one briefly).
+    let before = lease_until().await;
+    let mut samples = Vec::new();
+    for _ in 0..16 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        samples.push(connections().await);
+    }
+    let renewed = lease_until().await;
+    assert!(
+        renewed > before + 3.0,
+        "the leases were not renewed while asleep ({before} → {renewed}): {}",
+        relay.log_text()
+    );
+    let single = samples.iter().filter(|&&c| c == 1).count();
+    assert!(
+        single >= samples.len() / 2,
+        "connections while asleep, every 0.5 s: {samples:?}"
+    );
+    assert_eq!(series(&http, ASLEEP).await, 1.0, "{}", relay.log_text());
+    let id = insert(&db.pool, "c2").await?;
+    let woke = eventually(Duration::from_secs(10), || async {
+        file_sink_deliveries(&out).iter().any(|d| d.id() == id)
+    })
+    .await;
+    assert!(
+        woke,
+        "the insert did not wake the source: {}",
+        relay.log_text()
+    );
     drop(relay);
     db.drop_db().await;
     Ok(())

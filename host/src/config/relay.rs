@@ -63,6 +63,16 @@ pub struct RelayConfig {
     #[serde(with = "humantime_serde")]
     #[schemars(with = "String")]
     pub poll_max: Duration,
+    /// The most connections this relay opens to its PostgreSQL sources'
+    /// databases together: each source's pool gets an equal share (less
+    /// one for its LISTEN connection; never more than the source's own
+    /// `max_connections`), so many sources cannot exhaust a server between
+    /// them. At least 3 per PostgreSQL source (2 pooled, so marks never
+    /// wait behind claims, and the LISTEN one). A sleeping source holds
+    /// one; pools open connections on demand and close them after 5 s
+    /// unused. Unset: no relay-wide ceiling (each source up to its own
+    /// `max_connections`, plus LISTEN).
+    pub max_connections: Option<u32>,
     /// Also LISTEN on this channel (producers must `NOTIFY` it; this taxes
     /// producer commits, see the guide, "Deploying and running"). Off by default.
     pub notify_channel: Option<String>,
@@ -118,6 +128,7 @@ impl Default for RelayConfig {
             lease_ttl: Duration::from_secs(10),
             poll_min: Duration::from_millis(1),
             poll_max: Duration::from_millis(100),
+            max_connections: None,
             notify_channel: None,
             ordering: Ordering::Aggregate,
             shutdown_timeout: Duration::from_secs(10),

@@ -129,6 +129,26 @@ pub struct Logical {
 }
 
 impl StoreConfig {
+    /// A PostgreSQL source (not SQLite).
+    pub fn is_postgres(&self) -> bool {
+        self.url.starts_with("postgres://") || self.url.starts_with("postgresql://")
+    }
+
+    /// The most connections this source's pool opens: its own
+    /// `max_connections` (at least 2), under `relay.max_connections` an
+    /// equal share of that less the LISTEN connection.
+    pub fn pool_size(&self, relay: &super::RelayConfig, postgres_sources: usize) -> u32 {
+        let own = self.max_connections.max(2);
+        match relay.max_connections {
+            Some(n) => own.min(
+                (n / postgres_sources.max(1) as u32)
+                    .saturating_sub(1)
+                    .max(2),
+            ),
+            None => own,
+        }
+    }
+
     /// The logical-capture settings of source `source`, if it streams.
     pub fn logical(&self, source: &str) -> Option<Logical> {
         if self.capture != CaptureMode::Logical {

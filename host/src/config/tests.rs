@@ -752,3 +752,53 @@ fn redacts_passwords() {
         "auth failed for ****"
     );
 }
+
+/// `relay.max_connections` is split equally among the PostgreSQL sources
+/// (less each one's LISTEN connection, never above a source's own
+/// `max_connections`); one too low to give each source three is refused.
+#[test]
+fn the_relay_wide_connection_ceiling_is_shared_and_checked() {
+    let d = tmp();
+    let body = PLATFORM.replacen(
+        "[sources.orders]",
+        "[relay]\nmax_connections = 5\n[sources.orders]",
+        1,
+    );
+    let text = load(&write(&d, &body)).unwrap_err().to_string();
+    assert!(
+        text.contains(
+            "outroute.toml:relay.max_connections: 5 is under 3 per PostgreSQL source (2 of them"
+        ),
+        "{text}"
+    );
+    let shared = load(&write(
+        &d,
+        &body.replace("max_connections = 5", "max_connections = 12"),
+    ))
+    .unwrap()
+    .config;
+    for sc in shared.sources.values() {
+        assert_eq!(
+            sc.pool_size(&shared.relay, 2),
+            5,
+            "12 / 2 sources, less LISTEN"
+        );
+    }
+    let roomy = load(&write(
+        &d,
+        &body.replace("max_connections = 5", "max_connections = 100"),
+    ))
+    .unwrap()
+    .config;
+    for sc in roomy.sources.values() {
+        assert_eq!(
+            sc.pool_size(&roomy.relay, 2),
+            8,
+            "a source's own max_connections"
+        );
+    }
+    let unset = load(&write(&d, PLATFORM)).unwrap().config;
+    for sc in unset.sources.values() {
+        assert_eq!(sc.pool_size(&unset.relay, 2), 8);
+    }
+}

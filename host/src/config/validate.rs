@@ -233,6 +233,19 @@ impl Loaded {
             }
             self.validate_source(&key, sc, &mut err);
         }
+        let postgres_sources = c.sources.values().filter(|s| s.is_postgres()).count() as u32;
+        if let Some(n) = c.relay.max_connections
+            && n < 3 * postgres_sources.max(1)
+        {
+            err(
+                "relay.max_connections".into(),
+                format!(
+                    "{n} is under 3 per PostgreSQL source ({postgres_sources} of them: 2 pooled, so marks \
+                     never wait behind claims, and the LISTEN one): at least {}",
+                    3 * postgres_sources.max(1)
+                ),
+            );
+        }
         // Two sources on one table would share its leases and mark each
         // other's rows: one outbox, one source.
         let mut seen: BTreeMap<(String, String), &str> = BTreeMap::new();

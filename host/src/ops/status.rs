@@ -117,6 +117,9 @@ pub(super) fn print_status(s: &crate::store::Status) {
         );
     }
     println!("relays           {}", s.relays.len());
+    if let Some(n) = s.relay_connections {
+        println!("connections      {n} (every relay's, to this database)");
+    }
     for r in &s.relays {
         println!(
             "  {} (host {}, pid {}, heartbeat {:.1}s ago) holds {} lanes {:?}",

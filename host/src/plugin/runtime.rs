@@ -1,5 +1,6 @@
 //! The engine plugins run on: one wasmtime engine per process with epoch
-//! interruption (a ticker advances the epoch every [`TICK`]), components
+//! interruption (a ticker advances the epoch every [`TICK`] while a plugin
+//! call may be running, and sleeps while none can be), components
 //! compiled by Cranelift once and cached on disk (`cache.rs`), and the
 //! [`Compiled`] component a route's instances are made from.
 
@@ -29,16 +30,55 @@ pub struct Runtime {
     pub(super) linker: Arc<Linker<HostState>>,
     /// `None`: compile in memory every time (`relay.plugin_cache = false`).
     pub(super) cache: Option<Arc<ArtifactCache>>,
-    pub(super) _ticker: Arc<Ticker>,
+    pub(super) ticker: Arc<Ticker>,
 }
 
 pub(super) struct Ticker {
-    stop: Arc<AtomicBool>,
+    shared: Arc<Ticking>,
 }
 
 impl Drop for Ticker {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.shared.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.shared.thread.get() {
+            t.unpark();
+        }
+    }
+}
+
+/// What the epoch ticker thread and the calls share. The ticker advances
+/// the epoch only until `until` (the wall-clock limit of the latest call
+/// begun, plus a second); past it, it parks until a call begins. An idle
+/// relay then costs no thread wake-ups (a thousand a second otherwise),
+/// and a running call still gets every tick its limits need: its wall-clock
+/// limit is the longest it may run.
+pub(crate) struct Ticking {
+    stop: AtomicBool,
+    origin: Instant,
+    /// Nanoseconds after `origin` until which to tick.
+    until: AtomicU64,
+    thread: std::sync::OnceLock<std::thread::Thread>,
+}
+
+impl Ticking {
+    fn now(&self) -> u64 {
+        self.origin.elapsed().as_nanos() as u64
+    }
+
+    /// A call begins that may run for `longest`: tick until it is over.
+    pub(crate) fn call_begins(&self, longest: Duration) {
+        let now = self.now();
+        let until = now.saturating_add(
+            (longest + Duration::from_secs(1))
+                .as_nanos()
+                .min(u64::MAX as u128) as u64,
+        );
+        // Ticking was due to stop before now: the thread may be parked.
+        if self.until.fetch_max(until, Ordering::AcqRel) <= now
+            && let Some(t) = self.thread.get()
+        {
+            t.unpark();
+        }
     }
 }
 
@@ -70,22 +110,34 @@ impl Runtime {
         bindings::Router::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)
             .map_err(|e| anyhow!("linking the outroute host interface: {e:#}"))?;
 
-        let stop = Arc::new(AtomicBool::new(false));
-        let (e, s) = (engine.clone(), stop.clone());
-        std::thread::Builder::new()
+        let shared = Arc::new(Ticking {
+            stop: AtomicBool::new(false),
+            origin: Instant::now(),
+            until: AtomicU64::new(0),
+            thread: std::sync::OnceLock::new(),
+        });
+        let (e, s) = (engine.clone(), shared.clone());
+        let thread = std::thread::Builder::new()
             .name("outroute-epoch".into())
             .spawn(move || {
-                while !s.load(Ordering::Relaxed) {
-                    std::thread::sleep(TICK);
-                    e.increment_epoch();
+                while !s.stop.load(Ordering::Relaxed) {
+                    if s.now() < s.until.load(Ordering::Acquire) {
+                        std::thread::sleep(TICK);
+                        e.increment_epoch();
+                    } else {
+                        // Woken by the next call (or by the drop); the
+                        // timeout only bounds a missed wake-up's cost.
+                        std::thread::park_timeout(Duration::from_secs(1));
+                    }
                 }
             })
             .context("starting the epoch ticker")?;
+        let _ = shared.thread.set(thread.thread().clone());
         Ok(Runtime {
             engine,
             linker: Arc::new(linker),
             cache,
-            _ticker: Arc::new(Ticker { stop }),
+            ticker: Arc::new(Ticker { shared }),
         })
     }
 
@@ -181,7 +233,10 @@ impl Runtime {
     }
 
     pub(super) fn new_store(&self, plugin: &str, caps: Caps) -> Store<HostState> {
-        let mut store = Store::new(&self.engine, HostState::new(plugin, caps));
+        let mut store = Store::new(
+            &self.engine,
+            HostState::new(plugin, caps, self.ticker.shared.clone()),
+        );
         store.limiter(|s| &mut s.limiter);
         store.epoch_deadline_callback(HostState::on_deadline);
         store

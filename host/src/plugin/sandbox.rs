@@ -35,6 +35,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use super::runtime::Ticking;
 use wasmtime::component::{Linker, Resource, ResourceTable};
 use wasmtime::{ResourceLimiter, StoreContextMut, UpdateDeadline};
 use wasmtime_wasi::cli::{IsTerminal, StdoutStream};
@@ -145,10 +146,12 @@ pub struct HostState {
     pub stderr: StderrRing,
     /// The counter names this instance has used (`host.count`).
     counter_names: BTreeSet<String>,
+    /// The epoch ticker, told when a call begins.
+    ticking: Arc<Ticking>,
 }
 
 impl HostState {
-    pub fn new(plugin: &str, caps: Caps) -> Self {
+    pub fn new(plugin: &str, caps: Caps, ticking: Arc<Ticking>) -> Self {
         let stderr = StderrRing::default();
         // A fixed stream: see the module header on randomness.
         let seed: Vec<u8> = (0u8..=255).map(|b| b.wrapping_mul(167) ^ 0x5a).collect();
@@ -172,6 +175,7 @@ impl HostState {
             table: ResourceTable::new(),
             stderr,
             counter_names: BTreeSet::new(),
+            ticking,
         }
     }
 
@@ -197,6 +201,8 @@ impl HostState {
         };
         self.limiter.breach = None;
         self.stderr.clear();
+        self.ticking
+            .call_begins(cpu_budget.saturating_mul(WALL_FACTOR));
         ticks(cpu_budget)
     }
 

@@ -238,6 +238,8 @@ impl Relay {
             handing_over: std::sync::atomic::AtomicBool::new(false),
             asleep: watch::Sender::new(false),
             recorded_asleep: std::sync::atomic::AtomicBool::new(false),
+            recording: tokio::sync::Mutex::new(()),
+            listening: std::sync::atomic::AtomicBool::new(false),
             capture: store_config.logical(source),
             store_key: config.source_key(source),
             store_table: store_config.table(),

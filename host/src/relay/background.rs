@@ -2,23 +2,26 @@
 //! (which lanes this relay owns, renewed every `lease_ttl / 3`), the
 //! backlog gauge, plugin hot reload, the retention purge (one relay at a
 //! time), the route quarantine records (`quarantine.rs`), the claim floors
-//! (`store/postgres/floor.rs`) and the opt-in LISTEN wake-up. Each runs
-//! until shutdown.
+//! (`store/postgres/floor.rs`) and the LISTEN task (wake-ups, and a sleeping
+//! source's lease rounds on the same connection). Each runs until shutdown.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::{Notify, watch};
+use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
-use super::sleep::WAKE_CHANNEL;
+use super::sleep::{IdleTurn, WAKE_CHANNEL};
 use super::{Relay, sleep_or_cancel};
 use crate::metrics as m;
 use crate::pipeline::LeaseView;
 use crate::plugin::PluginHandle;
 use crate::store::Store;
 use crate::store::postgres::{ORPHAN_ROUNDS, ORPHAN_SWEEP_INTERVAL};
+
+/// A lease round asked of the LISTEN task, answered on this channel.
+pub(super) type QuietRound = oneshot::Sender<anyhow::Result<crate::store::Leases>>;
 
 /// How often a relay reads the store's quarantine records.
 const QUARANTINE_FOLLOW: Duration = Duration::from_secs(2);
@@ -53,7 +56,8 @@ impl Relay {
                 Err(e) => tracing::debug!("could not read route quarantines: {e:#}"),
             }
             self.health.set_quarantined(self.quarantine.quarantined());
-            self.background_pause(QUARANTINE_FOLLOW, &shutdown).await;
+            self.background_pause(QUARANTINE_FOLLOW, Some(IdleTurn::Quarantine), &shutdown)
+                .await;
         }
     }
 
@@ -75,12 +79,17 @@ impl Relay {
                     self.drop_orphans(&lanes, &mut orphan_walk).await;
                     orphans_due = Instant::now() + ORPHAN_SWEEP_INTERVAL;
                 }
-                // Asleep, a round every `IDLE_EVERY`: its sweep below the
-                // floors still finds a row committed late.
                 self.store.raise_floors(&lanes).await;
             }
-            self.background_pause(crate::store::postgres::FLOOR_ROUND_INTERVAL, &shutdown)
-                .await;
+            // Asleep, none until the source wakes: what commits meanwhile
+            // notifies, and this round's sweep below the floors runs at once
+            // then (a row committed late is found).
+            self.background_pause(
+                crate::store::postgres::FLOOR_ROUND_INTERVAL,
+                None,
+                &shutdown,
+            )
+            .await;
         }
     }
 
@@ -127,6 +136,7 @@ impl Relay {
     pub(super) async fn keep_leases(
         self: Arc<Self>,
         tx: watch::Sender<LeaseView>,
+        quiet: Option<mpsc::Sender<QuietRound>>,
         stop: CancellationToken,
         wake: Arc<Notify>,
     ) {
@@ -138,7 +148,7 @@ impl Relay {
             // valid for a while, and a round lost to a dead connection
             // succeeds on another one.
             let mut pause = every;
-            match self.store.lease_round().await {
+            match self.lease_round(quiet.as_ref()).await {
                 Ok(l) => {
                     self.health.set_store_ok();
                     if l.acquired > 0 {
@@ -176,6 +186,29 @@ impl Relay {
         }
     }
 
+    /// One lease round: while the source sleeps, on the LISTEN connection
+    /// (`quiet`), so a sleeping source holds that one connection and its
+    /// pool empties; otherwise, or if the LISTEN task does not answer in
+    /// time (reconnecting), on the pool.
+    async fn lease_round(
+        &self,
+        quiet: Option<&mpsc::Sender<QuietRound>>,
+    ) -> anyhow::Result<crate::store::Leases> {
+        if let Some(quiet) = quiet.filter(|_| self.is_asleep()) {
+            let (reply, answer) = oneshot::channel();
+            if quiet.try_send(reply).is_ok() {
+                match tokio::time::timeout(self.config.lease_ttl / 4, answer).await {
+                    Ok(Ok(Ok(leases))) => return Ok(leases),
+                    Ok(Ok(Err(e))) => tracing::debug!(
+                        "lease round on the LISTEN connection failed, on the pool instead: {e:#}"
+                    ),
+                    _ => tracing::debug!("the LISTEN task did not answer; lease round on the pool"),
+                }
+            }
+        }
+        self.store.lease_round().await
+    }
+
     /// A logical source's slot: how much WAL it keeps (every second).
     pub(super) async fn watch_slot(self: Arc<Self>, shutdown: CancellationToken) {
         let Some(pg) = self.store.logical() else {
@@ -199,6 +232,11 @@ impl Relay {
 
     pub(super) async fn watch_backlog(self: Arc<Self>, shutdown: CancellationToken) {
         while !shutdown.is_cancelled() {
+            if let Some(pg) = self.store.postgres() {
+                let listening = self.listening.load(std::sync::atomic::Ordering::Relaxed);
+                metrics::gauge!(m::SOURCE_CONNECTIONS, "source" => self.source.clone())
+                    .set(f64::from(pg.pool_connections()) + if listening { 1.0 } else { 0.0 });
+            }
             match self.store.backlog().await {
                 Ok((n, oldest)) => {
                     metrics::gauge!(m::BACKLOG, "source" => self.source.clone()).set(n as f64);
@@ -212,7 +250,7 @@ impl Relay {
                     tracing::debug!("backlog query failed: {e:#}");
                 }
             }
-            self.background_pause(Duration::from_secs(1), &shutdown)
+            self.background_pause(Duration::from_secs(1), Some(IdleTurn::Backlog), &shutdown)
                 .await;
         }
     }
@@ -298,7 +336,12 @@ impl Relay {
                 }
                 tokio::task::yield_now().await;
             }
-            sleep_or_cancel(Duration::from_secs(60), &shutdown).await;
+            self.background_pause(
+                Duration::from_secs(60),
+                Some(IdleTurn::Retention),
+                &shutdown,
+            )
+            .await;
         }
     }
 
@@ -307,13 +350,14 @@ impl Relay {
     /// payload the table's name; others' are ignored) and the opt-in
     /// `relay.notify_channel`. A LISTEN connection that goes silent (a
     /// partition, a failover that leaves the old address dark) would stop
-    /// wake-ups with no error: after `store.statement_timeout` with no
-    /// notification it is asked a `SELECT 1`, and one that does not answer
+    /// wake-ups with no error: after `store.statement_timeout` with neither a
+    /// notification nor a lease round it is asked a `SELECT 1`, and one that does not answer
     /// within that long is given up and replaced. Workers are woken whenever
     /// a LISTEN starts, in case a notification was missed.
     pub(super) async fn listen(
         self: Arc<Self>,
         channels: Vec<String>,
+        mut rounds: mpsc::Receiver<QuietRound>,
         wake: Arc<Notify>,
         shutdown: CancellationToken,
     ) {
@@ -351,9 +395,28 @@ impl Relay {
                 continue;
             }
             wake.notify_waiters();
+            self.listening
+                .store(true, std::sync::atomic::Ordering::Relaxed);
             loop {
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
+                    // A sleeping source's lease round (which also proves
+                    // the connection alive: no probe while they come).
+                    Some(reply) = rounds.recv() => {
+                        let round = pg
+                            .bounded_by(
+                                pg.lease_ttl() / 4,
+                                "renewing lane leases on the LISTEN connection",
+                                pg.lease_round_on(&mut listener),
+                            )
+                            .await;
+                        let lost = round.is_err();
+                        let _ = reply.send(round);
+                        if lost {
+                            tracing::warn!("lease round on the LISTEN connection failed; opening a new one");
+                            break;
+                        }
+                    }
                     n = tokio::time::timeout(quiet, listener.try_recv()) => match n {
                         Ok(Ok(Some(n))) => {
                             // Another table's in the same database: not ours.
@@ -385,6 +448,8 @@ impl Relay {
                     }
                 }
             }
+            self.listening
+                .store(false, std::sync::atomic::Ordering::Relaxed);
         }
     }
 }

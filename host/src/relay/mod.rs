@@ -111,6 +111,11 @@ pub struct Relay {
     /// `outroute_wake` may say this source is asleep (recorded on the way
     /// to sleep): the next events claimed record it awake.
     pub recorded_asleep: std::sync::atomic::AtomicBool,
+    /// Held while writing the asleep record, so a late "awake" never
+    /// overwrites a newer "asleep".
+    pub recording: tokio::sync::Mutex<()>,
+    /// The LISTEN task holds its connection (`outroute_source_connections`).
+    pub listening: std::sync::atomic::AtomicBool,
 }
 
 /// How many events a batch published, held and failed.

@@ -8,25 +8,40 @@
 //! notifying), wait until the transactions then in progress have ended,
 //! then one more empty claim over every owned lane. Asleep, every worker
 //! waits for a notification (the LISTEN task), a change of its lanes, or
-//! [`SLEEP_BACKSTOP`]; the background tasks run every [`IDLE_EVERY`]
-//! instead of every second or two. Anything claimed wakes the source.
+//! worker 0's backstop once every [`IDLE_EVERY`]; the background tasks run
+//! then too instead of every second or two, and the lease rounds go over
+//! the LISTEN connection, so a sleeping source holds one connection. Anything
+//! claimed wakes the source.
 
 use std::sync::atomic::Ordering as AtomicOrdering;
 
 use super::*;
 
-/// The longest an asleep source goes without a claim: a backstop for a
-/// notification that never came (a LISTEN connection that died silently is
-/// found within `store.statement_timeout` and wakes the workers anyway).
-pub(super) const SLEEP_BACKSTOP: Duration = Duration::from_secs(30);
+/// How often an asleep source's worker 0 claims anyway (a backstop for a
+/// notification that never came; a LISTEN connection that died silently is
+/// found by its next lease round) and its background tasks (backlog gauge,
+/// quarantine records, retention) run. They come together at one moment of
+/// each period, fixed per source so that sources spread over it, one task
+/// [`IDLE_TURN`] after the other: the one pool connection opened for them
+/// serves them all and closes again (`store/postgres.rs`, idle timeout).
+/// Claim floors wait for the source to wake (their sweep runs at once then).
+pub(super) const IDLE_EVERY: Duration = Duration::from_secs(60);
+
+/// The gap between two of an asleep source's tasks at its idle moment.
+const IDLE_TURN: Duration = Duration::from_millis(250);
+
+/// An asleep source's tasks, in their turn at its idle moment.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum IdleTurn {
+    Backstop = 0,
+    Backlog = 1,
+    Quarantine = 2,
+    Retention = 3,
+}
 
 /// The channel the pending queue's trigger notifies a sleeping source on,
 /// with the table's name as payload.
 pub(super) const WAKE_CHANNEL: &str = "outroute_wake";
-
-/// How often the background tasks (backlog gauge, quarantine records, claim
-/// floors) run while the source sleeps; they run again at once when it wakes.
-pub(super) const IDLE_EVERY: Duration = Duration::from_secs(30);
 
 /// How often worker 0 asks whether the transactions it waits for on its way
 /// to sleep have ended.
@@ -64,11 +79,8 @@ impl Relay {
             *state = Drowsy::Awake;
         }
         *state = match std::mem::take(state) {
-            Drowsy::Awake => match pg.fall_asleep().await {
-                Ok(Some(running)) => {
-                    self.recorded_asleep.store(true, AtomicOrdering::Release);
-                    Drowsy::Waiting(running, Instant::now())
-                }
+            Drowsy::Awake => match self.record_asleep(pg).await {
+                Ok(Some(running)) => Drowsy::Waiting(running, Instant::now()),
                 Ok(None) => Drowsy::Awake,
                 Err(e) => {
                     tracing::debug!("could not record the source asleep: {e:#}");
@@ -98,20 +110,46 @@ impl Relay {
         };
     }
 
+    /// Record the source asleep (see `PgStore::fall_asleep`), under the
+    /// recording lock so a late "awake" cannot overwrite it.
+    async fn record_asleep(
+        &self,
+        pg: &crate::store::postgres::PgStore,
+    ) -> anyhow::Result<Option<Vec<i64>>> {
+        let _recording = self.recording.lock().await;
+        let r = pg.fall_asleep().await;
+        if matches!(r, Ok(Some(_))) {
+            self.recorded_asleep.store(true, AtomicOrdering::Release);
+        }
+        r
+    }
+
     /// Whether the source sleeps or is recorded asleep (on its way).
     pub(super) fn drowsy(&self) -> bool {
         self.is_asleep() || self.recorded_asleep.load(AtomicOrdering::Acquire)
     }
 
-    /// Something to do (events claimed): the source is awake, and recorded
-    /// so if it was asleep or on its way (inserts stop notifying).
-    pub(super) async fn stir(&self) {
+    /// Something to do (events claimed): the source is awake, at once for
+    /// the other workers and for worker 0's way to sleep. Returns whether
+    /// the caller is to record it awake ([`Relay::record_awake`]) after its
+    /// batch (not before: the first event after a quiet spell does not
+    /// wait for it).
+    pub(super) fn stir(&self) -> bool {
         if self.asleep.send_replace(false) {
             metrics::gauge!(m::SOURCE_ASLEEP, "source" => self.source.clone()).set(0.0);
             tracing::debug!("awake");
         }
-        if self.recorded_asleep.swap(false, AtomicOrdering::AcqRel)
-            && let Some(pg) = self.store.postgres()
+        self.recorded_asleep.swap(false, AtomicOrdering::AcqRel)
+    }
+
+    /// Record the source awake (inserts stop notifying), unless worker 0
+    /// recorded it asleep again meanwhile: that newer record stands.
+    pub(super) async fn record_awake(&self) {
+        let _recording = self.recording.lock().await;
+        if self.recorded_asleep.load(AtomicOrdering::Acquire) {
+            return;
+        }
+        if let Some(pg) = self.store.postgres()
             && let Err(e) = pg.wake_up().await
         {
             tracing::debug!("could not record the source awake: {e:#}");
@@ -143,33 +181,56 @@ impl Relay {
                 }
             }
         };
-        let backstop = tokio::select! {
-            _ = shutdown.cancelled() => false,
-            _ = notified => false,
-            _ = lanes_changed => false,
-            _ = awake.wait_for(|asleep| !*asleep) => false,
-            _ = tokio::time::sleep(SLEEP_BACKSTOP) => true,
-        };
-        if backstop
-            && let Some(pg) = self.store.postgres()
-            && let Err(e) = pg.still_asleep().await
-        {
-            tracing::debug!("could not renew the asleep record: {e:#}");
+        tokio::select! {
+            _ = shutdown.cancelled() => {},
+            _ = notified => {},
+            _ = lanes_changed => {},
+            _ = awake.wait_for(|asleep| !*asleep) => {},
+            _ = tokio::time::sleep_until(self.idle_moment(IdleTurn::Backstop)) => {},
         }
     }
 
-    /// A background task's pause: `every` while awake; while asleep up to
-    /// [`IDLE_EVERY`], ended early when the source wakes.
-    pub(super) async fn background_pause(&self, every: Duration, shutdown: &CancellationToken) {
+    /// The next idle moment of this source for task `turn` (see
+    /// [`IDLE_EVERY`]).
+    fn idle_moment(&self, turn: IdleTurn) -> tokio::time::Instant {
+        use std::hash::{Hash, Hasher};
+        static ORIGIN: std::sync::OnceLock<tokio::time::Instant> = std::sync::OnceLock::new();
+        let origin = *ORIGIN.get_or_init(tokio::time::Instant::now);
+        let period = IDLE_EVERY.as_millis() as u64;
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        self.source.hash(&mut h);
+        let offset = h.finish() % period + turn as u64 * IDLE_TURN.as_millis() as u64;
+        let now = origin.elapsed().as_millis() as u64;
+        // The first moment ≡ offset (mod period) after now.
+        let next = now - now % period + offset % period;
+        let next = if next <= now { next + period } else { next };
+        origin + Duration::from_millis(next)
+    }
+
+    /// A background task's pause: `every` while awake; while asleep until
+    /// the source's idle moment for `turn` (`None`: until it wakes), ended
+    /// early when the source wakes.
+    pub(super) async fn background_pause(
+        &self,
+        every: Duration,
+        turn: Option<IdleTurn>,
+        shutdown: &CancellationToken,
+    ) {
         if !self.is_asleep() {
             sleep_or_cancel(every, shutdown).await;
             return;
         }
         let mut asleep = self.asleep.subscribe();
+        let idle = async {
+            match turn {
+                Some(t) => tokio::time::sleep_until(self.idle_moment(t)).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             _ = shutdown.cancelled() => {},
             _ = asleep.wait_for(|a| !*a) => {},
-            _ = tokio::time::sleep(IDLE_EVERY) => {},
+            _ = idle => {},
         }
     }
 }

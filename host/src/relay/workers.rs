@@ -39,11 +39,23 @@ impl Relay {
             valid_until: Instant::now(),
         });
         let stop_leasing = CancellationToken::new();
+        // LISTEN for the pending queue's wake-ups (a sleeping source, see
+        // `relay/sleep.rs`) and for the producers' own NOTIFY, if any; a
+        // sleeping source's lease rounds go over the same connection.
+        let mut channels = Vec::new();
+        if self.store.postgres().is_some_and(|p| p.wakes()) {
+            channels.push(WAKE_CHANNEL.to_string());
+        }
+        channels.extend(self.config.notify_channel.clone());
+        let (quiet_tx, quiet_rx) = tokio::sync::mpsc::channel(1);
+        let quiet_tx = (!channels.is_empty() && self.capture.is_none()).then_some(quiet_tx);
         let mut background = vec![
-            spawn_here(
-                self.clone()
-                    .keep_leases(lease_tx, stop_leasing.clone(), wake.clone()),
-            ),
+            spawn_here(self.clone().keep_leases(
+                lease_tx,
+                quiet_tx,
+                stop_leasing.clone(),
+                wake.clone(),
+            )),
             spawn_here(self.clone().watch_backlog(shutdown.clone())),
             spawn_here(self.clone().reload_plugins(shutdown.clone())),
             spawn_here(self.clone().follow_quarantines(shutdown.clone())),
@@ -100,16 +112,10 @@ impl Relay {
         if let Some(retention) = self.config.retention {
             background.push(spawn_here(self.clone().purge(retention, shutdown.clone())));
         }
-        // LISTEN for the pending queue's wake-ups (a sleeping source, see
-        // `relay/sleep.rs`) and for the producers' own NOTIFY, if any.
-        let mut channels = Vec::new();
-        if self.store.postgres().is_some_and(|p| p.wakes()) {
-            channels.push(WAKE_CHANNEL.to_string());
-        }
-        channels.extend(self.config.notify_channel.clone());
         if !channels.is_empty() {
             background.push(spawn_here(self.clone().listen(
                 channels,
+                quiet_rx,
                 wake.clone(),
                 shutdown.clone(),
             )));
@@ -286,12 +292,13 @@ impl Relay {
                         self.sleep(notified, &mut leases, &view.lanes, &shutdown)
                             .await;
                     } else {
-                        // Worker 0 keeps the backstop; the others wait for
-                        // a notification or for the source to wake.
+                        // Worker 0 alone answers notifications and keeps
+                        // the backstop (one claim, on one connection, for
+                        // the first event after a quiet spell); the others
+                        // wait for the source to wake.
                         let mut awake = self.asleep.subscribe();
                         tokio::select! {
                             _ = shutdown.cancelled() => break,
-                            _ = notified => {},
                             _ = awake.wait_for(|asleep| !*asleep) => {},
                         }
                     }
@@ -317,11 +324,11 @@ impl Relay {
                 }
                 continue;
             }
-            // Events: the source is awake (recorded so, if it slept).
-            if self.drowsy() {
-                self.stir().await;
+            // Events: the source is awake (recorded so after this batch).
+            let record_awake = self.drowsy() && {
                 drowsy = Drowsy::Awake;
-            }
+                self.stir()
+            };
             let full = claims.len() as u32 >= size;
             if full {
                 size = (size * 2).min(self.config.batch_size);
@@ -339,11 +346,14 @@ impl Relay {
             let mut claims = claims;
             lease.stamp(&mut claims);
             let span = tracing::info_span!("batch", worker = index, events = claims.len());
-            match self
+            let processed = self
                 .process(claims, Some(&mut lease))
                 .instrument(span)
-                .await
-            {
+                .await;
+            if record_awake {
+                self.record_awake().await;
+            }
+            match processed {
                 Ok(report) if report.outage => {
                     tracing::warn!(backoff = ?outage_backoff, reason = report.outage_reason.as_deref().unwrap_or(""), "every publish failed; backing off");
                     sleep_or_cancel(jitter(outage_backoff), &shutdown).await;

@@ -392,6 +392,11 @@ pub struct Status {
     /// Routes whose plugin kept breaking its limits: their events wait.
     pub quarantined_routes: Vec<QuarantinedRoute>,
     pub relays: Vec<RelayStatus>,
+    /// Connections the relays hold to this source's database (PostgreSQL:
+    /// its `pg_stat_activity`, every relay together; a sleeping source's
+    /// relay holds one).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub relay_connections: Option<i64>,
     /// The replication slot of a `capture = "logical"` source.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub slot: Option<SlotStatus>,

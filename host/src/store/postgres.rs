@@ -320,8 +320,9 @@ impl PgStore {
             .log_statements(tracing::log::LevelFilter::Trace)
             .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(2));
         let abandoned = std::sync::Arc::new(Abandoned::default());
+        let postgres_sources = config.sources.values().filter(|s| s.is_postgres()).count();
         let pool = match PgPoolOptions::new()
-            .max_connections(sc.max_connections.max(2))
+            .max_connections(sc.pool_size(&config.relay, postgres_sources))
             // Connections close after a while unused: a quiet (or sleeping)
             // source keeps the one its lease rounds use, not one per worker.
             .min_connections(0)
@@ -559,6 +560,23 @@ impl PgStore {
             })
         })
         .collect::<Result<Vec<_>>>()
+    }
+
+    /// Connections any relay holds to this database (for `status`): the
+    /// pools' (`outroute`) and the log streams' (`outroute <relay id>`).
+    pub(super) async fn relay_connections(&self) -> Result<i64> {
+        Ok(sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND (application_name = 'outroute' OR application_name LIKE 'outroute %') \
+             AND pid <> pg_backend_pid()",
+        )
+        .fetch_one(&self.pool)
+        .await?)
+    }
+
+    /// Connections this relay's pool holds open (in use or idle).
+    pub fn pool_connections(&self) -> u32 {
+        self.pool.size()
     }
 
     /// Per route, events published without messages (for `status`).

@@ -248,6 +248,7 @@ impl SqliteStore {
             events_without_messages,
             quarantined_routes: self.quarantined_routes().await?,
             relays: Vec::new(),
+            relay_connections: None,
             slot: None,
         })
     }

@@ -111,46 +111,52 @@ impl PgStore {
     }
 
     /// Renew and take lanes (never the capture lease's row, lane -1, a
-    /// source that streamed the log before may have left).
+    /// source that streamed the log before may have left), on the pool.
     pub async fn lease_round(&self) -> Result<Leases> {
         if self.logical.is_some() {
             return self.capture_lease().await;
         }
-        let ttl = self.lease_ttl.as_secs_f64();
-        let relays = self.heartbeat().await?;
-        let relays_alive = relays.max(1);
-        let fair = (self.lanes as i64 + relays_alive - 1) / relays_alive;
+        self.lease_round_on(&self.pool).await
+    }
 
-        // Renew what we hold (lanes already lapsed are lost).
-        let mut held: Vec<(i32, i64)> = sqlx::query_as(
-            "UPDATE outroute_lanes SET lease_until = now() + make_interval(secs => $3) \
-             WHERE source = $1 AND owner = $2 AND lease_until > now() AND lane >= 0 RETURNING lane, epoch",
-        )
+    /// A lease round on `conn` (the pool, or a sleeping source's LISTEN
+    /// connection): one statement that heartbeats this relay, forgets
+    /// relays silent for ten TTLs, counts the live ones, renews the lanes
+    /// this relay holds, takes free or lapsed ones up to its fair share and
+    /// renews its asleep record (the trigger ignores stale ones), so an
+    /// idle source costs its database one statement per round. A relay
+    /// over its share (another one joined) lets the extra leases lapse
+    /// soon, in a second statement.
+    pub async fn lease_round_on<'c>(&self, conn: impl sqlx::PgExecutor<'c>) -> Result<Leases> {
+        let round: (i64, Vec<i32>, Vec<i64>, Vec<i32>, Vec<i64>) = sqlx::query_as(if self.wakes {
+            LEASE_ROUND_WAKES
+        } else {
+            LEASE_ROUND
+        })
         .bind(&self.source)
         .bind(&self.relay_id)
-        .bind(ttl)
-        .fetch_all(&self.pool)
-        .await?;
+        .bind(self.lease_ttl.as_secs_f64())
+        .bind(self.lanes as i64)
+        .bind(
+            hostname::get()
+                .map(|h| h.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        )
+        .bind(std::process::id() as i32)
+        .fetch_one(conn)
+        .await
+        .context("renewing lane leases")?;
+        let (relays, kept, kept_epochs, taken, taken_epochs) = round;
+        let relays_alive = relays.max(1);
+        let fair = (self.lanes as i64 + relays_alive - 1) / relays_alive;
+        let acquired = taken.len();
+        let mut held: Vec<(i32, i64)> = kept
+            .into_iter()
+            .zip(kept_epochs)
+            .chain(taken.into_iter().zip(taken_epochs))
+            .collect();
         held.sort_unstable();
-        let mut acquired = 0;
-        if (held.len() as i64) < fair {
-            let want = fair - held.len() as i64;
-            let got: Vec<(i32, i64)> = sqlx::query_as(
-                "UPDATE outroute_lanes l SET owner = $2, lease_until = now() + make_interval(secs => $3), epoch = l.epoch + 1 \
-                 FROM (SELECT lane FROM outroute_lanes WHERE source = $1 AND lane >= 0 \
-                       AND (owner IS NULL OR lease_until <= now()) ORDER BY lane LIMIT $4 FOR UPDATE SKIP LOCKED) free \
-                 WHERE l.source = $1 AND l.lane = free.lane RETURNING l.lane, l.epoch",
-            )
-            .bind(&self.source)
-            .bind(&self.relay_id)
-            .bind(ttl)
-            .bind(want)
-            .fetch_all(&self.pool)
-            .await?;
-            acquired = got.len();
-            held.extend(got);
-            held.sort_unstable();
-        } else if (held.len() as i64) > fair {
+        if (held.len() as i64) > fair {
             // Over our share: stop claiming from the extra lanes now and let
             // their leases lapse so another relay can take them after one TTL
             // (in-flight batches finish well within it).
@@ -163,7 +169,7 @@ impl PgStore {
             sqlx::query("UPDATE outroute_lanes SET lease_until = now() + make_interval(secs => $3) WHERE source = $1 AND owner = $2 AND lane = ANY($4) AND lease_until > now() + make_interval(secs => $3)")
                 .bind(&self.source)
                 .bind(&self.relay_id)
-                .bind(ttl / 3.0)
+                .bind(self.lease_ttl.as_secs_f64() / 3.0)
                 .bind(&extra)
                 .execute(&self.pool)
                 .await?;
@@ -405,3 +411,50 @@ impl PgStore {
         self.floors_mut().sweep_soon(std::time::Instant::now());
     }
 }
+
+macro_rules! lease_round_ctes {
+    () => {
+        "WITH me AS (INSERT INTO outroute_relays (source, relay_id, hostname, pid) \
+           VALUES ($1, $2, $5, $6) \
+           ON CONFLICT (source, relay_id) DO UPDATE SET heartbeat_at = now()), \
+         gone AS (DELETE FROM outroute_relays WHERE source = $1 AND relay_id <> $2 \
+           AND heartbeat_at < now() - make_interval(secs => $3 * 10)), \
+         alive AS (SELECT 1 + count(*) AS n FROM outroute_relays WHERE source = $1 \
+           AND relay_id <> $2 AND heartbeat_at > now() - make_interval(secs => $3)), \
+         kept AS (UPDATE outroute_lanes SET lease_until = now() + make_interval(secs => $3) \
+           WHERE source = $1 AND owner = $2 AND lease_until > now() AND lane >= 0 \
+           RETURNING lane, epoch), \
+         taken AS (UPDATE outroute_lanes l SET owner = $2, \
+             lease_until = now() + make_interval(secs => $3), epoch = l.epoch + 1 \
+           FROM (SELECT lane FROM outroute_lanes WHERE source = $1 AND lane >= 0 \
+                 AND (owner IS NULL OR lease_until <= now()) ORDER BY lane \
+                 LIMIT greatest(0, ($4 + (SELECT n FROM alive) - 1) / (SELECT n FROM alive) \
+                   - (SELECT count(*) FROM kept)) \
+                 FOR UPDATE SKIP LOCKED) free \
+           WHERE l.source = $1 AND l.lane = free.lane RETURNING l.lane, l.epoch), "
+    };
+}
+
+macro_rules! lease_round_answer {
+    () => {
+        "(SELECT n FROM alive), \
+         ARRAY(SELECT lane FROM kept ORDER BY lane), ARRAY(SELECT epoch FROM kept ORDER BY lane), \
+         ARRAY(SELECT lane FROM taken ORDER BY lane), ARRAY(SELECT epoch FROM taken ORDER BY lane)"
+    };
+}
+
+/// One lease round (see [`PgStore::lease_round_on`]): `$1` source, `$2`
+/// relay id, `$3` lease TTL in seconds, `$4` lanes, `$5` host, `$6` pid.
+/// Every part sees the statement's one snapshot: the live relays are the
+/// others heard from within a TTL plus this one; lanes renewed (held and
+/// not lapsed) and lanes taken (free or lapsed) are disjoint.
+const LEASE_ROUND: &str = concat!(lease_round_ctes!(), "SELECT ", lease_round_answer!());
+
+/// [`LEASE_ROUND`] that also renews this relay's asleep record, on a
+/// source whose trigger notifies sleepers (`store/postgres/wake.rs`).
+const LEASE_ROUND_WAKES: &str = concat!(
+    lease_round_ctes!(),
+    "asleep AS (UPDATE outroute_wake SET since = now() WHERE source = $1 AND relay = $2 AND asleep) ",
+    "SELECT ",
+    lease_round_answer!()
+);

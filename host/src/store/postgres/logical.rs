@@ -609,6 +609,7 @@ impl PgStore {
         .fetch_all(&self.pool)
         .await?;
         let relays = self.live_relays().await?;
+        let relay_connections = Some(self.relay_connections().await?);
         let events_without_messages = self.events_without_messages().await?;
         Ok(Status {
             table: self.source.clone(),
@@ -620,6 +621,7 @@ impl PgStore {
             events_without_messages,
             quarantined_routes: self.quarantined_routes().await?,
             relays,
+            relay_connections,
             slot: self.slot_status().await?,
         })
     }

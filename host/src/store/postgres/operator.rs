@@ -185,6 +185,7 @@ impl PgStore {
         let backlog = by_type.iter().map(|(_, n)| n).sum();
         by_type.truncate(50);
         let relays = self.live_relays().await?;
+        let relay_connections = Some(self.relay_connections().await?);
         let events_without_messages = self.events_without_messages().await?;
         Ok(Status {
             table: self.source.clone(),
@@ -196,6 +197,7 @@ impl PgStore {
             events_without_messages,
             quarantined_routes: self.quarantined_routes().await?,
             relays,
+            relay_connections,
             slot: None,
         })
     }

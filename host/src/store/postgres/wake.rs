@@ -20,9 +20,9 @@
 //! 3. Woken by events, the relay records itself awake
 //!    ([`PgStore::wake_up`]) and polls again.
 //!
-//! A sleeping relay renews its record every backstop round
-//! ([`PgStore::still_asleep`]); the trigger ignores records older than two
-//! minutes, so producers of a table whose relay died asleep stop notifying.
+//! Every lease round renews the record (`claim.rs`, `LEASE_ROUND_WAKES`);
+//! the trigger ignores records older than two minutes, so producers of a
+//! table whose relay died asleep stop notifying.
 //! A source with events retrying or deferred never sleeps: their retry
 //! times come from the clock, not from inserts. Events failed for good
 //! change only by `failed retry|discard`, which notify.
@@ -102,26 +102,15 @@ impl PgStore {
         .await
     }
 
-    /// Renew this relay's asleep record (the trigger ignores stale ones).
-    pub async fn still_asleep(&self) -> Result<()> {
-        self.update_record("renewing the asleep record", true).await
-    }
-
     /// Record this relay awake on the source.
     pub async fn wake_up(&self) -> Result<()> {
-        self.update_record("recording the relay awake", false).await
-    }
-
-    /// Stamp this relay's asleep record now, leaving it asleep or not.
-    async fn update_record(&self, what: &str, asleep: bool) -> Result<()> {
-        self.bounded(what, async {
+        self.bounded("recording the relay awake", async {
             sqlx::query(
-                "UPDATE outroute_wake SET asleep = $3, since = now() \
+                "UPDATE outroute_wake SET asleep = false, since = now() \
                  WHERE source = $1 AND relay = $2 AND asleep",
             )
             .bind(&self.source)
             .bind(&self.relay_id)
-            .bind(asleep)
             .execute(&self.pool)
             .await?;
             Ok(())

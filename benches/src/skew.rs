@@ -1,0 +1,297 @@
+//! Fairness under skew (issue 43): one source with a deep backlog beside
+//! many quiet ones in one relay. The quiet sources' pickup (commit → a
+//! subscriber) with and without the backlog beside them, and the backlog's
+//! drain rate with and without the quiet sources. Runs on the scale
+//! benchmark's cluster (`scale.rs`), one database per source, every route
+//! to core NATS (no stream fills up; the relay's work per event is the
+//! same).
+
+use std::sync::Mutex;
+
+use super::scale::{cluster, url};
+use super::*;
+
+/// Which sources a run's relay serves.
+#[derive(Clone, Copy, PartialEq)]
+enum Serves {
+    Quiet,
+    Backlog,
+    Both,
+}
+
+/// The config of one run: the backlog source `bulk` (database `dbs[0]`)
+/// and the quiet sources `q1`…, each routed to its own subject tree.
+fn config(dir: &Path, http: &str, t: &str, dbs: &[String], serves: Serves) -> Result<PathBuf> {
+    let mut body = String::new();
+    let quiet: Vec<String> = (1..dbs.len()).map(|i| format!("q{i}")).collect();
+    if serves != Serves::Quiet {
+        body.push_str(&format!("[sources.bulk]\nurl = \"{}\"\n", url(&dbs[0])));
+    }
+    if serves != Serves::Backlog {
+        for (i, db) in dbs.iter().enumerate().skip(1) {
+            body.push_str(&format!("[sources.q{i}]\nurl = \"{}\"\n", url(db)));
+        }
+    }
+    body.push_str(&format!(
+        "[http]\nlisten = \"{http}\"\n[sinks.nats]\nkind = \"nats\"\nurl = \"{NATS}\"\nmode = \"core\"\n\
+         [plugins.p]\npath = \"{}\"\n",
+        plugin("order-router").display()
+    ));
+    if serves != Serves::Quiet {
+        body.push_str(&format!(
+            "[[routes]]\nname = \"bulk\"\nplugin = \"p\"\nsources = [\"bulk\"]\n\
+             config = {{ sink = \"nats\", topic = \"sk{t}.bulk.{{event_type}}\" }}\nallow = {{ nats = [\"sk{t}.bulk.*\"] }}\n"
+        ));
+    }
+    if serves != Serves::Backlog {
+        body.push_str(&format!(
+            "[[routes]]\nname = \"quiet\"\nplugin = \"p\"\nsources = {quiet:?}\n\
+             config = {{ sink = \"nats\", topic = \"sk{t}.quiet.{{event_type}}\" }}\nallow = {{ nats = [\"sk{t}.quiet.*\"] }}\n"
+        ));
+    }
+    let path = dir.join(format!(
+        "outroute-{}.toml",
+        match serves {
+            Serves::Quiet => "quiet",
+            Serves::Backlog => "backlog",
+            Serves::Both => "both",
+        }
+    ));
+    std::fs::write(&path, body)?;
+    Ok(path)
+}
+
+/// `n` pending events of 1 KiB in the backlog database.
+async fn fill(db: &str, n: usize) -> Result<()> {
+    let pool = PgPool::connect(&url(db)).await?;
+    let mut done = 0;
+    while done < n {
+        let end = (done + 250_000).min(n);
+        sqlx::query(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+             SELECT gen_random_uuid(), 'order', 'b-' || g, 'order-created', \
+               jsonb_build_object('pad', repeat('x', 1000)) \
+             FROM generate_series($1::bigint, $2::bigint) g",
+        )
+        .bind(done as i64)
+        .bind(end as i64 - 1)
+        .execute(&pool)
+        .await?;
+        done = end;
+    }
+    pool.close().await;
+    Ok(())
+}
+
+/// The relay's count of events published by route `route`.
+async fn published(http: &str, route: &str) -> f64 {
+    outroute_e2e::http_get(http, "/metrics")
+        .await
+        .ok()
+        .and_then(|(_, m)| {
+            outroute_e2e::metric(
+                &m,
+                &format!("outroute_events_published_total{{route=\"{route}\"}}"),
+            )
+        })
+        .unwrap_or(0.0)
+}
+
+/// Quiet writers: each quiet database gets `rate` events/s (one per
+/// transaction) until `stop`; every id with the instant its commit
+/// returned.
+fn quiet_writers(
+    dbs: &[String],
+    rate: u64,
+    stop: Arc<AtomicBool>,
+    sent: Arc<Mutex<HashMap<String, Instant>>>,
+) -> Vec<tokio::task::JoinHandle<Result<()>>> {
+    let every = Duration::from_secs_f64(1.0 / rate as f64);
+    dbs.iter()
+        .enumerate()
+        .skip(1)
+        .map(|(i, db)| {
+            let (url, stop, sent) = (url(db), stop.clone(), sent.clone());
+            tokio::spawn(async move {
+                let pool = sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(1)
+                    .connect(&url)
+                    .await?;
+                // Spread the writers over the interval.
+                tokio::time::sleep(every.mul_f64(i as f64 / 100.0 % 1.0)).await;
+                let mut tick = tokio::time::interval(every);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                while !stop.load(Ordering::Relaxed) {
+                    tick.tick().await;
+                    let id = uuid::Uuid::new_v4();
+                    sqlx::query(
+                        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+                         VALUES ($1, 'order', 'quiet', 'order-created', '{}')",
+                    )
+                    .bind(id)
+                    .execute(&pool)
+                    .await?;
+                    if let Ok(mut s) = sent.lock() {
+                        s.insert(id.to_string(), Instant::now());
+                    }
+                }
+                pool.close().await;
+                Ok(())
+            })
+        })
+        .collect()
+}
+
+/// One run: what the relay serving `serves` shows — the quiet sources'
+/// pickups (ms, sorted) over `secs` or until the backlog drained, and the
+/// backlog's drain rate (events/s from its first published event).
+async fn run(
+    t: &str,
+    dbs: &[String],
+    serves: Serves,
+    backlog: usize,
+    rate: u64,
+    secs: u64,
+) -> Result<(Vec<f64>, f64)> {
+    let dir = test_dir("skew");
+    let http = outroute_e2e::free_addr();
+    let config = config(&dir, &http, t, dbs, serves)?;
+    if serves != Serves::Quiet {
+        fill(&dbs[0], backlog).await?;
+    }
+    // The quiet events' arrivals.
+    let arrived: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let sub = async_nats::connect(NATS)
+        .await?
+        .subscribe(format!("sk{t}.quiet.>"))
+        .await?;
+    let consumer = {
+        let arrived = arrived.clone();
+        tokio::spawn(async move {
+            use futures::StreamExt;
+            let mut sub = sub;
+            while let Some(m) = sub.next().await {
+                let now = Instant::now();
+                if let Some(id) = m.headers.as_ref().and_then(|h| h.get("ce_id"))
+                    && let Ok(mut a) = arrived.lock()
+                {
+                    a.insert(id.to_string(), now);
+                }
+            }
+        })
+    };
+    let mut relay = Relay::start(&config, &[("RUST_LOG", "warn")])?;
+    // Wait for the relay: the backlog's first events, or a second.
+    let started = Instant::now();
+    let mut first = None;
+    if serves != Serves::Quiet {
+        while started.elapsed() < Duration::from_secs(120) {
+            let n = published(&http, "bulk").await;
+            if n > 0.0 {
+                first = Some((Instant::now(), n));
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        anyhow::ensure!(first.is_some(), "the backlog did not start draining");
+    } else {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let sent: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let writers = if serves != Serves::Backlog {
+        quiet_writers(dbs, rate, stop.clone(), sent.clone())
+    } else {
+        Vec::new()
+    };
+    // Until the backlog drained (or `secs` with no backlog).
+    let mut drained = None;
+    let until =
+        Instant::now() + Duration::from_secs(if serves == Serves::Quiet { secs } else { 3600 });
+    while Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if let Some((at, n0)) = first {
+            let n = published(&http, "bulk").await;
+            if n >= backlog as f64 {
+                drained = Some((n - n0) / at.elapsed().as_secs_f64());
+                break;
+            }
+        }
+    }
+    let writing_ended = Instant::now();
+    stop.store(true, Ordering::Relaxed);
+    for w in writers {
+        w.await??;
+    }
+    // The last quiet events arrive.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    relay.terminate(Duration::from_secs(30));
+    consumer.abort();
+    let sent = sent.lock().map(|s| s.clone()).unwrap_or_default();
+    let arrived = arrived.lock().map(|a| a.clone()).unwrap_or_default();
+    let mut pickups: Vec<f64> = sent
+        .iter()
+        .filter(|(_, at)| **at < writing_ended)
+        .filter_map(|(id, at)| Some(arrived.get(id)?.duration_since(*at).as_secs_f64() * 1000.0))
+        .collect();
+    let lost = sent.len() - pickups.len();
+    anyhow::ensure!(
+        lost * 100 <= sent.len().max(1),
+        "{lost} of {} quiet events never reached the subscriber",
+        sent.len()
+    );
+    pickups.sort_by(f64::total_cmp);
+    Ok((pickups, drained.unwrap_or(0.0)))
+}
+
+/// The skew case: `quiet` sources at `rate` events/s each and one with a
+/// `backlog`-event backlog, alone and together.
+pub(crate) async fn skew(quiet: usize, backlog: usize, rate: u64, secs: u64) -> Result<Value> {
+    cluster()?;
+    let admin = PgPool::connect(&url("postgres")).await?;
+    let t = tag();
+    let dbs: Vec<String> = (0..=quiet).map(|i| format!("skew_{t}_{i}")).collect();
+    for db in &dbs {
+        sqlx::query(&format!("CREATE DATABASE {db}"))
+            .execute(&admin)
+            .await?;
+    }
+    let result = async {
+        let dir = test_dir("skew-migrate");
+        let all = config(&dir, &outroute_e2e::free_addr(), &t, &dbs, Serves::Both)?;
+        let migrated = std::process::Command::new(outroute_e2e::bin())
+            .args(["migrate", "-c"])
+            .arg(&all)
+            .output()?;
+        anyhow::ensure!(
+            migrated.status.success(),
+            "migrate failed: {}",
+            String::from_utf8_lossy(&migrated.stderr)
+        );
+        eprintln!("   skew: {quiet} quiet sources at {rate}/s, alone");
+        let (alone, _) = run(&t, &dbs, Serves::Quiet, backlog, rate, secs).await?;
+        eprintln!("   skew: a {backlog}-event backlog, alone");
+        let (_, single) = run(&t, &dbs, Serves::Backlog, backlog, rate, secs).await?;
+        eprintln!("   skew: both");
+        let (beside, shared) = run(&t, &dbs, Serves::Both, backlog, rate, secs).await?;
+        let p = |v: &[f64], q| percentile(v, q);
+        anyhow::Ok(json!({
+            "quiet_sources": quiet,
+            "rate_per_quiet_source": rate,
+            "backlog": backlog,
+            "quiet_pickup_ms_alone": {"p50": p(&alone, 0.5), "p99": p(&alone, 0.99), "samples": alone.len()},
+            "quiet_pickup_ms_beside_backlog": {"p50": p(&beside, 0.5), "p99": p(&beside, 0.99), "samples": beside.len()},
+            "quiet_p99_ratio": p(&beside, 0.99) / p(&alone, 0.99).max(f64::MIN_POSITIVE),
+            "backlog_drain_alone": single,
+            "backlog_drain_beside_quiet": shared,
+            "backlog_drain_ratio": shared / single.max(f64::MIN_POSITIVE),
+        }))
+    }
+    .await;
+    for db in &dbs {
+        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+            .execute(&admin)
+            .await;
+    }
+    result
+}
