@@ -159,13 +159,12 @@ async fn measure(admin: &PgPool, dbs: &[String], idle_secs: u64) -> Result<Value
         .unwrap_or(0.0)
         / 1024.0;
     // The first event after the quiet spell, in up to 20 sources, one at a
-    // time: commit → the file sink's line.
+    // time: commit returned → the file sink's line read back.
     let out = dir.join("out.jsonl");
     let mut pickups = Vec::new();
     for db in dbs.iter().take(20) {
         let pool = PgPool::connect(&url(db)).await?;
         let id = uuid::Uuid::new_v4().to_string();
-        let at = Instant::now();
         sqlx::query(
             "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
              VALUES ($1::uuid, 'order', 'first', 'order-created', '{}')",
@@ -173,6 +172,10 @@ async fn measure(admin: &PgPool, dbs: &[String], idle_secs: u64) -> Result<Value
         .bind(&id)
         .execute(&pool)
         .await?;
+        // From the commit's return (autocommit): the producer's own commit
+        // (a WAL flush, up to 100 ms on this machine's disk) is not the
+        // relay's pickup.
+        let at = Instant::now();
         let deadline = at + Duration::from_secs(60);
         loop {
             if outroute_e2e::file_sink_deliveries(&out)

@@ -146,25 +146,49 @@ pub fn unreachable(e: &anyhow::Error) -> bool {
 const UNREACHABLE_BACKOFF: Duration = Duration::from_secs(2);
 const REFUSED_BACKOFF: Duration = Duration::from_secs(30);
 
+/// How many sources start at once. A relay serving hundreds of databases
+/// of one server would otherwise open them all at the same moment, each
+/// with its checks, connections and first fast polls, and a small server
+/// (measured: 200 sources on 2 cores) then answers so slowly that lease
+/// rounds time out, their connections are replaced, and the new
+/// connections' start-up cost keeps it saturated. A source holds its turn
+/// from opening its store until it first falls asleep or
+/// [`STARTING_HOLD`] has passed.
+const STARTING_AT_ONCE: usize = 16;
+const STARTING_HOLD: Duration = Duration::from_secs(3);
+
+fn starting() -> Arc<tokio::sync::Semaphore> {
+    static STARTING: OnceLock<Arc<tokio::sync::Semaphore>> = OnceLock::new();
+    STARTING
+        .get_or_init(|| Arc::new(tokio::sync::Semaphore::new(STARTING_AT_ONCE)))
+        .clone()
+}
+
 /// Open source `name`'s store, trying again with backoff until it opens
-/// (`None`: stopped first). Every failure is shown on the source's health.
+/// (`None`: stopped first), each attempt in its turn among the sources
+/// starting (returned with the store). Every failure is shown on the
+/// source's health.
 async fn open_until_up(
     loaded: &Loaded,
     name: &str,
     relay_id: &str,
     health: &Health,
     stop: &CancellationToken,
-) -> Option<Arc<Store>> {
+) -> Option<(Arc<Store>, tokio::sync::OwnedSemaphorePermit)> {
     let mut backoff = Duration::from_millis(250);
     let mut logged = String::new();
     loop {
         let attempt = tokio::select! {
             _ = stop.cancelled() => return None,
-            r = open_store(loaded, name, relay_id) => r,
+            r = async {
+                let turn = starting().acquire_owned().await;
+                (open_store(loaded, name, relay_id).await, turn)
+            } => r,
         };
         let e = match attempt {
-            Ok(store) => return Some(Arc::new(store)),
-            Err(e) => e,
+            (Ok(store), Ok(turn)) => return Some((Arc::new(store), turn)),
+            (Ok(_), Err(e)) => anyhow::anyhow!("{e}"),
+            (Err(e), _) => e,
         };
         let why = crate::error::describe(&e);
         let limit = if unreachable(&e) {
@@ -210,6 +234,7 @@ async fn bring_up(
         sinks,
         health,
     } = setup;
+    let mut turn = None;
     let relay = match relay {
         Some(r) => r,
         None => {
@@ -217,9 +242,10 @@ async fn bring_up(
                 open_until_up(&loaded, &name, &relay_id, &health, &stop),
                 RoutePlugins::load_or_wait(&loaded, &name)
             );
-            let Some(store) = store else {
+            let Some((store, starting)) = store else {
                 return;
             };
+            turn = Some(starting);
             let assembled = plugins.and_then(|plugins| {
                 Relay::assemble(&loaded, &name, store, sinks, health.clone(), plugins)
             });
@@ -240,6 +266,14 @@ async fn bring_up(
     let relay = Arc::new(relay);
     let _ = slot.set(relay.clone());
     tracing::info!(source = %name, routes = relay.routes.0.len(), "source started");
+    if let Some(turn) = turn {
+        // The next source's turn once this one is asleep or has run a while.
+        let mut asleep = relay.asleep.subscribe();
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(STARTING_HOLD, asleep.wait_for(|a| *a)).await;
+            drop(turn);
+        });
+    }
     if let Err(e) = relay.run(stop).await {
         tracing::warn!(source = %name, "source stopped with an error: {e:#}");
     }

@@ -20,8 +20,17 @@ use crate::plugin::PluginHandle;
 use crate::store::Store;
 use crate::store::postgres::{ORPHAN_ROUNDS, ORPHAN_SWEEP_INTERVAL};
 
-/// A lease round asked of the LISTEN task, answered on this channel.
-pub(super) type QuietRound = oneshot::Sender<anyhow::Result<crate::store::Leases>>;
+/// Work a sleeping source hands its LISTEN task, to run on that connection
+/// so that the pool's can close: its lease rounds, and its claims (so the
+/// first event after a quiet spell waits for no new connection).
+pub(super) enum QuietJob {
+    LeaseRound(oneshot::Sender<anyhow::Result<crate::store::Leases>>),
+    Claim {
+        lanes: Vec<i32>,
+        limit: u32,
+        reply: oneshot::Sender<anyhow::Result<Vec<crate::store::Claim>>>,
+    },
+}
 
 /// How often a relay reads the store's quarantine records.
 const QUARANTINE_FOLLOW: Duration = Duration::from_secs(2);
@@ -136,21 +145,23 @@ impl Relay {
     pub(super) async fn keep_leases(
         self: Arc<Self>,
         tx: watch::Sender<LeaseView>,
-        quiet: Option<mpsc::Sender<QuietRound>>,
+        quiet: Option<mpsc::Sender<QuietJob>>,
         stop: CancellationToken,
         wake: Arc<Notify>,
     ) {
         let ttl = self.config.lease_ttl;
         let every = ttl / 3;
+        let mut retry = Duration::from_millis(250);
         loop {
             let round_started = Instant::now();
             // After a failed round, try again soon: the lease is still
             // valid for a while, and a round lost to a dead connection
-            // succeeds on another one.
+            // succeeds on another one (see the backoff below).
             let mut pause = every;
             match self.lease_round(quiet.as_ref()).await {
                 Ok(l) => {
                     self.health.set_store_ok();
+                    retry = Duration::from_millis(250);
                     if l.acquired > 0 {
                         metrics::counter!(m::LEASE_HANDOVERS, "source" => self.source.clone())
                             .increment(l.acquired as u64);
@@ -176,7 +187,11 @@ impl Relay {
                 Err(e) => {
                     self.health.store_failed(&e);
                     tracing::warn!("lease renewal failed: {e:#}");
-                    pause = every.min(Duration::from_millis(500));
+                    // Backing off (jittered): a server too busy to answer
+                    // in time is not helped by every source asking again
+                    // at once.
+                    pause = crate::backoff::jitter(retry).min(every);
+                    retry = (retry * 2).min(every);
                 }
             }
             tokio::select! {
@@ -192,11 +207,11 @@ impl Relay {
     /// time (reconnecting), on the pool.
     async fn lease_round(
         &self,
-        quiet: Option<&mpsc::Sender<QuietRound>>,
+        quiet: Option<&mpsc::Sender<QuietJob>>,
     ) -> anyhow::Result<crate::store::Leases> {
         if let Some(quiet) = quiet.filter(|_| self.is_asleep()) {
             let (reply, answer) = oneshot::channel();
-            if quiet.try_send(reply).is_ok() {
+            if quiet.try_send(QuietJob::LeaseRound(reply)).is_ok() {
                 match tokio::time::timeout(self.config.lease_ttl / 4, answer).await {
                     Ok(Ok(Ok(leases))) => return Ok(leases),
                     Ok(Ok(Err(e))) => tracing::debug!(
@@ -357,7 +372,7 @@ impl Relay {
     pub(super) async fn listen(
         self: Arc<Self>,
         channels: Vec<String>,
-        mut rounds: mpsc::Receiver<QuietRound>,
+        mut jobs: mpsc::Receiver<QuietJob>,
         wake: Arc<Notify>,
         shutdown: CancellationToken,
     ) {
@@ -400,20 +415,36 @@ impl Relay {
             loop {
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
-                    // A sleeping source's lease round (which also proves
-                    // the connection alive: no probe while they come).
-                    Some(reply) = rounds.recv() => {
-                        let round = pg
-                            .bounded_by(
-                                pg.lease_ttl() / 4,
-                                "renewing lane leases on the LISTEN connection",
-                                pg.lease_round_on(&mut listener),
-                            )
-                            .await;
-                        let lost = round.is_err();
-                        let _ = reply.send(round);
+                    // A sleeping source's lease round or claim (which also
+                    // prove the connection alive: no probe while they come).
+                    Some(job) = jobs.recv() => {
+                        let lost = match job {
+                            QuietJob::LeaseRound(reply) => {
+                                let round = pg
+                                    .bounded_by(
+                                        pg.lease_ttl() / 4,
+                                        "renewing lane leases on the LISTEN connection",
+                                        pg.lease_round_on(&mut listener),
+                                    )
+                                    .await;
+                                let lost = round.is_err();
+                                let _ = reply.send(round);
+                                lost
+                            }
+                            QuietJob::Claim { lanes, limit, reply } => {
+                                let claims = pg
+                                    .bounded(
+                                        "claiming events on the LISTEN connection",
+                                        pg.claim_on(&mut listener, &lanes, limit),
+                                    )
+                                    .await;
+                                let lost = claims.is_err();
+                                let _ = reply.send(claims);
+                                lost
+                            }
+                        };
                         if lost {
-                            tracing::warn!("lease round on the LISTEN connection failed; opening a new one");
+                            tracing::warn!("a statement on the LISTEN connection failed; opening a new one");
                             break;
                         }
                     }

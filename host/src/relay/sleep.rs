@@ -15,6 +15,9 @@
 
 use std::sync::atomic::Ordering as AtomicOrdering;
 
+use tokio::sync::{mpsc, oneshot};
+
+use super::background::QuietJob;
 use super::*;
 
 /// How often an asleep source's worker 0 claims anyway (a backstop for a
@@ -42,6 +45,10 @@ pub(super) enum IdleTurn {
 /// The channel the pending queue's trigger notifies a sleeping source on,
 /// with the table's name as payload.
 pub(super) const WAKE_CHANNEL: &str = "outroute_wake";
+
+/// How long a sleeping source's claim waits for the LISTEN task before it
+/// runs on the pool instead (the task may be reconnecting).
+const QUIET_ANSWER: Duration = Duration::from_secs(5);
 
 /// How often worker 0 asks whether the transactions it waits for on its way
 /// to sleep have ended.
@@ -122,6 +129,35 @@ impl Relay {
             self.recorded_asleep.store(true, AtomicOrdering::Release);
         }
         r
+    }
+
+    /// A claim: while the source sleeps, on the LISTEN connection
+    /// (`quiet`, see [`QuietJob`]); otherwise, or if the LISTEN task does
+    /// not answer (reconnecting), on the pool.
+    pub(super) async fn claim(
+        &self,
+        lanes: &[i32],
+        limit: u32,
+        quiet: Option<&mpsc::Sender<QuietJob>>,
+    ) -> anyhow::Result<Vec<crate::store::Claim>> {
+        if let Some(quiet) = quiet.filter(|_| self.is_asleep()) {
+            let (reply, answer) = oneshot::channel();
+            let job = QuietJob::Claim {
+                lanes: lanes.to_vec(),
+                limit,
+                reply,
+            };
+            if quiet.try_send(job).is_ok() {
+                match tokio::time::timeout(QUIET_ANSWER, answer).await {
+                    Ok(Ok(Ok(claims))) => return Ok(claims),
+                    Ok(Ok(Err(e))) => {
+                        tracing::debug!("claim on the LISTEN connection failed, on the pool instead: {e:#}")
+                    }
+                    _ => tracing::debug!("the LISTEN task did not answer; claim on the pool"),
+                }
+            }
+        }
+        self.store.claim(lanes, limit).await
     }
 
     /// Whether the source sleeps or is recorded asleep (on its way).

@@ -3,6 +3,7 @@
 //! from the lanes no other worker has in flight and hands it to
 //! [`Relay::process`]; a supervisor restarts a worker that failed.
 
+use super::background::QuietJob;
 use super::sleep::{Drowsy, WAKE_CHANNEL};
 use super::*;
 
@@ -47,12 +48,12 @@ impl Relay {
             channels.push(WAKE_CHANNEL.to_string());
         }
         channels.extend(self.config.notify_channel.clone());
-        let (quiet_tx, quiet_rx) = tokio::sync::mpsc::channel(1);
+        let (quiet_tx, quiet_rx) = tokio::sync::mpsc::channel(4);
         let quiet_tx = (!channels.is_empty() && self.capture.is_none()).then_some(quiet_tx);
         let mut background = vec![
             spawn_here(self.clone().keep_leases(
                 lease_tx,
-                quiet_tx,
+                quiet_tx.clone(),
                 stop_leasing.clone(),
                 wake.clone(),
             )),
@@ -124,7 +125,13 @@ impl Relay {
         for i in 0..self.config.concurrency {
             workers.spawn(
                 self.clone()
-                    .supervise(i, lease_rx.clone(), wake.clone(), shutdown.clone())
+                    .supervise(
+                        i,
+                        lease_rx.clone(),
+                        quiet_tx.clone(),
+                        wake.clone(),
+                        shutdown.clone(),
+                    )
                     .in_current_span(),
             );
         }
@@ -169,6 +176,7 @@ impl Relay {
         self: Arc<Self>,
         index: u32,
         leases: watch::Receiver<LeaseView>,
+        quiet: Option<tokio::sync::mpsc::Sender<QuietJob>>,
         wake: Arc<Notify>,
         shutdown: CancellationToken,
     ) {
@@ -177,6 +185,7 @@ impl Relay {
             let mut worker = AbortOnDrop(spawn_here(self.clone().work(
                 index,
                 leases.clone(),
+                quiet.clone(),
                 wake.clone(),
                 shutdown.clone(),
             )));
@@ -201,6 +210,7 @@ impl Relay {
         self: Arc<Self>,
         index: u32,
         mut leases: watch::Receiver<LeaseView>,
+        quiet: Option<tokio::sync::mpsc::Sender<QuietJob>>,
         wake: Arc<Notify>,
         shutdown: CancellationToken,
     ) {
@@ -251,7 +261,7 @@ impl Relay {
             let mut notified = std::pin::pin!(notified);
             notified.as_mut().enable();
             let claim_started = Instant::now();
-            let claims = match self.store.claim(&lanes, size).await {
+            let claims = match self.claim(&lanes, size, quiet.as_ref()).await {
                 Ok(c) => {
                     metrics::histogram!(m::CLAIM_SECONDS, "source" => self.source.clone())
                         .record(claim_started.elapsed().as_secs_f64());

@@ -316,7 +316,17 @@ impl PgStore {
             // a few rows per lane and prefers a bitmap scan plus sort, which
             // reads the whole lane. Both only cost more here; nothing is
             // forbidden.
-            .options([("enable_bitmapscan", "off"), ("enable_sort", "off")])
+            //
+            // No JIT: the relay's statements are short, and a planner with
+            // no statistics can cost one (the lease round's CTEs) above
+            // `jit_above_cost`; compiling it then took each new backend
+            // hundreds of milliseconds of CPU, and 200 sources' lease rounds
+            // kept a 2-core server saturated (measured: 23 s per round).
+            .options([
+                ("enable_bitmapscan", "off"),
+                ("enable_sort", "off"),
+                ("jit", "off"),
+            ])
             .log_statements(tracing::log::LevelFilter::Trace)
             .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(2));
         let abandoned = std::sync::Arc::new(Abandoned::default());

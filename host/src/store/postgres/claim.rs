@@ -201,6 +201,19 @@ impl PgStore {
     }
 
     pub async fn claim(&self, lanes: &[i32], limit: u32) -> Result<Vec<Claim>> {
+        self.claim_on(&self.pool, lanes, limit).await
+    }
+
+    /// A claim on `conn` (the pool, or a sleeping source's LISTEN
+    /// connection: the first event after a quiet spell waits for no new
+    /// connection). The fan-out legs of retried events, rare and never
+    /// while asleep, are read on the pool.
+    pub async fn claim_on<'c>(
+        &self,
+        conn: impl sqlx::PgExecutor<'c>,
+        lanes: &[i32],
+        limit: u32,
+    ) -> Result<Vec<Claim>> {
         if lanes.is_empty() {
             return Ok(Vec::new());
         }
@@ -223,7 +236,7 @@ impl PgStore {
                     starts.as_ref(),
                     asked,
                 )
-                .fetch(&self.pool);
+                .fetch(conn);
             while let Some(r) = rows.try_next().await.context("claiming events")? {
                 let c = to_claim(&r, json)?;
                 bytes += c.bytes();
