@@ -72,13 +72,14 @@ async fn an_idle_source_stops_polling_and_its_next_insert_wakes_it() -> anyhow::
         "the idle source never fell asleep: {}",
         relay.log_text()
     );
-    // Asleep, it does not poll: no claim for seconds (awake, its two
+    // Asleep, it does not poll: no claim for seconds but the one as it
+    // fell asleep and perhaps the once-a-minute backstop (awake, its two
     // workers claim up to 20 times a second).
     let before = series(&http, CLAIMS).await;
     tokio::time::sleep(Duration::from_secs(5)).await;
     let claims = series(&http, CLAIMS).await - before;
     assert!(
-        claims <= 1.0,
+        claims <= 2.0,
         "{claims} claims in 5 s while asleep: {}",
         relay.log_text()
     );

@@ -759,6 +759,7 @@ fn redacts_passwords() {
 #[test]
 fn the_relay_wide_connection_ceiling_is_shared_and_checked() {
     let d = tmp();
+    std::fs::create_dir_all(d.join("teams")).unwrap();
     let body = PLATFORM.replacen(
         "[sources.orders]",
         "[relay]\nmax_connections = 5\n[sources.orders]",

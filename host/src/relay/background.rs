@@ -65,7 +65,7 @@ impl Relay {
                 Err(e) => tracing::debug!("could not read route quarantines: {e:#}"),
             }
             self.health.set_quarantined(self.quarantine.quarantined());
-            self.background_pause(QUARANTINE_FOLLOW, Some(IdleTurn::Quarantine), &shutdown)
+            self.background_pause(QUARANTINE_FOLLOW, IdleTurn::Quarantine, &shutdown)
                 .await;
         }
     }
@@ -90,12 +90,12 @@ impl Relay {
                 }
                 self.store.raise_floors(&lanes).await;
             }
-            // Asleep, none until the source wakes: what commits meanwhile
-            // notifies, and this round's sweep below the floors runs at once
-            // then (a row committed late is found).
+            // Asleep, once a minute: its sweep below the floors finds a row
+            // committed late below them (its notification woke a claim
+            // that cannot see it).
             self.background_pause(
                 crate::store::postgres::FLOOR_ROUND_INTERVAL,
-                None,
+                IdleTurn::Floors,
                 &shutdown,
             )
             .await;
@@ -265,7 +265,7 @@ impl Relay {
                     tracing::debug!("backlog query failed: {e:#}");
                 }
             }
-            self.background_pause(Duration::from_secs(1), Some(IdleTurn::Backlog), &shutdown)
+            self.background_pause(Duration::from_secs(1), IdleTurn::Backlog, &shutdown)
                 .await;
         }
     }
@@ -351,12 +351,8 @@ impl Relay {
                 }
                 tokio::task::yield_now().await;
             }
-            self.background_pause(
-                Duration::from_secs(60),
-                Some(IdleTurn::Retention),
-                &shutdown,
-            )
-            .await;
+            self.background_pause(Duration::from_secs(60), IdleTurn::Retention, &shutdown)
+                .await;
         }
     }
 

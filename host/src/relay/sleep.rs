@@ -27,7 +27,8 @@ use super::*;
 /// each period, fixed per source so that sources spread over it, one task
 /// [`IDLE_TURN`] after the other: the one pool connection opened for them
 /// serves them all and closes again (`store/postgres.rs`, idle timeout).
-/// Claim floors wait for the source to wake (their sweep runs at once then).
+/// The claim floors' round runs then too: its sweep below the floors finds
+/// a row committed late below them, which no claim sees.
 pub(super) const IDLE_EVERY: Duration = Duration::from_secs(60);
 
 /// The gap between two of an asleep source's tasks at its idle moment.
@@ -40,6 +41,7 @@ pub(super) enum IdleTurn {
     Backlog = 1,
     Quarantine = 2,
     Retention = 3,
+    Floors = 4,
 }
 
 /// The channel the pending queue's trigger notifies a sleeping source on,
@@ -151,7 +153,9 @@ impl Relay {
                 match tokio::time::timeout(QUIET_ANSWER, answer).await {
                     Ok(Ok(Ok(claims))) => return Ok(claims),
                     Ok(Ok(Err(e))) => {
-                        tracing::debug!("claim on the LISTEN connection failed, on the pool instead: {e:#}")
+                        tracing::debug!(
+                            "claim on the LISTEN connection failed, on the pool instead: {e:#}"
+                        )
                     }
                     _ => tracing::debug!("the LISTEN task did not answer; claim on the pool"),
                 }
@@ -244,12 +248,11 @@ impl Relay {
     }
 
     /// A background task's pause: `every` while awake; while asleep until
-    /// the source's idle moment for `turn` (`None`: until it wakes), ended
-    /// early when the source wakes.
+    /// the source's idle moment for `turn`, ended early when it wakes.
     pub(super) async fn background_pause(
         &self,
         every: Duration,
-        turn: Option<IdleTurn>,
+        turn: IdleTurn,
         shutdown: &CancellationToken,
     ) {
         if !self.is_asleep() {
@@ -257,16 +260,10 @@ impl Relay {
             return;
         }
         let mut asleep = self.asleep.subscribe();
-        let idle = async {
-            match turn {
-                Some(t) => tokio::time::sleep_until(self.idle_moment(t)).await,
-                None => std::future::pending().await,
-            }
-        };
         tokio::select! {
             _ = shutdown.cancelled() => {},
             _ = asleep.wait_for(|a| !*a) => {},
-            _ = idle => {},
+            _ = tokio::time::sleep_until(self.idle_moment(turn)) => {},
         }
     }
 }

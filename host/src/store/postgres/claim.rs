@@ -444,7 +444,7 @@ macro_rules! lease_round_ctes {
                  LIMIT greatest(0, ($4 + (SELECT n FROM alive) - 1) / (SELECT n FROM alive) \
                    - (SELECT count(*) FROM kept)) \
                  FOR UPDATE SKIP LOCKED) free \
-           WHERE l.source = $1 AND l.lane = free.lane RETURNING l.lane, l.epoch), "
+           WHERE l.source = $1 AND l.lane = free.lane RETURNING l.lane, l.epoch) "
     };
 }
 
@@ -467,7 +467,7 @@ const LEASE_ROUND: &str = concat!(lease_round_ctes!(), "SELECT ", lease_round_an
 /// source whose trigger notifies sleepers (`store/postgres/wake.rs`).
 const LEASE_ROUND_WAKES: &str = concat!(
     lease_round_ctes!(),
-    "asleep AS (UPDATE outroute_wake SET since = now() WHERE source = $1 AND relay = $2 AND asleep) ",
+    ", asleep AS (UPDATE outroute_wake SET since = now() WHERE source = $1 AND relay = $2 AND asleep) ",
     "SELECT ",
     lease_round_answer!()
 );
