@@ -395,45 +395,7 @@ async fn main() -> Result<()> {
         let mut runs = Vec::new();
         for &n in &args.scale_sources {
             let s = scale_one(n, args.scale_idle_secs).await?;
-            table.push((
-                format!(
-                    "{n} idle sources: relay cores, RSS, connections/source, statements/s per db"
-                ),
-                format!(
-                    "{:.4}, {:.0} MiB, {:.2}, {:.3} ({} of {n} asleep)",
-                    s["relay_cores"].as_f64().unwrap_or(0.0),
-                    s["rss_mib"].as_f64().unwrap_or(0.0),
-                    s["connections_per_source"].as_f64().unwrap_or(0.0),
-                    s["statements_per_s_per_db"].as_f64().unwrap_or(0.0),
-                    s["asleep"].as_f64().unwrap_or(0.0),
-                ),
-            ));
-            table.push((
-                format!("{n} idle sources: statements/s per db, the most run"),
-                s["top_statements"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .take(4)
-                    .map(|t| {
-                        format!(
-                            "{:.3} {}",
-                            t["per_s_per_db"].as_f64().unwrap_or(0.0),
-                            t["statement"].as_str().unwrap_or("")
-                        )
-                    })
-                    .collect::<Vec<_>>()
-                    .join(" | "),
-            ));
-            table.push((
-                format!("{n} idle sources: first event after the quiet spell, commit→file"),
-                format!(
-                    "p50 {:.1} ms, p99 {:.1} ms ({} samples)",
-                    s["first_event_pickup_ms"]["p50"].as_f64().unwrap_or(0.0),
-                    s["first_event_pickup_ms"]["p99"].as_f64().unwrap_or(0.0),
-                    s["first_event_pickup_ms"]["samples"].as_u64().unwrap_or(0),
-                ),
-            ));
+            table.extend(scale_rows(n, &s));
             runs.push(s);
         }
         results.insert("scale".into(), json!(runs));
@@ -447,30 +409,7 @@ async fn main() -> Result<()> {
             args.skew_secs,
         )
         .await?;
-        let ms = |k: &str, q: &str| s[k][q].as_f64().unwrap_or(0.0);
-        table.push((
-            format!(
-                "skew: {} quiet sources at {}/s, pickup commit→subscriber",
-                args.skew_quiet, args.skew_rate
-            ),
-            format!(
-                "alone p50 {:.1} / p99 {:.1} ms; beside the backlog p50 {:.1} / p99 {:.1} ms ({:.2}×)",
-                ms("quiet_pickup_ms_alone", "p50"),
-                ms("quiet_pickup_ms_alone", "p99"),
-                ms("quiet_pickup_ms_beside_backlog", "p50"),
-                ms("quiet_pickup_ms_beside_backlog", "p99"),
-                s["quiet_p99_ratio"].as_f64().unwrap_or(0.0),
-            ),
-        ));
-        table.push((
-            format!("skew: {}-event backlog drain", args.skew_backlog),
-            format!(
-                "alone {:.0} events/s; beside the quiet sources {:.0} events/s ({:.2}×)",
-                s["backlog_drain_alone"].as_f64().unwrap_or(0.0),
-                s["backlog_drain_beside_quiet"].as_f64().unwrap_or(0.0),
-                s["backlog_drain_ratio"].as_f64().unwrap_or(0.0),
-            ),
-        ));
+        table.extend(skew_rows(&s));
         results.insert("skew".into(), s);
     }
     if want("wakeup") {

@@ -214,3 +214,46 @@ async fn measure(admin: &PgPool, dbs: &[String], idle_secs: u64) -> Result<Value
         },
     }))
 }
+
+/// The table rows of one [`scale_one`] run over `n` sources.
+pub(crate) fn scale_rows(n: usize, s: &Value) -> Vec<(String, String)> {
+    vec![
+        (
+            format!("{n} idle sources: relay cores, RSS, connections/source, statements/s per db"),
+            format!(
+                "{:.4}, {:.0} MiB, {:.2}, {:.3} ({} of {n} asleep)",
+                s["relay_cores"].as_f64().unwrap_or(0.0),
+                s["rss_mib"].as_f64().unwrap_or(0.0),
+                s["connections_per_source"].as_f64().unwrap_or(0.0),
+                s["statements_per_s_per_db"].as_f64().unwrap_or(0.0),
+                s["asleep"].as_f64().unwrap_or(0.0),
+            ),
+        ),
+        (
+            format!("{n} idle sources: statements/s per db, the most run"),
+            s["top_statements"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .take(4)
+                .map(|t| {
+                    format!(
+                        "{:.3} {}",
+                        t["per_s_per_db"].as_f64().unwrap_or(0.0),
+                        t["statement"].as_str().unwrap_or("")
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(" | "),
+        ),
+        (
+            format!("{n} idle sources: first event after the quiet spell, commit→file"),
+            format!(
+                "p50 {:.1} ms, p99 {:.1} ms ({} samples)",
+                s["first_event_pickup_ms"]["p50"].as_f64().unwrap_or(0.0),
+                s["first_event_pickup_ms"]["p99"].as_f64().unwrap_or(0.0),
+                s["first_event_pickup_ms"]["samples"].as_u64().unwrap_or(0),
+            ),
+        ),
+    ]
+}

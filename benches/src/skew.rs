@@ -295,3 +295,33 @@ pub(crate) async fn skew(quiet: usize, backlog: usize, rate: u64, secs: u64) -> 
     }
     result
 }
+
+/// The table rows of a [`skew`] run.
+pub(crate) fn skew_rows(s: &Value) -> Vec<(String, String)> {
+    let ms = |k: &str, q: &str| s[k][q].as_f64().unwrap_or(0.0);
+    vec![
+        (
+            format!(
+                "skew: {} quiet sources at {}/s, pickup commit→subscriber",
+                s["quiet_sources"], s["rate_per_quiet_source"]
+            ),
+            format!(
+                "alone p50 {:.1} / p99 {:.1} ms; beside the backlog p50 {:.1} / p99 {:.1} ms ({:.2}×)",
+                ms("quiet_pickup_ms_alone", "p50"),
+                ms("quiet_pickup_ms_alone", "p99"),
+                ms("quiet_pickup_ms_beside_backlog", "p50"),
+                ms("quiet_pickup_ms_beside_backlog", "p99"),
+                s["quiet_p99_ratio"].as_f64().unwrap_or(0.0),
+            ),
+        ),
+        (
+            format!("skew: {}-event backlog drain", s["backlog"]),
+            format!(
+                "alone {:.0} events/s; beside the quiet sources {:.0} events/s ({:.2}×)",
+                s["backlog_drain_alone"].as_f64().unwrap_or(0.0),
+                s["backlog_drain_beside_quiet"].as_f64().unwrap_or(0.0),
+                s["backlog_drain_ratio"].as_f64().unwrap_or(0.0),
+            ),
+        ),
+    ]
+}

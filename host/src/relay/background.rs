@@ -77,6 +77,7 @@ impl Relay {
     pub(super) async fn raise_floors(
         self: Arc<Self>,
         mut leases: watch::Receiver<LeaseView>,
+        wake: Arc<Notify>,
         shutdown: CancellationToken,
     ) {
         let mut orphans_due = Instant::now() + ORPHAN_SWEEP_INTERVAL;
@@ -88,7 +89,12 @@ impl Relay {
                     self.drop_orphans(&lanes, &mut orphan_walk).await;
                     orphans_due = Instant::now() + ORPHAN_SWEEP_INTERVAL;
                 }
-                self.store.raise_floors(&lanes).await;
+                if self.store.raise_floors(&lanes).await && self.is_asleep() {
+                    // A row below the floors, which no claim saw: the
+                    // sleeping source claims now (its notification came
+                    // and went).
+                    wake.notify_waiters();
+                }
             }
             // Asleep, once a minute: its sweep below the floors finds a row
             // committed late below them (its notification woke a claim

@@ -105,10 +105,11 @@ impl Relay {
             tokio::task::spawn_blocking(move || plugin.warm(workers));
         }
         if matches!(*self.store, Store::Postgres(_)) {
-            background.push(spawn_here(
-                self.clone()
-                    .raise_floors(lease_rx.clone(), shutdown.clone()),
-            ));
+            background.push(spawn_here(self.clone().raise_floors(
+                lease_rx.clone(),
+                wake.clone(),
+                shutdown.clone(),
+            )));
         }
         if let Some(retention) = self.config.retention {
             background.push(spawn_here(self.clone().purge(retention, shutdown.clone())));

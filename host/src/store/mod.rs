@@ -566,16 +566,16 @@ impl Store {
 
     /// Move the lanes' claim floors up past what they published (PostgreSQL
     /// tables with a sequence column; see `postgres/floor.rs`).
-    pub async fn raise_floors(&self, lanes: &[i32]) {
+    /// Returns whether a floor was lowered (a row turned up below it).
+    pub async fn raise_floors(&self, lanes: &[i32]) -> bool {
         if let Store::Postgres(s) = self {
-            let raise = async {
-                s.raise_floors(lanes).await;
-                Ok(())
-            };
-            if let Err(e) = s.bounded("raising claim floors", raise).await {
-                tracing::warn!("{e:#}");
+            let raise = async { Ok(s.raise_floors(lanes).await) };
+            match s.bounded("raising claim floors", raise).await {
+                Ok(lowered) => return lowered,
+                Err(e) => tracing::warn!("{e:#}"),
             }
         }
+        false
     }
 
     /// Delete queue entries whose row is gone or failed by hand, walking

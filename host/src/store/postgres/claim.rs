@@ -329,9 +329,12 @@ impl PgStore {
     /// `postgres/floor.rs`); the relay calls it every
     /// [`FLOOR_ROUND_INTERVAL`] beside its claims, so a claim is always one
     /// statement. Floors only save work: a failed round is logged and
-    /// claims go on from the floors they have.
-    pub async fn raise_floors(&self, lanes: &[i32]) {
-        let Some(sql) = &self.floor_sql else { return };
+    /// claims go on from the floors they have. Returns whether a floor was
+    /// lowered (a row turned up below it: a sleeping source must claim).
+    pub async fn raise_floors(&self, lanes: &[i32]) -> bool {
+        let Some(sql) = &self.floor_sql else {
+            return false;
+        };
         // `seen` is read here, before the round's statement (see floor.rs).
         let (
             floors,
@@ -347,7 +350,7 @@ impl PgStore {
             let f = self.floors_mut();
             match f.due(lanes, std::time::Instant::now()) {
                 Some(due) => (f.of(&due.lanes), due),
-                None => return,
+                None => return false,
             }
         };
         let lanes = &lanes[..];
@@ -383,11 +386,11 @@ impl PgStore {
                     rows = r.len(),
                     "claim floor round: unexpected row count"
                 );
-                return;
+                return false;
             }
             Err(e) => {
                 tracing::warn!("claim floor round failed (claims start lower): {e:#}");
-                return;
+                return false;
             }
         };
         let round = floor::Round {
@@ -406,6 +409,7 @@ impl PgStore {
         let lowered = self
             .floors_mut()
             .apply(lanes, &round, std::time::Instant::now());
+        let any = !lowered.is_empty();
         for (lane, seq) in lowered {
             metrics::counter!(crate::metrics::FLOOR_LOWERED, "source" => source_name(&self.key).to_string())
                 .increment(1);
@@ -416,6 +420,7 @@ impl PgStore {
                  sequence number long before it committed): the lane is walked from it again"
             );
         }
+        any
     }
 
     /// Look below every floor on the next [`Self::raise_floors`] instead of
