@@ -36,6 +36,29 @@ async fn insert(pool: &sqlx::PgPool, aggregate: &str) -> anyhow::Result<String> 
     Ok(id)
 }
 
+/// A relay on a new database with 8 lanes and the file sink, that has
+/// published one event (aggregate `aggregate`): the database, the relay's
+/// HTTP address, the sink's file and the relay.
+async fn one_published(
+    name: &str,
+    aggregate: &str,
+) -> anyhow::Result<(TestDb, String, std::path::PathBuf, Relay)> {
+    let db = TestDb::new().await?;
+    let dir = test_dir(name);
+    let http = free_addr();
+    let config = write_config(&dir, &db.url, "lanes = 8", &file_body(&dir, &http))?;
+    db.migrate(&config)?;
+    let out = dir.join("out.jsonl");
+    let relay = Relay::start(&config, &[])?;
+    insert(&db.pool, aggregate).await?;
+    assert!(
+        file_sink_reaches(&out, 1, Duration::from_secs(30)).await,
+        "{}",
+        relay.log_text()
+    );
+    Ok((db, http, out, relay))
+}
+
 /// A series of the relay's /metrics (0 when absent).
 async fn series(http: &str, name: &str) -> f64 {
     http_get(http, "/metrics")
@@ -50,19 +73,7 @@ const CLAIMS: &str = "outroute_claim_seconds_count{source=\"default\"}";
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_idle_source_stops_polling_and_its_next_insert_wakes_it() -> anyhow::Result<()> {
-    let db = TestDb::new().await?;
-    let dir = test_dir("idle-sleeps");
-    let http = free_addr();
-    let config = write_config(&dir, &db.url, "lanes = 8", &file_body(&dir, &http))?;
-    db.migrate(&config)?;
-    let out = dir.join("out.jsonl");
-    let relay = Relay::start(&config, &[])?;
-    insert(&db.pool, "a1").await?;
-    assert!(
-        file_sink_reaches(&out, 1, Duration::from_secs(30)).await,
-        "{}",
-        relay.log_text()
-    );
+    let (db, http, out, relay) = one_published("idle-sleeps", "a1").await?;
     let asleep = eventually(Duration::from_secs(10), || async {
         series(&http, ASLEEP).await == 1.0
     })
@@ -183,19 +194,7 @@ async fn an_insert_in_flight_while_the_relay_falls_asleep_is_not_missed() -> any
 /// a connection opened for it).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_sleeping_source_holds_one_connection_and_keeps_its_lanes() -> anyhow::Result<()> {
-    let db = TestDb::new().await?;
-    let dir = test_dir("idle-one-connection");
-    let http = free_addr();
-    let config = write_config(&dir, &db.url, "lanes = 8", &file_body(&dir, &http))?;
-    db.migrate(&config)?;
-    let out = dir.join("out.jsonl");
-    let relay = Relay::start(&config, &[])?;
-    insert(&db.pool, "c1").await?;
-    assert!(
-        file_sink_reaches(&out, 1, Duration::from_secs(30)).await,
-        "{}",
-        relay.log_text()
-    );
+    let (db, http, out, relay) = one_published("idle-one-connection", "c1").await?;
     let connections = || async {
         sqlx::query_scalar::<_, i64>(
             "SELECT count(*) FROM pg_stat_activity \

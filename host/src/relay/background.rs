@@ -215,17 +215,12 @@ impl Relay {
         &self,
         quiet: Option<&mpsc::Sender<QuietJob>>,
     ) -> anyhow::Result<crate::store::Leases> {
-        if let Some(quiet) = quiet.filter(|_| self.is_asleep()) {
-            let (reply, answer) = oneshot::channel();
-            if quiet.try_send(QuietJob::LeaseRound(reply)).is_ok() {
-                match tokio::time::timeout(self.config.lease_ttl / 4, answer).await {
-                    Ok(Ok(Ok(leases))) => return Ok(leases),
-                    Ok(Ok(Err(e))) => tracing::debug!(
-                        "lease round on the LISTEN connection failed, on the pool instead: {e:#}"
-                    ),
-                    _ => tracing::debug!("the LISTEN task did not answer; lease round on the pool"),
-                }
-            }
+        let wait = self.config.lease_ttl / 4;
+        if let Some(leases) = self
+            .ask_quiet(quiet, "lease round", wait, QuietJob::LeaseRound)
+            .await
+        {
+            return Ok(leases);
         }
         self.store.lease_round().await
     }

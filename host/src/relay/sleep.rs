@@ -142,26 +142,43 @@ impl Relay {
         limit: u32,
         quiet: Option<&mpsc::Sender<QuietJob>>,
     ) -> anyhow::Result<Vec<crate::store::Claim>> {
-        if let Some(quiet) = quiet.filter(|_| self.is_asleep()) {
-            let (reply, answer) = oneshot::channel();
-            let job = QuietJob::Claim {
-                lanes: lanes.to_vec(),
-                limit,
-                reply,
-            };
-            if quiet.try_send(job).is_ok() {
-                match tokio::time::timeout(QUIET_ANSWER, answer).await {
-                    Ok(Ok(Ok(claims))) => return Ok(claims),
-                    Ok(Ok(Err(e))) => {
-                        tracing::debug!(
-                            "claim on the LISTEN connection failed, on the pool instead: {e:#}"
-                        )
-                    }
-                    _ => tracing::debug!("the LISTEN task did not answer; claim on the pool"),
-                }
+        let job = |reply| QuietJob::Claim {
+            lanes: lanes.to_vec(),
+            limit,
+            reply,
+        };
+        match self.ask_quiet(quiet, "claim", QUIET_ANSWER, job).await {
+            Some(claims) => Ok(claims),
+            None => self.store.claim(lanes, limit).await,
+        }
+    }
+
+    /// Hand `job` to the LISTEN task if the source sleeps, and wait up to
+    /// `wait` for its answer; `None`: awake, no LISTEN task, or it failed
+    /// or did not answer (the caller runs `what` on the pool instead).
+    pub(super) async fn ask_quiet<T>(
+        &self,
+        quiet: Option<&mpsc::Sender<QuietJob>>,
+        what: &str,
+        wait: Duration,
+        job: impl FnOnce(oneshot::Sender<anyhow::Result<T>>) -> QuietJob,
+    ) -> Option<T> {
+        let quiet = quiet.filter(|_| self.is_asleep())?;
+        let (reply, answer) = oneshot::channel();
+        quiet.try_send(job(reply)).ok()?;
+        match tokio::time::timeout(wait, answer).await {
+            Ok(Ok(Ok(t))) => Some(t),
+            Ok(Ok(Err(e))) => {
+                tracing::debug!(
+                    "{what} on the LISTEN connection failed, on the pool instead: {e:#}"
+                );
+                None
+            }
+            _ => {
+                tracing::debug!("the LISTEN task did not answer; {what} on the pool");
+                None
             }
         }
-        self.store.claim(lanes, limit).await
     }
 
     /// Whether the source sleeps or is recorded asleep (on its way).
