@@ -37,9 +37,10 @@
 //!   newer interfaces); one built against a newer contract is refused with
 //!   both versions named, before anything else can go wrong.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, Result, anyhow};
@@ -275,6 +276,7 @@ impl Plugin {
         store.set_epoch_deadline(deadline);
         let router = self
             .compiled
+            .code
             .pre
             .instantiate(&mut store)
             .map_err(|e| anyhow!("instantiating {}: {e:#}", self.compiled.path.display()))?;

@@ -42,6 +42,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{self, Diff, Loaded};
 use crate::health::{Health, Readiness, ReadyView};
+use crate::plugin::Runtime;
 use crate::relay::{Relay, RoutePlugins};
 use crate::sink::{Sink, Sinks};
 use crate::store::Store;
@@ -65,6 +66,9 @@ pub struct Topology {
     relay_id: String,
     loaded: Arc<Loaded>,
     sinks: Sinks,
+    /// The plugin engine every source's routes run on (one per process:
+    /// one epoch ticker, one copy of each plugin's code).
+    runtime: Runtime,
     sources: BTreeMap<String, Running>,
     ready: Readiness,
 }
@@ -215,6 +219,7 @@ struct Setup {
     name: String,
     relay_id: String,
     sinks: Sinks,
+    runtime: Runtime,
     health: Arc<Health>,
 }
 
@@ -232,6 +237,7 @@ async fn bring_up(
         name,
         relay_id,
         sinks,
+        runtime,
         health,
     } = setup;
     let mut turn = None;
@@ -240,7 +246,7 @@ async fn bring_up(
         None => {
             let (store, plugins) = tokio::join!(
                 open_until_up(&loaded, &name, &relay_id, &health, &stop),
-                RoutePlugins::load_or_wait(&loaded, &name)
+                RoutePlugins::load_or_wait(&loaded, &name, &runtime)
             );
             let Some((store, starting)) = store else {
                 return;
@@ -285,10 +291,12 @@ impl Topology {
     pub async fn start(loaded: Loaded, relay_id: String, ready: Readiness) -> Result<Self> {
         let loaded = Arc::new(loaded);
         let sinks = crate::relay::build_sinks(&loaded).await?;
+        let runtime = Runtime::new(loaded.cache_dir())?;
         let mut t = Topology {
             relay_id,
             loaded: loaded.clone(),
             sinks,
+            runtime,
             sources: BTreeMap::new(),
             ready,
         };
@@ -315,6 +323,7 @@ impl Topology {
             name: name.clone(),
             relay_id: self.relay_id.clone(),
             sinks: self.sinks.clone(),
+            runtime: self.runtime.clone(),
             health: health.clone(),
         };
         let span = tracing::info_span!("source", source = %name);
@@ -407,7 +416,7 @@ impl Topology {
             };
             let health = Health::new(name, new.config.relay.stall_after);
             health.opened(store.clone());
-            let built = match RoutePlugins::load_or_wait(&new, name).await {
+            let built = match RoutePlugins::load_or_wait(&new, name, &self.runtime).await {
                 Ok(plugins) => Relay::assemble(
                     &new,
                     name,

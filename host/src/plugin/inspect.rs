@@ -23,7 +23,7 @@ pub struct Inspection {
 /// Read a component's imports/exports and its self-description.
 pub fn inspect(runtime: &Runtime, path: &Path) -> Result<Inspection> {
     let compiled = runtime.compile(path)?;
-    let ty = compiled.component.component_type();
+    let ty = compiled.code.component.component_type();
     let engine = &runtime.engine;
     let imports: Vec<String> = ty.imports(engine).map(|(n, _)| n.to_string()).collect();
     let exports = ty.exports(engine).map(|(n, _)| n.to_string()).collect();
@@ -38,7 +38,7 @@ pub fn inspect(runtime: &Runtime, path: &Path) -> Result<Inspection> {
     let mut store = runtime.new_store("inspect", limits.caps());
     let deadline = store.data_mut().begin_call(limits.cpu_budget, 1);
     store.set_epoch_deadline(deadline);
-    let router = compiled.pre.instantiate(&mut store)?;
+    let router = compiled.code.pre.instantiate(&mut store)?;
     let info = router.call_describe(&mut store).map_err(|e| {
         anyhow!(
             "describe failed: {}",

@@ -23,6 +23,10 @@ pub(super) fn cache_key(hash: &str) -> String {
     ))
 }
 
+/// Where one component's loaded code is kept while any route runs it;
+/// locked while it loads, so others wait for that load.
+type Slot = Arc<Mutex<Weak<Code>>>;
+
 /// Shared compilation engine with its epoch ticker.
 #[derive(Clone)]
 pub struct Runtime {
@@ -31,6 +35,11 @@ pub struct Runtime {
     /// `None`: compile in memory every time (`relay.plugin_cache = false`).
     pub(super) cache: Option<Arc<ArtifactCache>>,
     pub(super) ticker: Arc<Ticker>,
+    /// Components loaded in this process, by cache key: every route (of
+    /// every source) that runs the same component shares its code, and
+    /// sources starting together wait for one compile instead of each
+    /// compiling it (200 sources of one plugin: one copy, not 200).
+    loaded: Arc<Mutex<HashMap<String, Slot>>>,
 }
 
 pub(super) struct Ticker {
@@ -138,30 +147,70 @@ impl Runtime {
             linker: Arc::new(linker),
             cache,
             ticker: Arc::new(Ticker { shared }),
+            loaded: Arc::default(),
         })
     }
 
-    /// Compile (or load from the cache) the component at `path`.
+    /// Compile (or load from the cache) the component at `path`; a
+    /// component already loaded in this process is shared, not loaded again.
     pub fn compile(&self, path: &Path) -> Result<Compiled> {
         let bytes =
             std::fs::read(path).with_context(|| format!("reading plugin {}", path.display()))?;
         let hash = hex(&Sha256::digest(&bytes));
         let key = cache_key(&hash);
-        let (component, from_cache) = match self.load_cached(&key) {
+        let slot = {
+            let mut loaded = self
+                .loaded
+                .lock()
+                .map_err(|_| anyhow!("the plugin table is poisoned"))?;
+            // Forget components no route runs any more.
+            loaded.retain(|k, s| {
+                k == &key
+                    || Arc::strong_count(s) > 1
+                    || s.try_lock().map_or(true, |w| w.strong_count() > 0)
+            });
+            loaded.entry(key.clone()).or_default().clone()
+        };
+        // One load per component at a time; the others wait for it.
+        let mut slot = slot
+            .lock()
+            .map_err(|_| anyhow!("loading {} failed in another thread", path.display()))?;
+        if let Some(code) = slot.upgrade() {
+            return Ok(Compiled {
+                code,
+                hash,
+                path: path.to_path_buf(),
+                from_cache: true,
+            });
+        }
+        let (code, from_cache) = self.load(path, &bytes, &key)?;
+        let code = Arc::new(code);
+        *slot = Arc::downgrade(&code);
+        Ok(Compiled {
+            code,
+            hash,
+            path: path.to_path_buf(),
+            from_cache,
+        })
+    }
+
+    /// [`Runtime::compile`] from the disk cache or Cranelift.
+    fn load(&self, path: &Path, bytes: &[u8], key: &str) -> Result<(Code, bool)> {
+        let (component, from_cache) = match self.load_cached(key) {
             Some(c) => (c, true),
             None => {
-                if let Some(why) = not_a_component(&bytes) {
+                if let Some(why) = not_a_component(bytes) {
                     anyhow::bail!("{} {why}", path.display());
                 }
                 let started = Instant::now();
                 let artifact = self
                     .engine
-                    .precompile_component(&bytes)
+                    .precompile_component(bytes)
                     .map_err(|e| anyhow!("{} is not a valid component: {e:#}", path.display()))?;
                 if let Some(cache) = &self.cache
-                    && let Err(e) = cache.store(&key, &artifact)
+                    && let Err(e) = cache.store(key, &artifact)
                 {
-                    tracing::warn!(file = %cache.path(&key).display(), "cannot cache compiled plugin: {e:#}");
+                    tracing::warn!(file = %cache.path(key).display(), "cannot cache compiled plugin: {e:#}");
                 }
                 tracing::info!(plugin = %path.display(), ms = started.elapsed().as_millis() as u64, "compiled plugin");
                 // SAFETY: `artifact` was produced just now by this engine.
@@ -198,13 +247,7 @@ impl Runtime {
                 path.display()
             )
         })?;
-        Ok(Compiled {
-            component,
-            pre,
-            hash,
-            path: path.to_path_buf(),
-            from_cache,
-        })
+        Ok((Code { component, pre }, from_cache))
     }
 
     /// Where the compiled artifact of the component at `path` is cached
@@ -252,12 +295,18 @@ pub(super) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// A compiled component, ready to instantiate.
-pub struct Compiled {
+/// A compiled component's code, shared by every route that runs it.
+pub(super) struct Code {
     pub(super) component: Component,
     pub(super) pre: bindings::RouterPre<HostState>,
+}
+
+/// A compiled component, ready to instantiate.
+pub struct Compiled {
+    pub(super) code: Arc<Code>,
     pub hash: String,
     pub path: PathBuf,
-    /// Loaded from the verified disk cache rather than compiled now.
+    /// Loaded from the verified disk cache, or shared with a route that
+    /// loaded it, rather than compiled now.
     pub from_cache: bool,
 }

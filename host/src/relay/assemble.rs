@@ -33,8 +33,8 @@ impl RoutePlugins {
     /// Compile (or take from the cache) and `init` the plugin of every
     /// route that reads `source`, all routes at once; any that fails is an
     /// error (one-shot commands: `replay`, the quickstart).
-    pub async fn load(loaded: &Loaded, source: &str) -> Result<Self> {
-        let p = Self::load_or_wait(loaded, source).await?;
+    pub async fn load(loaded: &Loaded, source: &str, runtime: &Runtime) -> Result<Self> {
+        let p = Self::load_or_wait(loaded, source, runtime).await?;
         if let Some((i, e)) = p
             .errors
             .iter()
@@ -51,7 +51,9 @@ impl RoutePlugins {
     /// waiting handle and its error: `run` serves the other routes, and
     /// that one once its file loads. A shadow that cannot be loaded is left
     /// out, with a warning (the route runs its active plugin).
-    pub async fn load_or_wait(loaded: &Loaded, source: &str) -> Result<Self> {
+    /// `runtime` is the process's plugin engine: every source's routes
+    /// share it (and the compiled code of a plugin they have in common).
+    pub async fn load_or_wait(loaded: &Loaded, source: &str, runtime: &Runtime) -> Result<Self> {
         let config = &loaded.config;
         let mut routes = Routes::compile(config).map_err(anyhow::Error::msg)?;
         routes
@@ -83,9 +85,7 @@ impl RoutePlugins {
         for (i, r) in routes.0.iter_mut().enumerate() {
             r.index = i;
         }
-        let runtime = Runtime::new(loaded.cache_dir())?;
         let loads = routes.0.iter().map(|r| {
-            let runtime = &runtime;
             async move {
                 if let Some(team) = r.waiting_team() {
                     let handle = PluginHandle::waiting(
@@ -165,7 +165,8 @@ impl Relay {
         sinks: Sinks,
         health: Arc<Health>,
     ) -> Result<Self> {
-        let plugins = RoutePlugins::load(loaded, source).await?;
+        let runtime = Runtime::new(loaded.cache_dir())?;
+        let plugins = RoutePlugins::load(loaded, source, &runtime).await?;
         Self::assemble(loaded, source, store, sinks, health, plugins)
     }
 

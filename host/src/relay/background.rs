@@ -21,14 +21,34 @@ use crate::store::Store;
 use crate::store::postgres::{ORPHAN_ROUNDS, ORPHAN_SWEEP_INTERVAL};
 
 /// Work a sleeping source hands its LISTEN task, to run on that connection
-/// so that the pool's can close: its lease rounds, and its claims (so the
-/// first event after a quiet spell waits for no new connection).
+/// so that the pool's can close: its lease rounds, its claims (so the
+/// first event after a quiet spell waits for no new connection), and the
+/// once-a-minute rounds (backlog gauge, quarantine records, claim floors,
+/// orphan sweeps) that would
+/// otherwise open a pooled connection (a TLS handshake and a backend)
+/// every minute.
 pub(super) enum QuietJob {
     LeaseRound(oneshot::Sender<anyhow::Result<crate::store::Leases>>),
     Claim {
         lanes: Vec<i32>,
         limit: u32,
         reply: oneshot::Sender<anyhow::Result<Vec<crate::store::Claim>>>,
+    },
+    /// The backlog gauge's count (once a minute while asleep).
+    Backlog(oneshot::Sender<anyhow::Result<(i64, Option<f64>)>>),
+    /// The route quarantine records (once a minute while asleep).
+    Quarantines(oneshot::Sender<anyhow::Result<Vec<crate::store::QuarantinedRoute>>>),
+    /// A floor round (once a minute while asleep): whether a floor was
+    /// lowered.
+    Floors {
+        lanes: Vec<i32>,
+        reply: oneshot::Sender<anyhow::Result<bool>>,
+    },
+    /// One round of an orphan sweep.
+    Orphans {
+        lanes: Vec<i32>,
+        after: Vec<i64>,
+        reply: oneshot::Sender<anyhow::Result<crate::store::postgres::OrphanWalk>>,
     },
 }
 
@@ -39,9 +59,26 @@ impl Relay {
     /// Follow the store's quarantine records: adopt a quarantine another
     /// relay decided, drop one resumed by a probe elsewhere or by
     /// `outroute route resume`; keep `/readyz` and the gauge current.
-    pub(super) async fn follow_quarantines(self: Arc<Self>, shutdown: CancellationToken) {
+    pub(super) async fn follow_quarantines(
+        self: Arc<Self>,
+        quiet: Option<mpsc::Sender<QuietJob>>,
+        shutdown: CancellationToken,
+    ) {
         while !shutdown.is_cancelled() {
-            match self.store.quarantined_routes().await {
+            let wait = self.config.lease_ttl / 4;
+            let records = match self
+                .ask_quiet(
+                    quiet.as_ref(),
+                    "reading quarantines",
+                    wait,
+                    QuietJob::Quarantines,
+                )
+                .await
+            {
+                Some(records) => Ok(records),
+                None => self.store.quarantined_routes().await,
+            };
+            match records {
                 Ok(rows) => {
                     let records = rows
                         .into_iter()
@@ -77,19 +114,34 @@ impl Relay {
     pub(super) async fn raise_floors(
         self: Arc<Self>,
         mut leases: watch::Receiver<LeaseView>,
+        quiet: Option<mpsc::Sender<QuietJob>>,
         wake: Arc<Notify>,
         shutdown: CancellationToken,
     ) {
+        let quiet = quiet.as_ref();
+        let wait = self.config.lease_ttl / 4;
         let mut orphans_due = Instant::now() + ORPHAN_SWEEP_INTERVAL;
         let mut orphan_walk = HashMap::new();
         while !shutdown.is_cancelled() {
             let lanes = leases.borrow_and_update().lanes.clone();
             if !lanes.is_empty() {
                 if Instant::now() >= orphans_due {
-                    self.drop_orphans(&lanes, &mut orphan_walk).await;
+                    self.drop_orphans(&lanes, &mut orphan_walk, quiet).await;
                     orphans_due = Instant::now() + ORPHAN_SWEEP_INTERVAL;
                 }
-                if self.store.raise_floors(&lanes).await && self.is_asleep() {
+                let asked = self
+                    .ask_quiet(quiet, "raising claim floors", wait, |reply| {
+                        QuietJob::Floors {
+                            lanes: lanes.clone(),
+                            reply,
+                        }
+                    })
+                    .await;
+                let lowered = match asked {
+                    Some(lowered) => lowered,
+                    None => self.store.raise_floors(&lanes).await,
+                };
+                if lowered && self.is_asleep() {
                     // A row below the floors, which no claim saw: the
                     // sleeping source claims now (its notification came
                     // and went).
@@ -112,7 +164,13 @@ impl Relay {
     /// hand, in the owned lanes, removed in at most [`ORPHAN_ROUNDS`]
     /// rounds. `walk` keeps, per lane, where the last sweep stopped when
     /// it did not reach the lane's end; the others start from the lowest.
-    async fn drop_orphans(&self, lanes: &[i32], walk: &mut HashMap<i32, i64>) {
+    async fn drop_orphans(
+        &self,
+        lanes: &[i32],
+        walk: &mut HashMap<i32, i64>,
+        quiet: Option<&mpsc::Sender<QuietJob>>,
+    ) {
+        let wait = self.config.lease_ttl / 4;
         walk.retain(|lane, _| lanes.contains(lane));
         let mut todo = lanes.to_vec();
         let mut dropped = 0;
@@ -121,7 +179,20 @@ impl Relay {
                 .iter()
                 .map(|l| walk.get(l).copied().unwrap_or(i64::MIN))
                 .collect();
-            match self.store.drop_orphans(&todo, &after).await {
+            let asked = self
+                .ask_quiet(quiet, "removing orphaned queue entries", wait, |reply| {
+                    QuietJob::Orphans {
+                        lanes: todo.clone(),
+                        after: after.clone(),
+                        reply,
+                    }
+                })
+                .await;
+            let round = match asked {
+                Some(round) => Ok(round),
+                None => self.store.drop_orphans(&todo, &after).await,
+            };
+            match round {
                 Ok(round) => {
                     dropped += round.dropped;
                     for lane in &todo {
@@ -147,7 +218,8 @@ impl Relay {
         }
     }
 
-    /// Renew leases every `lease_ttl / 3`; publish the owned lanes.
+    /// Renew leases every `lease_ttl / 3` (`/ 2` while the source
+    /// sleeps); publish the owned lanes.
     pub(super) async fn keep_leases(
         self: Arc<Self>,
         tx: watch::Sender<LeaseView>,
@@ -160,10 +232,15 @@ impl Relay {
         let mut retry = Duration::from_millis(250);
         loop {
             let round_started = Instant::now();
-            // After a failed round, try again soon: the lease is still
-            // valid for a while, and a round lost to a dead connection
-            // succeeds on another one (see the backoff below).
-            let mut pause = every;
+            // A sleeping source renews every `lease_ttl / 2`: a third
+            // fewer rounds for the sources that are most of a platform
+            // relay's, with one retry left before the lease lapses (and a
+            // lapsed lease of a sleeping source costs only a handover: no
+            // batch is in flight). After a failed round, try again soon:
+            // the lease is still valid for a while, and a round lost to a
+            // dead connection succeeds on another one (see the backoff
+            // below).
+            let mut pause = if self.is_asleep() { ttl / 2 } else { every };
             match self.lease_round(quiet.as_ref()).await {
                 Ok(l) => {
                     self.health.set_store_ok();
@@ -246,14 +323,31 @@ impl Relay {
         }
     }
 
-    pub(super) async fn watch_backlog(self: Arc<Self>, shutdown: CancellationToken) {
+    pub(super) async fn watch_backlog(
+        self: Arc<Self>,
+        quiet: Option<mpsc::Sender<QuietJob>>,
+        shutdown: CancellationToken,
+    ) {
         while !shutdown.is_cancelled() {
             if let Some(pg) = self.store.postgres() {
                 let listening = self.listening.load(std::sync::atomic::Ordering::Relaxed);
                 metrics::gauge!(m::SOURCE_CONNECTIONS, "source" => self.source.clone())
                     .set(f64::from(pg.pool_connections()) + if listening { 1.0 } else { 0.0 });
             }
-            match self.store.backlog().await {
+            let wait = self.config.lease_ttl / 4;
+            let backlog = match self
+                .ask_quiet(
+                    quiet.as_ref(),
+                    "counting the backlog",
+                    wait,
+                    QuietJob::Backlog,
+                )
+                .await
+            {
+                Some(b) => Ok(b),
+                None => self.store.backlog().await,
+            };
+            match backlog {
                 Ok((n, oldest)) => {
                     metrics::gauge!(m::BACKLOG, "source" => self.source.clone()).set(n as f64);
                     metrics::gauge!(m::OLDEST_PENDING_AGE, "source" => self.source.clone())
@@ -412,33 +506,40 @@ impl Relay {
             loop {
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
-                    // A sleeping source's lease round or claim (which also
-                    // prove the connection alive: no probe while they come).
+                    // A sleeping source's lease round, claim, backlog count
+                    // or quarantine read (which also prove the connection
+                    // alive: no probe while they come).
                     Some(job) = jobs.recv() => {
+                        // Answer a job; a failed statement means the
+                        // connection may be gone: a new one is opened.
+                        macro_rules! answer {
+                            ($reply:expr, $what:literal, $limit:expr, $statement:expr) => {{
+                                let r = pg.bounded_by($limit, $what, $statement).await;
+                                let lost = r.is_err();
+                                let _ = $reply.send(r);
+                                lost
+                            }};
+                        }
+                        let whole = pg.statement_timeout();
                         let lost = match job {
-                            QuietJob::LeaseRound(reply) => {
-                                let round = pg
-                                    .bounded_by(
-                                        pg.lease_ttl() / 4,
-                                        "renewing lane leases on the LISTEN connection",
-                                        pg.lease_round_on(&mut listener),
-                                    )
-                                    .await;
-                                let lost = round.is_err();
-                                let _ = reply.send(round);
-                                lost
-                            }
-                            QuietJob::Claim { lanes, limit, reply } => {
-                                let claims = pg
-                                    .bounded(
-                                        "claiming events on the LISTEN connection",
-                                        pg.claim_on(&mut listener, &lanes, limit),
-                                    )
-                                    .await;
-                                let lost = claims.is_err();
-                                let _ = reply.send(claims);
-                                lost
-                            }
+                            QuietJob::LeaseRound(reply) => answer!(reply,
+                                "renewing lane leases on the LISTEN connection",
+                                pg.lease_ttl() / 4, pg.lease_round_on(&mut listener)),
+                            QuietJob::Claim { lanes, limit, reply } => answer!(reply,
+                                "claiming events on the LISTEN connection",
+                                whole, pg.claim_on(&mut listener, &lanes, limit)),
+                            QuietJob::Backlog(reply) => answer!(reply,
+                                "counting the backlog on the LISTEN connection",
+                                whole, pg.backlog_on(&mut listener)),
+                            QuietJob::Quarantines(reply) => answer!(reply,
+                                "reading quarantines on the LISTEN connection",
+                                whole, pg.quarantined_routes_on(&mut listener)),
+                            QuietJob::Floors { lanes, reply } => answer!(reply,
+                                "raising claim floors on the LISTEN connection",
+                                whole, async { Ok(pg.raise_floors_on(&mut listener, &lanes).await) }),
+                            QuietJob::Orphans { lanes, after, reply } => answer!(reply,
+                                "removing orphaned queue entries on the LISTEN connection",
+                                whole, pg.drop_orphans_on(&mut listener, &lanes, &after)),
                         };
                         if lost {
                             tracing::warn!("a statement on the LISTEN connection failed; opening a new one");

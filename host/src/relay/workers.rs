@@ -57,9 +57,15 @@ impl Relay {
                 stop_leasing.clone(),
                 wake.clone(),
             )),
-            spawn_here(self.clone().watch_backlog(shutdown.clone())),
+            spawn_here(
+                self.clone()
+                    .watch_backlog(quiet_tx.clone(), shutdown.clone()),
+            ),
             spawn_here(self.clone().reload_plugins(shutdown.clone())),
-            spawn_here(self.clone().follow_quarantines(shutdown.clone())),
+            spawn_here(
+                self.clone()
+                    .follow_quarantines(quiet_tx.clone(), shutdown.clone()),
+            ),
         ];
         if self.capture.is_some() {
             // One stream from the slot instead of lane workers.
@@ -107,6 +113,7 @@ impl Relay {
         if matches!(*self.store, Store::Postgres(_)) {
             background.push(spawn_here(self.clone().raise_floors(
                 lease_rx.clone(),
+                quiet_tx.clone(),
                 wake.clone(),
                 shutdown.clone(),
             )));

@@ -522,11 +522,7 @@ impl PgStore {
         )
         .bind(&self.source)
         .bind(&self.relay_id)
-        .bind(
-            hostname::get()
-                .map(|h| h.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-        )
+        .bind(this_host())
         .bind(std::process::id() as i32)
         .execute(&mut *tx)
         .await?;
@@ -697,6 +693,17 @@ pub(super) fn to_claim(r: &PgRow, payload_is_json: bool) -> Result<Claim> {
         captured: None,
         route: None,
         row,
+    })
+}
+
+/// This machine's name, as recorded with the relay's heartbeat (read once:
+/// every lease round sends it).
+pub(super) fn this_host() -> &'static str {
+    static HOST: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    HOST.get_or_init(|| {
+        hostname::get()
+            .map(|h| h.to_string_lossy().into_owned())
+            .unwrap_or_default()
     })
 }
 

@@ -52,13 +52,24 @@ impl PgStore {
     /// seen before its row; a relay that fails an event for good deletes
     /// its entry itself (`failed retry` queues it again).
     pub async fn drop_orphans(&self, lanes: &[i32], after: &[i64]) -> Result<OrphanWalk> {
+        self.drop_orphans_on(&self.pool, lanes, after).await
+    }
+
+    /// [`PgStore::drop_orphans`] on `conn` (a sleeping source's LISTEN
+    /// connection, or the pool).
+    pub async fn drop_orphans_on<'c>(
+        &self,
+        conn: impl sqlx::PgExecutor<'c>,
+        lanes: &[i32],
+        after: &[i64],
+    ) -> Result<OrphanWalk> {
         if !self.queue_marking() || lanes.is_empty() {
             return Ok(OrphanWalk::default());
         }
         let rows: Vec<(i32, i64, i64, i64)> = sqlx::query_as(&self.orphan_sql()?)
             .bind(lanes)
             .bind(after)
-            .fetch_all(&self.pool)
+            .fetch_all(conn)
             .await
             .context("removing orphaned queue entries")?;
         let mut walk = OrphanWalk::default();
@@ -137,11 +148,7 @@ impl PgStore {
         .bind(&self.relay_id)
         .bind(self.lease_ttl.as_secs_f64())
         .bind(self.lanes as i64)
-        .bind(
-            hostname::get()
-                .map(|h| h.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-        )
+        .bind(this_host())
         .bind(std::process::id() as i32)
         .fetch_one(conn)
         .await
@@ -332,6 +339,16 @@ impl PgStore {
     /// claims go on from the floors they have. Returns whether a floor was
     /// lowered (a row turned up below it: a sleeping source must claim).
     pub async fn raise_floors(&self, lanes: &[i32]) -> bool {
+        self.raise_floors_on(&self.pool, lanes).await
+    }
+
+    /// [`PgStore::raise_floors`] on `conn` (a sleeping source's LISTEN
+    /// connection, or the pool).
+    pub async fn raise_floors_on<'c>(
+        &self,
+        conn: impl sqlx::PgExecutor<'c>,
+        lanes: &[i32],
+    ) -> bool {
         let Some(sql) = &self.floor_sql else {
             return false;
         };
@@ -376,7 +393,7 @@ impl PgStore {
             .bind(&skip_to)
             .bind(&candidate_to)
             .bind(self.routes())
-            .fetch_all(&self.pool)
+            .fetch_all(conn)
             .await;
         let rows = match rows {
             Ok(r) if r.len() == lanes.len() => r,

@@ -15,9 +15,19 @@ impl PgStore {
         if self.logical.is_some() {
             return self.parked_backlog().await;
         }
+        let mut conn = self.pool.acquire().await?;
+        self.backlog_on(&mut *conn).await
+    }
+
+    /// [`PgStore::backlog`] of a lease-mode source on `conn` (a sleeping
+    /// source's LISTEN connection, or one from the pool).
+    pub async fn backlog_on<C>(&self, conn: &mut C) -> Result<(i64, Option<f64>)>
+    where
+        for<'e> &'e mut C: sqlx::PgExecutor<'e>,
+    {
         let s = self.sql()?;
         if let Marking::Queue { .. } = &s.cfg.marking {
-            return self.queue_backlog(s).await;
+            return self.queue_backlog(s, conn).await;
         }
         let per_lane = (BACKLOG_EXACT / self.lanes as i64).max(2);
         let created = format!("o.{}::timestamptz", quote(&s.cfg.created_at));
@@ -52,7 +62,7 @@ impl PgStore {
         };
         let row = sqlx::query(&q)
             .bind(&self.source)
-            .fetch_one(&self.pool)
+            .fetch_one(&mut *conn)
             .await?;
         let counted: Option<i64> = row.try_get(0)?;
         let saturated: Option<bool> = row.try_get(1)?;
@@ -76,7 +86,7 @@ impl PgStore {
                 pending = s.pending,
                 desc = s.order_desc,
             );
-            let last: Option<i64> = sqlx::query_scalar(&q).fetch_one(&self.pool).await?;
+            let last: Option<i64> = sqlx::query_scalar(&q).fetch_one(&mut *conn).await?;
             if let Some(last) = last {
                 n = n.max(last - first + 1);
             }
@@ -89,7 +99,10 @@ impl PgStore {
     /// to [`BACKLOG_EXACT`], past that estimated from the span of queued
     /// sequence numbers; the oldest entry's age from its row. One probe per
     /// lane at each end of its queue.
-    pub(super) async fn queue_backlog(&self, s: &TableSql) -> Result<(i64, Option<f64>)> {
+    async fn queue_backlog<C>(&self, s: &TableSql, conn: &mut C) -> Result<(i64, Option<f64>)>
+    where
+        for<'e> &'e mut C: sqlx::PgExecutor<'e>,
+    {
         // Per lane, as for a lane index: at most `per_lane` entries counted
         // (a walk of the queue's key, never a scan of its heap, whose front
         // holds the entries published since the last VACUUM), the first
@@ -118,7 +131,7 @@ impl PgStore {
         );
         let (counted, saturated, first, last, oldest): Row = sqlx::query_as(&q)
             .bind(&self.source)
-            .fetch_one(&self.pool)
+            .fetch_one(&mut *conn)
             .await?;
         let mut n = counted.unwrap_or(0);
         if saturated == Some(true)
@@ -249,12 +262,21 @@ impl PgStore {
     }
 
     pub async fn quarantined_routes(&self) -> Result<Vec<QuarantinedRoute>> {
+        self.quarantined_routes_on(&self.pool).await
+    }
+
+    /// [`PgStore::quarantined_routes`] on `conn` (a sleeping source's
+    /// LISTEN connection, or the pool).
+    pub async fn quarantined_routes_on<'c>(
+        &self,
+        conn: impl sqlx::PgExecutor<'c>,
+    ) -> Result<Vec<QuarantinedRoute>> {
         let rows: Vec<(String, DateTime<Utc>, Option<String>)> = sqlx::query_as(
             "SELECT route, quarantined_since, quarantine_reason FROM outroute_route_counts \
              WHERE source = $1 AND quarantined_since IS NOT NULL ORDER BY route",
         )
         .bind(&self.source)
-        .fetch_all(&self.pool)
+        .fetch_all(conn)
         .await?;
         Ok(rows
             .into_iter()
