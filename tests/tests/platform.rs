@@ -190,6 +190,14 @@ async fn one_relay_three_sources_two_teams() -> Result<()> {
     })
     .await;
     assert!(all, "all sources drained: {}", relay.log_text());
+    // One plugin engine for the whole process, not one per source: its
+    // epoch ticker is one thread (each source once made its own engine,
+    // ticker and copy of every plugin's code).
+    let tickers = std::fs::read_dir(format!("/proc/{}/task", relay.child.id()))?
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|name| name.trim() == "outroute-epoch")
+        .count();
+    assert_eq!(tickers, 1, "epoch ticker threads of a relay with 3 sources");
     let delivered = file_sink_deliveries(&out);
     let from_orders: Vec<Delivered> = delivered
         .iter()
