@@ -1,5 +1,5 @@
 //! The relay's background tasks, beside the batch workers: the lease keeper
-//! (which lanes this relay owns, renewed every `lease_ttl / 3`), the
+//! (which lanes this relay owns, renewed every `lease_ttl / 3`, `/ 2` asleep), the
 //! backlog gauge, plugin hot reload, the retention purge (one relay at a
 //! time), the route quarantine records (`quarantine.rs`), the claim floors
 //! (`store/postgres/floor.rs`) and the LISTEN task (wake-ups, and a sleeping

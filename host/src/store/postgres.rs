@@ -89,6 +89,7 @@ use super::{
 use crate::config::{Config, Logical, LogicalInput, Marking, Ordering, TableConfig};
 use crate::event::RawRow;
 
+mod backlog;
 mod claim;
 mod cost;
 mod floor;
