@@ -65,20 +65,13 @@ impl Relay {
         shutdown: CancellationToken,
     ) {
         while !shutdown.is_cancelled() {
-            let wait = self.config.lease_ttl / 4;
-            let records = match self
-                .ask_quiet(
-                    quiet.as_ref(),
-                    "reading quarantines",
-                    wait,
-                    QuietJob::Quarantines,
-                )
-                .await
-            {
-                Some(records) => Ok(records),
-                None => self.store.quarantined_routes().await,
-            };
-            match records {
+            let records = self.quiet_or_pool(
+                quiet.as_ref(),
+                "reading quarantines",
+                QuietJob::Quarantines,
+                self.store.quarantined_routes(),
+            );
+            match records.await {
                 Ok(rows) => {
                     let records = rows
                         .into_iter()
@@ -119,7 +112,6 @@ impl Relay {
         shutdown: CancellationToken,
     ) {
         let quiet = quiet.as_ref();
-        let wait = self.config.lease_ttl / 4;
         let mut orphans_due = Instant::now() + ORPHAN_SWEEP_INTERVAL;
         let mut orphan_walk = HashMap::new();
         while !shutdown.is_cancelled() {
@@ -129,19 +121,16 @@ impl Relay {
                     self.drop_orphans(&lanes, &mut orphan_walk, quiet).await;
                     orphans_due = Instant::now() + ORPHAN_SWEEP_INTERVAL;
                 }
-                let asked = self
-                    .ask_quiet(quiet, "raising claim floors", wait, |reply| {
-                        QuietJob::Floors {
-                            lanes: lanes.clone(),
-                            reply,
-                        }
-                    })
-                    .await;
-                let lowered = match asked {
-                    Some(lowered) => lowered,
-                    None => self.store.raise_floors(&lanes).await,
-                };
-                if lowered && self.is_asleep() {
+                let lowered = self.quiet_or_pool(
+                    quiet,
+                    "raising claim floors",
+                    |reply| QuietJob::Floors {
+                        lanes: lanes.clone(),
+                        reply,
+                    },
+                    async { Ok(self.store.raise_floors(&lanes).await) },
+                );
+                if lowered.await.unwrap_or(false) && self.is_asleep() {
                     // A row below the floors, which no claim saw: the
                     // sleeping source claims now (its notification came
                     // and went).
@@ -170,7 +159,6 @@ impl Relay {
         walk: &mut HashMap<i32, i64>,
         quiet: Option<&mpsc::Sender<QuietJob>>,
     ) {
-        let wait = self.config.lease_ttl / 4;
         walk.retain(|lane, _| lanes.contains(lane));
         let mut todo = lanes.to_vec();
         let mut dropped = 0;
@@ -179,20 +167,17 @@ impl Relay {
                 .iter()
                 .map(|l| walk.get(l).copied().unwrap_or(i64::MIN))
                 .collect();
-            let asked = self
-                .ask_quiet(quiet, "removing orphaned queue entries", wait, |reply| {
-                    QuietJob::Orphans {
-                        lanes: todo.clone(),
-                        after: after.clone(),
-                        reply,
-                    }
-                })
-                .await;
-            let round = match asked {
-                Some(round) => Ok(round),
-                None => self.store.drop_orphans(&todo, &after).await,
-            };
-            match round {
+            let round = self.quiet_or_pool(
+                quiet,
+                "removing orphaned queue entries",
+                |reply| QuietJob::Orphans {
+                    lanes: todo.clone(),
+                    after: after.clone(),
+                    reply,
+                },
+                self.store.drop_orphans(&todo, &after),
+            );
+            match round.await {
                 Ok(round) => {
                     dropped += round.dropped;
                     for lane in &todo {
@@ -292,14 +277,30 @@ impl Relay {
         &self,
         quiet: Option<&mpsc::Sender<QuietJob>>,
     ) -> anyhow::Result<crate::store::Leases> {
+        self.quiet_or_pool(
+            quiet,
+            "lease round",
+            QuietJob::LeaseRound,
+            self.store.lease_round(),
+        )
+        .await
+    }
+
+    /// `job` on the LISTEN connection while the source sleeps (see
+    /// [`Relay::ask_quiet`]; answered within `lease_ttl / 4`), otherwise —
+    /// or if that connection fails or does not answer — `on_pool`.
+    async fn quiet_or_pool<T>(
+        &self,
+        quiet: Option<&mpsc::Sender<QuietJob>>,
+        what: &str,
+        job: impl FnOnce(oneshot::Sender<anyhow::Result<T>>) -> QuietJob,
+        on_pool: impl std::future::Future<Output = anyhow::Result<T>>,
+    ) -> anyhow::Result<T> {
         let wait = self.config.lease_ttl / 4;
-        if let Some(leases) = self
-            .ask_quiet(quiet, "lease round", wait, QuietJob::LeaseRound)
-            .await
-        {
-            return Ok(leases);
+        match self.ask_quiet(quiet, what, wait, job).await {
+            Some(t) => Ok(t),
+            None => on_pool.await,
         }
-        self.store.lease_round().await
     }
 
     /// A logical source's slot: how much WAL it keeps (every second).
@@ -334,20 +335,13 @@ impl Relay {
                 metrics::gauge!(m::SOURCE_CONNECTIONS, "source" => self.source.clone())
                     .set(f64::from(pg.pool_connections()) + if listening { 1.0 } else { 0.0 });
             }
-            let wait = self.config.lease_ttl / 4;
-            let backlog = match self
-                .ask_quiet(
-                    quiet.as_ref(),
-                    "counting the backlog",
-                    wait,
-                    QuietJob::Backlog,
-                )
-                .await
-            {
-                Some(b) => Ok(b),
-                None => self.store.backlog().await,
-            };
-            match backlog {
+            let backlog = self.quiet_or_pool(
+                quiet.as_ref(),
+                "counting the backlog",
+                QuietJob::Backlog,
+                self.store.backlog(),
+            );
+            match backlog.await {
                 Ok((n, oldest)) => {
                     metrics::gauge!(m::BACKLOG, "source" => self.source.clone()).set(n as f64);
                     metrics::gauge!(m::OLDEST_PENDING_AGE, "source" => self.source.clone())
