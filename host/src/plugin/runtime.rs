@@ -159,10 +159,8 @@ impl Runtime {
         let hash = hex(&Sha256::digest(&bytes));
         let key = cache_key(&hash);
         let slot = {
-            let mut loaded = self
-                .loaded
-                .lock()
-                .map_err(|_| anyhow!("the plugin table is poisoned"))?;
+            // A panic elsewhere leaves the table as it was: still usable.
+            let mut loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
             // Forget components no route runs any more.
             loaded.retain(|k, s| {
                 k == &key
@@ -172,9 +170,8 @@ impl Runtime {
             loaded.entry(key.clone()).or_default().clone()
         };
         // One load per component at a time; the others wait for it.
-        let mut slot = slot
-            .lock()
-            .map_err(|_| anyhow!("loading {} failed in another thread", path.display()))?;
+        // A load that panicked stored nothing: this one loads again.
+        let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(code) = slot.upgrade() {
             return Ok(Compiled {
                 code,
