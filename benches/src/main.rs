@@ -101,6 +101,12 @@ struct Args {
     /// `--only scale`: seconds of idleness measured.
     #[arg(long, default_value_t = 60)]
     scale_idle_secs: u64,
+    /// `wakeup`: runs of each case (interleaved; medians reported).
+    #[arg(long, default_value_t = 3)]
+    wakeup_reps: usize,
+    /// `wakeup`: commits/s the paced writers offer (0 skips the paced cases).
+    #[arg(long, default_value_t = 2000)]
+    wakeup_paced: u64,
     /// `--only skew`: quiet sources beside the one with a backlog.
     #[arg(long, default_value_t = 99)]
     skew_quiet: usize,
@@ -414,13 +420,8 @@ async fn main() -> Result<()> {
     }
     if want("wakeup") {
         eprintln!("== wake-up cost to producers");
-        let w = wakeup_cost().await?;
-        for (k, v) in w.as_object().into_iter().flatten() {
-            table.push((
-                format!("producer commits/s, 8 writers, {k}"),
-                format!("{:.0}", v.as_f64().unwrap_or(0.0)),
-            ));
-        }
+        let w = wakeup_cost(args.wakeup_reps, args.wakeup_paced).await?;
+        table.extend(wakeup_rows("", &w));
         results.insert("producer_commits_per_s".into(), w);
     }
     if want("latency") && args.latency_secs > 0 {
@@ -546,12 +547,12 @@ async fn main() -> Result<()> {
                 out.insert("latency".into(), l);
             }
             eprintln!("== {label} capture: producer commits/s");
-            let w = wakeup_cost().await?;
-            for k in ["no relay", "relay polling"] {
-                table.push((
-                    format!("{label} capture: producer commits/s, 8 writers, {k}"),
-                    format!("{:.0}", w[k].as_f64().unwrap_or(0.0)),
-                ));
+            let w = wakeup_cost(1, 0).await?;
+            for (name, v) in wakeup_rows(&format!("{label} capture: "), &w) {
+                if name.ends_with("flat out, no relay") || name.ends_with("flat out, relay polling")
+                {
+                    table.push((name, v));
+                }
             }
             out.insert("producer_commits_per_s".into(), w);
             results.insert(format!("capture_{label}"), Value::Object(out));

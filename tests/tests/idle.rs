@@ -262,3 +262,64 @@ async fn a_sleeping_source_holds_one_connection_and_keeps_its_lanes() -> anyhow:
     db.drop_db().await;
     Ok(())
 }
+
+/// A source that cannot sleep — a table on a lane index, no trigger to
+/// notify it — backs off past `relay.poll_max` to `relay.poll_idle_max`:
+/// an idle one costs each worker one claim per `poll_idle_max`, not one per
+/// `poll_max`, and still finds the next event by polling.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_source_that_cannot_sleep_backs_off_to_the_idle_ceiling() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("idle-ceiling");
+    let http = free_addr();
+    let config = write_config(
+        &dir,
+        &db.url,
+        "lanes = 8\nconcurrency = 2\npoll_max = \"50ms\"\npoll_idle_max = \"2s\"",
+        &format!(
+            "{}{}",
+            outroute_e2e::example_table("outbox-published-at.toml")?,
+            file_body(&dir, &http)
+        ),
+    )?;
+    db.migrate(&config)?;
+    let out = dir.join("out.jsonl");
+    let relay = Relay::start(&config, &[])?;
+    insert(&db.pool, "d1").await?;
+    assert!(
+        file_sink_reaches(&out, 1, Duration::from_secs(30)).await,
+        "{}",
+        relay.log_text()
+    );
+    // Backed off: 50 ms doubled six times passes 2 s within ~3.2 s.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let before = series(&http, CLAIMS).await;
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let claims = series(&http, CLAIMS).await - before;
+    // Two workers, one claim each per 2 s: about 8 in 8 s (a worker's claim
+    // at a change of its lanes, or a lease round's, may add one or two).
+    // At the 50 ms poll_max it would be about 320.
+    assert!(
+        claims <= 14.0,
+        "{claims} claims in 8 idle seconds with poll_idle_max = 2s: {}",
+        relay.log_text()
+    );
+    assert!(
+        claims >= 4.0,
+        "{claims} claims in 8 idle seconds: the idle source stopped polling"
+    );
+    assert_eq!(
+        series(&http, ASLEEP).await,
+        0.0,
+        "a source without the trigger fell asleep"
+    );
+    let id = insert(&db.pool, "d2").await?;
+    let found = eventually(Duration::from_secs(10), || async {
+        file_sink_deliveries(&out).iter().any(|d| d.id() == id)
+    })
+    .await;
+    assert!(found, "the next event was not found: {}", relay.log_text());
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}

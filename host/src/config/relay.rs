@@ -59,10 +59,23 @@ pub struct RelayConfig {
     #[serde(with = "humantime_serde")]
     #[schemars(with = "String")]
     pub poll_min: Duration,
-    /// Longest pause between polls when the outbox is idle.
+    /// Longest pause between polls when the outbox is idle. A source on
+    /// the pending queue falls asleep from there (it polls no more until an
+    /// insert notifies it); one that cannot sleep backs off further, to
+    /// `poll_idle_max`.
     #[serde(with = "humantime_serde")]
     #[schemars(with = "String")]
     pub poll_max: Duration,
+    /// Longest pause between polls of an idle source that cannot sleep: a
+    /// table on a lane index (`published_at`, `status` or `delete` marking)
+    /// has no trigger to wake it. Its pause keeps doubling past `poll_max`
+    /// up to this, so an idle one costs each worker one claim per
+    /// `poll_idle_max`, and its first event after a quiet spell waits up
+    /// to that long (at once, with `notify_channel`). Never below
+    /// `poll_max`.
+    #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
+    pub poll_idle_max: Duration,
     /// The most connections this relay opens to its PostgreSQL sources'
     /// databases together: each source's pool gets an equal share (less
     /// one for its LISTEN connection; never more than the source's own
@@ -128,6 +141,7 @@ impl Default for RelayConfig {
             lease_ttl: Duration::from_secs(10),
             poll_min: Duration::from_millis(1),
             poll_max: Duration::from_millis(100),
+            poll_idle_max: Duration::from_secs(1),
             max_connections: None,
             notify_channel: None,
             ordering: Ordering::Aggregate,

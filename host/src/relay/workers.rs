@@ -223,6 +223,14 @@ impl Relay {
         shutdown: CancellationToken,
     ) {
         let mut idle = self.config.poll_min;
+        // How far an idle worker backs off: to `poll_max`, from where a
+        // source on the pending queue falls asleep; one that cannot sleep
+        // (no trigger to wake it) goes on to `poll_idle_max`.
+        let idle_ceiling = if self.store.postgres().is_some_and(|p| p.wakes()) {
+            self.config.poll_max
+        } else {
+            self.config.poll_idle_max.max(self.config.poll_max)
+        };
         let mut outage_backoff = Duration::from_millis(100);
         // The claim walks the lanes in the order given and stops at a full
         // batch: start at the next lane each time so every lane gets its
@@ -338,7 +346,7 @@ impl Relay {
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
                     _ = notified => idle = self.config.poll_min,
-                    _ = tokio::time::sleep(idle) => idle = (idle * 2).min(self.config.poll_max),
+                    _ = tokio::time::sleep(idle) => idle = (idle * 2).min(idle_ceiling),
                 }
                 continue;
             }
