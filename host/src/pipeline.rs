@@ -530,16 +530,21 @@ impl Pipeline {
         if pending.is_empty() {
             return;
         }
-        let mut deadline = Instant::now() + self.publish_timeout + Duration::from_secs(5);
-        if let Some(l) = lease {
-            deadline = deadline.min(l.valid_until());
-        }
+        // The wait ends at `publish_timeout` (and a margin) or when the
+        // lease ends, whichever comes first. The lease's end moves on with
+        // every lease round that renews it: under load a batch's acks may
+        // take longer than the lease had left when they began, and cutting
+        // them there would send the whole batch again, and again.
+        let publish_deadline = Instant::now() + self.publish_timeout + Duration::from_secs(5);
+        let deadline_now =
+            || lease.map_or(publish_deadline, |l| publish_deadline.min(l.held_until()));
+        let mut deadline = deadline_now();
         let mut sinks: Vec<&str> = pending.iter().map(|(_, sink, _, _)| *sink).collect();
         sinks.sort_unstable();
         sinks.dedup();
         // The lanes may belong to another relay by now: take back what has
         // not left yet, before waiting and again after a wait the lease cut.
-        let lapsed = || lease.is_some_and(|l| Instant::now() >= l.valid_until());
+        let lapsed = || lease.is_some_and(|l| Instant::now() >= l.held_until());
         if lapsed() {
             self.abandon(&sinks).await;
         }
@@ -550,13 +555,26 @@ impl Pipeline {
         let expired = tokio::time::sleep_until(deadline.into());
         tokio::pin!(expired);
         for (i, sink, leg, ack) in pending {
-            let r = tokio::select! {
-                biased;
-                r = ack.wait() => r,
-                () = &mut expired => Err(PublishError::Unavailable(
-                    "no acknowledgement before the publish deadline (publish_timeout, or the lane lease's end)"
-                        .into(),
-                )),
+            let wait = ack.wait();
+            tokio::pin!(wait);
+            let r = loop {
+                tokio::select! {
+                    biased;
+                    r = &mut wait => break r,
+                    () = &mut expired => {
+                        // Renewed meanwhile: wait on, to the new end.
+                        let later = deadline_now();
+                        if later > deadline && Instant::now() < later {
+                            deadline = later;
+                            expired.as_mut().reset(deadline.into());
+                            continue;
+                        }
+                        break Err(PublishError::Unavailable(
+                            "no acknowledgement before the publish deadline (publish_timeout, or the lane lease's end)"
+                                .into(),
+                        ));
+                    }
+                }
             };
             match r {
                 Ok(()) => s.acked_legs.entry(i).or_default().push(leg),

@@ -5,6 +5,10 @@
 //! every committed event has arrived, no first delivery of an aggregate is
 //! out of outbox order, and duplicates carry their original ids.
 //!
+//! Beside them, single faults held on purpose: store and LISTEN connections
+//! that go silent, a reload while batches are out, and a broker whose acks
+//! take longer than the lease has left (awaited while the lease is renewed).
+//!
 //! `OUTROUTE_NETWORK_FAULTS` sets the faults per sink (default 200;
 //! `scripts/stress` runs more). The seed is printed; `OUTROUTE_FAULT_SEED`
 //! replays a run.
@@ -538,5 +542,93 @@ async fn a_reload_stops_the_batches_its_predecessor_still_had_out() -> anyhow::R
     db.drop_db().await;
     drop_nats_stream(&old_stream).await;
     drop_nats_stream(&new_stream).await;
+    Ok(())
+}
+
+/// A broker slower to acknowledge than the lease has left when a batch
+/// begins waiting: the lease rounds renew it meanwhile, so the batch waits
+/// on to the renewed end instead of giving its acks up at the old one (and
+/// sending the whole batch again, and again: under load that livelocked a
+/// backlog). `lease_ttl = 3s` keeps a lease valid 1–2 s ahead; every byte
+/// to and from NATS is held 2.5 s, so an ack takes at least 5 s.
+#[tokio::test(flavor = "multi_thread")]
+async fn acks_slower_than_the_lease_has_left_are_awaited_while_it_is_renewed() -> anyhow::Result<()>
+{
+    let proxy = FaultProxy::start("127.0.0.1:0", "127.0.0.1:4222").await?;
+    let t = tag();
+    let stream = format!("SLOW{t}");
+    let js = nats_stream(&stream, vec![format!("slow{t}.>")]).await?;
+    let db = TestDb::new().await?;
+    let dir = test_dir("net-slow-acks");
+    let route = format!(
+        "config = {{ sink = \"nats\", topic = \"slow{t}.{{event_type}}\" }}\nallow = {{ nats = [\"slow{t}.*\"] }}"
+    );
+    let http = free_addr();
+    let body = relay_body(&http, &[TestSink::Nats], "order-router", "orders", &route)
+        .replace(NATS, &format!("nats://{}", proxy.addr));
+    let config = write_config(
+        &dir,
+        &db.url,
+        "lanes = 4\nlease_ttl = \"3s\"\npublish_timeout = \"30s\"",
+        &body,
+    )?;
+    db.migrate(&config)?;
+    let relay = Relay::start(&config, &[])?;
+    // Connected and publishing before the network slows down.
+    let first = insert_events(&db.pool, "slow-first", 1, 1).await?;
+    consume_nats(&js, &stream, 1, Duration::from_secs(30)).await?;
+    proxy.set(Fault::Delay(Duration::from_millis(2500)));
+    let w = insert_events(&db.pool, "slow", 5, 4).await?;
+    let drained = eventually(Duration::from_secs(60), || async {
+        db.unpublished("").await == 0
+    })
+    .await;
+    let metrics = http_get(&http, "/metrics")
+        .await
+        .map(|(_, m)| m)
+        .unwrap_or_default();
+    let retries: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("outroute_retries_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(
+        drained,
+        "{} events still pending after 60 s with 5 s acks: {}",
+        db.unpublished("").await,
+        relay.log_text()
+    );
+    assert_eq!(
+        retries,
+        0.0,
+        "acks were given up at a lease end that was renewed meanwhile: {}",
+        relay.log_text()
+    );
+    proxy.set(Fault::None);
+    let delivered = consume_nats(
+        &js,
+        &stream,
+        first.committed.len() + w.committed.len(),
+        Duration::from_secs(30),
+    )
+    .await?;
+    let ids: std::collections::HashSet<&str> = delivered.iter().map(|d| d.id()).collect();
+    let committed: std::collections::HashSet<&str> = first
+        .committed
+        .iter()
+        .chain(&w.committed)
+        .map(|e| e.id.as_str())
+        .collect();
+    assert_eq!(
+        ids, committed,
+        "the events delivered are not the ones committed"
+    );
+    assert_eq!(
+        delivered.len(),
+        committed.len(),
+        "an event was delivered twice"
+    );
+    drop(relay);
+    db.drop_db().await;
     Ok(())
 }
