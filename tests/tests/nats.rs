@@ -1,7 +1,8 @@
 //! NATS JetStream and fan-out: one event to a Kafka topic and a NATS
 //! subject, both acknowledged before the row is marked; JetStream drops a
 //! re-sent duplicate by `Nats-Msg-Id`; oversize messages fail for good;
-//! `replay` re-publishes exactly the selected events.
+//! `replay` re-publishes exactly the selected events; a core-NATS ack that a
+//! finished round trip covers never waits behind one in flight.
 
 use std::time::Duration;
 
@@ -410,5 +411,63 @@ async fn events_of_two_sources_with_one_id_are_both_stored() -> anyhow::Result<(
     drop_nats_stream(&stream).await;
     a.drop_db().await;
     b.drop_db().await;
+    Ok(())
+}
+
+/// Core NATS has no acks: a message counts once a server round trip sent
+/// after it came back, one round trip at a time. A message a finished round
+/// trip already covers is acknowledged at once, never queued behind the
+/// round trip another message is waiting for (a batch awaits its acks one
+/// after the other: queued, each of 500 waited its turn behind the round
+/// trips of every other source's messages). Through the fault proxy, the
+/// later round trip takes 2 × 2 s.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_core_ack_already_covered_does_not_wait_for_a_round_trip_in_flight() -> anyhow::Result<()>
+{
+    let proxy = outroute_e2e::proxy::FaultProxy::start("127.0.0.1:0", "127.0.0.1:4222").await?;
+    let t = tag();
+    let cfg = NatsSinkConfig {
+        url: format!("nats://{}", proxy.addr),
+        mode: NatsMode::Core,
+        max_message_bytes: 1 << 20,
+        max_in_flight: 100,
+        create_stream: None,
+        tls: None,
+        auth: None,
+    };
+    let sink = NatsSink::build("nats", &cfg, &[format!("c{t}.*")], Duration::from_secs(30)).await?;
+    let headers: Vec<outroute::sink::Header> = vec![("ce_id", "event-1".into())];
+    let subject = format!("c{t}.x");
+    let msg = |id: &'static str| Outgoing {
+        topic: &subject,
+        key: None,
+        partition: None,
+        headers: &headers,
+        payload: b"{}",
+        dedup_id: id,
+    };
+    // A and B sent; A's round trip covers both.
+    let a = sink.send(msg("a"), None).await?;
+    let b = sink.send(msg("b"), None).await?;
+    a.wait().await?;
+    // C's round trip is slow and holds the one-at-a-time turn.
+    proxy.set(outroute_e2e::proxy::Fault::Delay(Duration::from_secs(2)));
+    let c = sink.send(msg("c"), None).await?;
+    let c = tokio::spawn(c.wait());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !c.is_finished(),
+        "C's round trip was not slowed by the proxy"
+    );
+    // B is covered already: its ack resolves while C's round trip is out.
+    let b = b.wait().await;
+    let c_done_first = c.is_finished();
+    assert!(b.is_ok(), "B: {b:?}");
+    assert!(
+        !c_done_first,
+        "B's ack waited for C's round trip, though A's had covered it"
+    );
+    proxy.set(outroute_e2e::proxy::Fault::None);
+    c.await??;
     Ok(())
 }

@@ -69,9 +69,17 @@ impl Barrier {
         timeout: Duration,
         sink: &str,
     ) -> Result<(), PublishError> {
-        let _one_at_a_time = self.lock.lock().await;
         let reconnected = || client.statistics().connects.load(Ordering::Acquire) != connection;
-        if self.confirmed.load(Ordering::Acquire) >= seq && !reconnected() {
+        let covered = || self.confirmed.load(Ordering::Acquire) >= seq && !reconnected();
+        // Covered by a round trip already: no queueing for the lock. (A
+        // batch awaits its acks one after the other; had each of them
+        // queued behind the round trips other sources' messages wait for,
+        // a 500-message batch beside 99 busy sources took 30 s.)
+        if covered() {
+            return Ok(());
+        }
+        let _one_at_a_time = self.lock.lock().await;
+        if covered() {
             return Ok(());
         }
         let upto = self.sent.load(Ordering::Acquire);
