@@ -532,19 +532,26 @@ impl Pipeline {
         }
         // The wait ends at `publish_timeout` (and a margin) or when the
         // lease ends, whichever comes first. The lease's end moves on with
-        // every lease round that renews it: under load a batch's acks may
-        // take longer than the lease had left when they began, and cutting
-        // them there would send the whole batch again, and again.
+        // every lease round that renews the batch's lanes: under load a
+        // batch's acks may take longer than the lease had left when they
+        // began, and cutting them there would send the whole batch again,
+        // and again. Lanes released or taken over meanwhile keep the end
+        // they had.
         let publish_deadline = Instant::now() + self.publish_timeout + Duration::from_secs(5);
-        let deadline_now =
-            || lease.map_or(publish_deadline, |l| publish_deadline.min(l.held_until()));
+        let first_end = lease.map(|l| l.valid_until());
+        let deadline_now = || match lease {
+            None => publish_deadline,
+            Some(l) => {
+                publish_deadline.min(l.renewed_until().or(first_end).unwrap_or(publish_deadline))
+            }
+        };
         let mut deadline = deadline_now();
         let mut sinks: Vec<&str> = pending.iter().map(|(_, sink, _, _)| *sink).collect();
         sinks.sort_unstable();
         sinks.dedup();
         // The lanes may belong to another relay by now: take back what has
         // not left yet, before waiting and again after a wait the lease cut.
-        let lapsed = || lease.is_some_and(|l| Instant::now() >= l.held_until());
+        let lapsed = || lease.is_some_and(|l| Instant::now() >= l.valid_until());
         if lapsed() {
             self.abandon(&sinks).await;
         }

@@ -85,16 +85,18 @@ impl LeaseGuard {
         self.lanes_owned && Instant::now() < self.view.borrow().valid_until
     }
 
-    /// Until when the claimed lanes are held: the current view's validity
-    /// while every claimed lane is in it with its claim-time epoch (a
-    /// lease round may have renewed it since the batch began), else now —
-    /// a lane lost or taken over is held no longer.
-    pub(super) fn held_until(&self) -> Instant {
+    pub(super) fn valid_until(&self) -> Instant {
+        self.view.borrow().valid_until
+    }
+
+    /// The current view's validity while every claimed lane is still in it
+    /// with its claim-time epoch (a lease round may have renewed it since
+    /// the batch began); `None` once a lane was released or taken over.
+    pub(super) fn renewed_until(&self) -> Option<Instant> {
         let v = self.view.borrow();
-        if self.lanes.iter().all(|(l, e)| v.epoch_of(*l) == Some(*e)) {
-            v.valid_until
-        } else {
-            Instant::now()
-        }
+        self.lanes
+            .iter()
+            .all(|(l, e)| v.epoch_of(*l) == Some(*e))
+            .then_some(v.valid_until)
     }
 }
