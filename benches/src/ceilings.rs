@@ -47,7 +47,7 @@ pub(crate) async fn db_ceiling(n: usize, marking: &str, batch: u32, workers: u32
         tasks.push(tokio::spawn(async move {
             let mut done = 0usize;
             loop {
-                let claims = store.claim(&mine, batch).await?;
+                let claims = store.claim(&mine, batch).await?.claims;
                 if claims.is_empty() {
                     break;
                 }

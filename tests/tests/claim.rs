@@ -159,7 +159,7 @@ async fn claim_cost_is_bounded_by_the_batch_on_a_never_analysed_table() -> anyho
 
     // The mark goes to each claimed row, whatever the backlog.
     store.lease_round().await?;
-    let claims = store.claim(&share, 500).await?;
+    let claims = store.claim(&share, 500).await?.claims;
     let (read, by_tid) = mark_cost(&store, &claims).await?;
     assert!(
         by_tid && read <= 500.0,
@@ -171,7 +171,7 @@ async fn claim_cost_is_bounded_by_the_batch_on_a_never_analysed_table() -> anyho
     let mut marked = 0u64;
     let mut last_seq = std::collections::HashMap::new();
     loop {
-        let claims = store.claim(&lanes, 1000).await?;
+        let claims = store.claim(&lanes, 1000).await?.claims;
         if claims.is_empty() {
             break;
         }
@@ -212,7 +212,7 @@ async fn a_row_moved_since_its_claim_is_published_again_and_the_backlog_gauge_is
     fill(&db, 1, 20).await?;
     let store = open_store(&config, "moved").await?;
     let lanes = store.lease_round().await?.lanes;
-    let claims = store.claim(&lanes, 100).await?;
+    let claims = store.claim(&lanes, 100).await?.claims;
     assert_eq!(claims.len(), 20);
     // A producer touches a pending row after the claim: it moves (new ctid).
     sqlx::query("UPDATE outbox SET headers = '{\"touched\": \"yes\"}' WHERE aggregate_id = 'o-7'")
@@ -223,7 +223,7 @@ async fn a_row_moved_since_its_claim_is_published_again_and_the_backlog_gauge_is
     // pending and the next claim hands it out again (same id, a duplicate
     // at worst, never a loss).
     assert_eq!(store.mark_published(&refs).await?, 19);
-    let again = store.claim(&lanes, 100).await?;
+    let again = store.claim(&lanes, 100).await?.claims;
     assert_eq!(again.len(), 1);
     assert_eq!(
         again[0].row.as_ref().map(|e| e.aggregate_id.as_str()).ok(),
@@ -322,7 +322,7 @@ async fn existing_tables_get_their_lane_index_from_migrate_table() -> anyhow::Re
         assert!(rows <= 104.0, "{table}: a 100-event claim read {rows} rows");
         // And the fast path marks what it claims.
         store.lease_round().await?;
-        let claims = store.claim(&[0, 1, 2, 3], 100).await?;
+        let claims = store.claim(&[0, 1, 2, 3], 100).await?.claims;
         assert_eq!(claims.len(), 100);
         let refs: Vec<&Claim> = claims.iter().collect();
         assert_eq!(store.mark_published(&refs).await?, 100);
@@ -406,7 +406,7 @@ async fn drain(store: &Store, lanes: &[i32]) -> anyhow::Result<Vec<String>> {
     let mut got = Vec::new();
     loop {
         store.lease_round().await?;
-        let claims = store.claim(lanes, 1000).await?;
+        let claims = store.claim(lanes, 1000).await?.claims;
         if claims.is_empty() {
             return Ok(got);
         }
@@ -554,7 +554,7 @@ async fn failed_and_discarded_events_do_not_cost_later_claims_their_probes() -> 
     let pg = store
         .postgres()
         .ok_or_else(|| anyhow::anyhow!("not PostgreSQL"))?;
-    let claims = store.claim(&lanes, 2).await?;
+    let claims = store.claim(&lanes, 2).await?.claims;
     // One failed and skipped, one failed and then discarded.
     let skipped = failure_of(&claims[0], FailureKind::Failed { hold: false }, "refused")?;
     let held = failure_of(&claims[1], FailureKind::Failed { hold: true }, "refused")?;
@@ -696,7 +696,7 @@ async fn held_backlog(table: &str, name: &str) -> anyhow::Result<()> {
     let pg = store
         .postgres()
         .ok_or_else(|| anyhow::anyhow!("not PostgreSQL"))?;
-    let head = store.claim(&lanes, 10).await?;
+    let head = store.claim(&lanes, 10).await?.claims;
     assert_eq!(head.len(), 1);
     store
         .record_failures(&[failed_for_good(&head[0], true)?])
@@ -770,7 +770,7 @@ async fn held_backlog(table: &str, name: &str) -> anyhow::Result<()> {
         ..Default::default()
     };
     assert_eq!(store.failed_discard(&filter).await?, 1);
-    let next = store.claim(&lanes, 100).await?;
+    let next = store.claim(&lanes, 100).await?.claims;
     assert_eq!(next.len(), 100);
     let seqs: Vec<i64> = next.iter().map(|c| c.sequence()).collect();
     assert!(
@@ -820,7 +820,7 @@ max_batch_bytes = 3000000",
     let lanes = store.lease_round().await?.lanes;
     let mut got = Vec::new();
     for _ in 0..40 {
-        let claims = store.claim(&lanes, 100).await?;
+        let claims = store.claim(&lanes, 100).await?.claims;
         if claims.is_empty() {
             break;
         }
@@ -962,7 +962,7 @@ async fn the_pending_queue_is_filled_by_its_trigger_and_claims_read_only_the_bat
     );
 
     // A claim marked twice is marked once.
-    let claims = store.claim(&lanes, 1000).await?;
+    let claims = store.claim(&lanes, 1000).await?.claims;
     assert_eq!(claims.len(), 1000);
     let refs: Vec<&Claim> = claims.iter().collect();
     // The mark goes to each entry by the ctid its claim saw: TID fetches
@@ -981,7 +981,7 @@ async fn the_pending_queue_is_filled_by_its_trigger_and_claims_read_only_the_bat
         claims.iter().map(|c| c.id().to_string()).collect();
     // Drain the rest: every pending event once, none of the published ones.
     loop {
-        let claims = store.claim(&lanes, 1000).await?;
+        let claims = store.claim(&lanes, 1000).await?.claims;
         if claims.is_empty() {
             break;
         }
@@ -1008,13 +1008,13 @@ async fn the_pending_queue_is_filled_by_its_trigger_and_claims_read_only_the_bat
     // A failure for good takes the event off the queue; `failed retry`
     // puts it back and it is claimed again.
     fill(&db, 60_001, 60_001).await?;
-    let claims = store.claim(&lanes, 10).await?;
+    let claims = store.claim(&lanes, 10).await?.claims;
     assert_eq!(claims.len(), 1);
     let c = &claims[0];
     let failure = failed_for_good(c, false)?;
     assert_eq!(store.record_failures(&[failure]).await?, 1);
     assert_eq!(db.count("SELECT count(*) FROM outroute_queue").await, 0);
-    assert!(store.claim(&lanes, 10).await?.is_empty());
+    assert!(store.claim(&lanes, 10).await?.claims.is_empty());
     assert_eq!(
         store
             .failed_retry(&outroute::store::Filter::default())
@@ -1022,7 +1022,7 @@ async fn the_pending_queue_is_filled_by_its_trigger_and_claims_read_only_the_bat
         1
     );
     assert_eq!(db.count("SELECT count(*) FROM outroute_queue").await, 1);
-    let again = store.claim(&lanes, 10).await?;
+    let again = store.claim(&lanes, 10).await?.claims;
     assert_eq!(again.len(), 1);
     let refs: Vec<&Claim> = again.iter().collect();
     assert_eq!(store.mark_published(&refs).await?, 1);
@@ -1042,7 +1042,7 @@ async fn the_pending_queue_is_filled_by_its_trigger_and_claims_read_only_the_bat
 
 /// Claim up to 100 pending events and mark them all published: how many.
 async fn publish_pending(store: &Store, lanes: &[i32]) -> anyhow::Result<u64> {
-    let claims = store.claim(lanes, 100).await?;
+    let claims = store.claim(lanes, 100).await?.claims;
     let refs: Vec<&Claim> = claims.iter().collect();
     let marked = store.mark_published(&refs).await?;
     assert_eq!(marked, claims.len() as u64, "every claimed event is marked");
@@ -1063,7 +1063,7 @@ async fn a_queue_mark_never_deletes_another_events_entry_from_a_reused_slot() ->
     let store = open_store(&config, "reuse").await?;
     let lanes = store.lease_round().await?.lanes;
     fill(&db, 1, 100).await?;
-    let old = store.claim(&lanes, 100).await?;
+    let old = store.claim(&lanes, 100).await?.claims;
     assert_eq!(old.len(), 100);
     let tids: Vec<String> = old.iter().filter_map(|c| c.tid.clone()).collect();
     assert_eq!(
@@ -1099,7 +1099,7 @@ async fn a_queue_mark_never_deletes_another_events_entry_from_a_reused_slot() ->
     );
     assert_eq!(db.count("SELECT count(*) FROM outroute_queue").await, 100);
     // The new events are claimed and marked as usual.
-    let new = store.claim(&lanes, 1000).await?;
+    let new = store.claim(&lanes, 1000).await?.claims;
     assert_eq!(new.len(), 100);
     assert!(new.iter().all(|c| c.sequence() > 100));
     let refs: Vec<&Claim> = new.iter().collect();
@@ -1155,7 +1155,7 @@ async fn queue_entries_of_rows_deleted_or_failed_by_hand_are_removed() -> anyhow
         0
     );
     // Every remaining row is still pending and claimed once.
-    let claims = store.claim(&lanes, 1000).await?;
+    let claims = store.claim(&lanes, 1000).await?.claims;
     assert_eq!(claims.len(), 390);
     db.drop_db().await;
     Ok(())
@@ -1231,7 +1231,7 @@ async fn queue_retention_steps_over_failed_rows_at_the_bottom() -> anyhow::Resul
     let lanes = store.lease_round().await?.lanes;
     // 40 events that fail for good, then 10 that are published.
     fill(&db, 1, 40).await?;
-    let claims = store.claim(&lanes, 100).await?;
+    let claims = store.claim(&lanes, 100).await?.claims;
     assert_eq!(claims.len(), 40);
     let failures = claims
         .iter()
@@ -1283,7 +1283,7 @@ async fn a_held_aggregate_at_the_head_of_a_queue_lane_holds_back_only_itself() -
     fill(&db, 1, 5).await?;
     let store = open_store(&config, "held").await?;
     let lanes = store.lease_round().await?.lanes;
-    let first = store.claim(&lanes, 10).await?;
+    let first = store.claim(&lanes, 10).await?.claims;
     assert_eq!(first.len(), 10);
     // The first fails for good and holds its aggregate.
     let c = &first[0];
@@ -1291,7 +1291,7 @@ async fn a_held_aggregate_at_the_head_of_a_queue_lane_holds_back_only_itself() -
     assert_eq!(failure.aggregate_id, "busy");
     assert_eq!(store.record_failures(&[failure]).await?, 1);
     // 29 held entries lead the lane; a claim of 10 still finds the others.
-    let next = store.claim(&lanes, 10).await?;
+    let next = store.claim(&lanes, 10).await?.claims;
     let mut aggregates: Vec<String> = next
         .iter()
         .filter_map(|c| c.row.as_ref().ok().map(|e| e.aggregate_id.clone()))

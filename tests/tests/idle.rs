@@ -323,3 +323,150 @@ async fn a_source_that_cannot_sleep_backs_off_to_the_idle_ceiling() -> anyhow::R
     db.drop_db().await;
     Ok(())
 }
+
+/// Until `ASLEEP` reads 1: the source fell asleep.
+async fn falls_asleep(http: &str, relay: &Relay) {
+    let asleep = eventually(Duration::from_secs(20), || async {
+        series(http, ASLEEP).await == 1.0
+    })
+    .await;
+    assert!(
+        asleep,
+        "the idle source never fell asleep: {}",
+        relay.log_text()
+    );
+}
+
+/// A source whose events trickle in (5 a second here, a quiet service)
+/// stays asleep through them: each insert notifies, worker 0 claims once,
+/// publishes, marks and waits for the next — one claim per event, not a
+/// polling back-off after each (about 17 claims and a sleep/wake record per
+/// event at this rate before).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_source_whose_events_trickle_stays_asleep_and_claims_once_per_event() -> anyhow::Result<()>
+{
+    let (db, http, out, relay) = one_published("idle-trickle", "t0").await?;
+    falls_asleep(&http, &relay).await;
+    let before = series(&http, CLAIMS).await;
+    let mut ids = Vec::new();
+    for i in 0..30 {
+        ids.push(insert(&db.pool, &format!("t{}", i + 1)).await?);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        // Picked up long before the backstop, while it sleeps on.
+        let last = ids.last().cloned().unwrap_or_default();
+        let out_already = eventually(Duration::from_secs(5), || async {
+            file_sink_deliveries(&out).iter().any(|d| d.id() == last)
+        })
+        .await;
+        assert!(out_already, "event {i} not published: {}", relay.log_text());
+    }
+    let claims = series(&http, CLAIMS).await - before;
+    // 30 events: a claim each, and a spare one for a notification that
+    // came after the claim that took its event.
+    assert!(
+        claims <= 62.0,
+        "{claims} claims for 30 trickling events: {}",
+        relay.log_text()
+    );
+    assert_eq!(
+        series(&http, ASLEEP).await,
+        1.0,
+        "the trickle woke the source: {}",
+        relay.log_text()
+    );
+    let awake_rows: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outroute_wake WHERE source = 'outbox' AND NOT asleep",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert_eq!(awake_rows, 0, "recorded awake during the trickle");
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}
+
+/// Events faster than a trickle wake a sleeping source (its producers stop
+/// paying a notification per insert) and it falls asleep again after them.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_burst_wakes_a_sleeping_source_and_it_sleeps_again() -> anyhow::Result<()> {
+    let (db, http, out, relay) = one_published("idle-burst", "b0").await?;
+    falls_asleep(&http, &relay).await;
+    sqlx::query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'order', 'b' || g, 'order-created', '{}' \
+         FROM generate_series(1, 2000) g",
+    )
+    .execute(&db.pool)
+    .await?;
+    let awake = eventually(Duration::from_secs(10), || async {
+        series(&http, ASLEEP).await == 0.0
+    })
+    .await;
+    assert!(
+        awake,
+        "2000 events did not wake the source: {}",
+        relay.log_text()
+    );
+    assert!(
+        file_sink_reaches(&out, 2001, Duration::from_secs(60)).await,
+        "{}",
+        relay.log_text()
+    );
+    falls_asleep(&http, &relay).await;
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}
+
+/// An event that a trickle batch leaves retrying comes due by the clock,
+/// which notifies nobody: the batch wakes the source, and the retries run
+/// on time (asleep, they would wait for the once-a-minute backstop).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trickle_event_left_retrying_wakes_the_source() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let dir = test_dir("idle-trickle-retry");
+    let http = free_addr();
+    let body = format!(
+        "[http]\nlisten = \"{http}\"\n[sinks.file]\nkind = \"file\"\npath = \"{}\"\n[plugins.h]\npath = \"{}\"\n\
+         [[routes]]\nname = \"r\"\nplugin = \"h\"\nmax_attempts = 3\nbackoff_min = \"200ms\"\nbackoff_max = \"400ms\"\n\
+         config = {{ sink = \"file\", topic = \"orders.x\" }}\nallow = {{ file = [\"orders.*\"] }}\n",
+        dir.join("out.jsonl").display(),
+        plugin("hostile").display()
+    );
+    let config = write_config(&dir, &db.url, "lanes = 8", &body)?;
+    db.migrate(&config)?;
+    let out = dir.join("out.jsonl");
+    let relay = Relay::start(&config, &[])?;
+    insert(&db.pool, "r0").await?;
+    assert!(
+        file_sink_reaches(&out, 1, Duration::from_secs(30)).await,
+        "{}",
+        relay.log_text()
+    );
+    falls_asleep(&http, &relay).await;
+    sqlx::query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES (gen_random_uuid(), 'order', 'r1', 'order-created', '{\"hostile\": \"retry\"}')",
+    )
+    .execute(&db.pool)
+    .await?;
+    // Three attempts 200–400 ms apart: failed within seconds.
+    let failed = eventually(Duration::from_secs(20), || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM outroute_event_state WHERE failed_at IS NOT NULL",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap_or(0)
+            == 1
+    })
+    .await;
+    assert!(
+        failed,
+        "the retrying event did not reach its third attempt in 20 s: {}",
+        relay.log_text()
+    );
+    drop(relay);
+    db.drop_db().await;
+    Ok(())
+}

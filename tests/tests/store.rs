@@ -51,7 +51,7 @@ async fn expired_lease_is_taken_over_and_the_old_owner_cannot_mark() -> anyhow::
     let a = open_store(&config, "relay-a").await?;
     let la = a.lease_round().await?;
     assert_eq!(la.lanes, vec![0, 1, 2, 3]);
-    let claimed = a.claim(&la.lanes, 100).await?;
+    let claimed = a.claim(&la.lanes, 100).await?.claims;
     assert_eq!(claimed.len(), work.committed.len());
     let ids: Vec<String> = claimed.iter().map(|c| c.id().to_string()).collect();
     let mine: Vec<&Claim> = claimed.iter().collect();
@@ -85,7 +85,7 @@ async fn expired_lease_is_taken_over_and_the_old_owner_cannot_mark() -> anyhow::
     );
 
     // B claims the same events and marks them exactly once.
-    let again = b.claim(&lb.lanes, 100).await?;
+    let again = b.claim(&lb.lanes, 100).await?.claims;
     assert_eq!(again.len(), ids.len());
     let theirs: Vec<&Claim> = again.iter().collect();
     assert_eq!(b.mark_published(&theirs).await?, ids.len() as u64);
@@ -125,7 +125,7 @@ async fn a_batch_from_before_a_lane_changed_hands_and_came_back_is_not_marked() 
 
     let a = open_store(&config, "relay-a").await?;
     let before = a.lease_round().await?;
-    let mut old = a.claim(&before.lanes, 100).await?;
+    let mut old = a.claim(&before.lanes, 100).await?.claims;
     assert_eq!(old.len(), 10);
     stamp(&mut old, &before.lanes, &before.epochs);
 
@@ -169,7 +169,7 @@ async fn a_batch_from_before_a_lane_changed_hands_and_came_back_is_not_marked() 
         "a failure of a batch claimed under an earlier epoch was recorded"
     );
     // Claimed again under the current epochs, it is marked.
-    let mut fresh = a.claim(&after.lanes, 100).await?;
+    let mut fresh = a.claim(&after.lanes, 100).await?.claims;
     stamp(&mut fresh, &after.lanes, &after.epochs);
     let refs: Vec<&Claim> = fresh.iter().collect();
     assert_eq!(a.mark_published(&refs).await?, 10);
@@ -190,7 +190,7 @@ async fn a_failure_record_sets_the_rows_own_columns_and_leaves_the_queue() -> an
     produce(&db.pool, "agg", 10, 1, 0).await?;
     let store = open_store(&config, "recorder").await?;
     let leases = store.lease_round().await?;
-    let claims = store.claim(&leases.lanes, 100).await?;
+    let claims = store.claim(&leases.lanes, 100).await?.claims;
     assert_eq!(claims.len(), 10);
     let failures = claims
         .iter()
@@ -241,7 +241,7 @@ async fn a_failure_record_that_commits_after_a_hand_over_never_blocks_a_publishe
     produce(&db.pool, "agg", 1, 2, 0).await?;
     let a = open_store(&config, "relay-a").await?;
     let la = a.lease_round().await?;
-    let mut claims = a.claim(&la.lanes, 100).await?;
+    let mut claims = a.claim(&la.lanes, 100).await?.claims;
     assert_eq!(claims.len(), 2);
     for c in claims.iter_mut() {
         c.epoch = la.epochs.first().copied();
@@ -284,7 +284,7 @@ async fn a_failure_record_that_commits_after_a_hand_over_never_blocks_a_publishe
             .await?;
         let b = open_store(&cfg, "relay-b").await?;
         let lb = b.lease_round().await?;
-        let mut got = b.claim(&lb.lanes, 100).await?;
+        let mut got = b.claim(&lb.lanes, 100).await?.claims;
         for c in got.iter_mut() {
             c.epoch = lb.epochs.first().copied();
         }

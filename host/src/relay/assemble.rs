@@ -240,6 +240,7 @@ impl Relay {
             asleep: watch::Sender::new(false),
             recorded_asleep: std::sync::atomic::AtomicBool::new(false),
             recording: tokio::sync::Mutex::new(()),
+            pace: Default::default(),
             listening: std::sync::atomic::AtomicBool::new(false),
             capture: store_config.logical(source),
             store_key: config.source_key(source),

@@ -32,7 +32,7 @@ pub(super) enum QuietJob {
     Claim {
         lanes: Vec<i32>,
         limit: u32,
-        reply: oneshot::Sender<anyhow::Result<Vec<crate::store::Claim>>>,
+        reply: oneshot::Sender<anyhow::Result<crate::store::Claimed>>,
     },
     /// The backlog gauge's count (once a minute while asleep).
     Backlog(oneshot::Sender<anyhow::Result<(i64, Option<f64>)>>),

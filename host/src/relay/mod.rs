@@ -114,6 +114,9 @@ pub struct Relay {
     /// Held while writing the asleep record, so a late "awake" never
     /// overwrites a newer "asleep".
     pub recording: tokio::sync::Mutex<()>,
+    /// How many events the workers claimed lately: a source that gets
+    /// them slowly stays asleep through them (`relay/sleep.rs`, [`sleep::Pace`]).
+    pub pace: std::sync::Mutex<sleep::Pace>,
     /// The LISTEN task holds its connection (`outroute_source_connections`).
     pub listening: std::sync::atomic::AtomicBool,
 }

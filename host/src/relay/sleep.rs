@@ -10,8 +10,20 @@
 //! waits for a notification (the LISTEN task), a change of its lanes, or
 //! worker 0's backstop once every [`IDLE_EVERY`]; the background tasks run
 //! then too instead of every second or two, and the lease rounds go over
-//! the LISTEN connection, so a sleeping source holds one connection. Anything
-//! claimed wakes the source.
+//! the LISTEN connection, so a sleeping source holds one connection.
+//!
+//! Events claimed wake the source, unless they come slowly: fewer than
+//! [`TRICKLE_RATE`] a second and a claim that took every claimable row in
+//! every owned lane. Then it stays asleep through them — worker 0 claims on
+//! each notification, publishes, marks, and waits for the next: one claim
+//! per notification instead of polling back off after every event (at 10
+//! events a second, ~17 empty claims and a sleep/wake record per event).
+//! Producers pay a notification per insert for it, which is why a source
+//! whose events come faster, or in full batches, wakes and polls: a busy
+//! producer pays nothing. A batch that leaves events retrying, held or
+//! deferred wakes it too (they come due by the clock, not by an insert).
+//! The same rule keeps a source on its way to sleep (recorded asleep)
+//! there, so one whose events trickle falls asleep in spite of them.
 
 use std::sync::atomic::Ordering as AtomicOrdering;
 
@@ -56,12 +68,61 @@ const QUIET_ANSWER: Duration = Duration::from_secs(5);
 /// to sleep have ended.
 const SETTLED_EVERY: Duration = Duration::from_secs(1);
 
+/// The event rate (per second, over the last one or two) below which a
+/// sleeping source stays asleep through the events it claims (see the
+/// module comment): at most this many notifications a second from its
+/// producers, against a few empty claims per event that polling costs at
+/// that rate.
+pub(super) const TRICKLE_RATE: u32 = 100;
+
+/// How many events a source's workers claimed in the current second and
+/// the one before.
+#[derive(Debug, Default)]
+pub struct Pace {
+    since: Option<Instant>,
+    this: u32,
+    last: u32,
+}
+
+impl Pace {
+    fn roll(&mut self, now: Instant) {
+        match self.since {
+            None => self.since = Some(now),
+            Some(since) if now.duration_since(since) >= Duration::from_secs(1) => {
+                self.last = if now.duration_since(since) >= Duration::from_secs(2) {
+                    0
+                } else {
+                    self.this
+                };
+                self.this = 0;
+                self.since = Some(now);
+            }
+            Some(_) => {}
+        }
+    }
+
+    pub(super) fn add(&mut self, events: usize) {
+        self.roll(Instant::now());
+        self.this = self.this.saturating_add(events as u32);
+    }
+
+    /// Events come slowly: fewer than [`TRICKLE_RATE`] in the last second
+    /// and in the current one so far.
+    pub(super) fn slow(&mut self) -> bool {
+        self.roll(Instant::now());
+        self.last < TRICKLE_RATE && self.this < TRICKLE_RATE
+    }
+}
+
 /// Worker 0's way into sleep, one step per empty claim.
 #[derive(Debug, Default)]
 pub(super) enum Drowsy {
     /// Polling as usual.
     #[default]
     Awake,
+    /// Polling; the source must not sleep (events retrying or deferred,
+    /// they come due by the clock), asked again from the instant given.
+    Barred(Instant),
     /// Recorded asleep; waiting for these transactions (in progress right
     /// after the record) to end, asked about again from the instant given
     /// (once a second: a long transaction must not cost a statement per poll).
@@ -69,6 +130,16 @@ pub(super) enum Drowsy {
     /// They have: the next empty claim over every lane puts it to sleep
     /// (and the state starts over for the next time).
     Settled,
+}
+
+impl Drowsy {
+    /// Events woke the source: the way to sleep starts over (a bar on
+    /// sleeping stays until it is due).
+    pub(super) fn stirred(&mut self) {
+        if !matches!(self, Drowsy::Barred(_)) {
+            *self = Drowsy::Awake;
+        }
+    }
 }
 
 impl Relay {
@@ -82,15 +153,18 @@ impl Relay {
         let Some(pg) = self.store.postgres().filter(|p| p.wakes()) else {
             return;
         };
-        if !matches!(state, Drowsy::Awake) && !self.recorded_asleep.load(AtomicOrdering::Acquire) {
+        if matches!(state, Drowsy::Waiting(..) | Drowsy::Settled)
+            && !self.recorded_asleep.load(AtomicOrdering::Acquire)
+        {
             // Another worker claimed events meanwhile and recorded the
             // source awake: start over.
             *state = Drowsy::Awake;
         }
         *state = match std::mem::take(state) {
-            Drowsy::Awake => match self.record_asleep(pg).await {
+            Drowsy::Barred(until) if Instant::now() < until => Drowsy::Barred(until),
+            Drowsy::Awake | Drowsy::Barred(_) => match self.record_asleep(pg).await {
                 Ok(Some(running)) => Drowsy::Waiting(running, Instant::now()),
-                Ok(None) => Drowsy::Awake,
+                Ok(None) => Drowsy::Barred(Instant::now() + SETTLED_EVERY),
                 Err(e) => {
                     tracing::debug!("could not record the source asleep: {e:#}");
                     Drowsy::Awake
@@ -141,7 +215,7 @@ impl Relay {
         lanes: &[i32],
         limit: u32,
         quiet: Option<&mpsc::Sender<QuietJob>>,
-    ) -> anyhow::Result<Vec<crate::store::Claim>> {
+    ) -> anyhow::Result<crate::store::Claimed> {
         let job = |reply| QuietJob::Claim {
             lanes: lanes.to_vec(),
             limit,
@@ -179,6 +253,19 @@ impl Relay {
                 None
             }
         }
+    }
+
+    /// Count `events` claimed (for [`Pace`]).
+    pub(super) fn paced(&self, events: usize) {
+        self.pace
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .add(events);
+    }
+
+    /// Whether events come slowly (see [`Pace::slow`]).
+    pub(super) fn slow(&self) -> bool {
+        self.pace.lock().unwrap_or_else(|e| e.into_inner()).slow()
     }
 
     /// Whether the source sleeps or is recorded asleep (on its way).

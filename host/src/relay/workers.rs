@@ -277,20 +277,21 @@ impl Relay {
             let mut notified = std::pin::pin!(notified);
             notified.as_mut().enable();
             let claim_started = Instant::now();
-            let claims = match self.claim(&lanes, size, quiet.as_ref()).await {
-                Ok(c) => {
-                    metrics::histogram!(m::CLAIM_SECONDS, "source" => self.source.clone())
-                        .record(claim_started.elapsed().as_secs_f64());
-                    self.health.set_store_ok();
-                    c
-                }
-                Err(e) => {
-                    self.health.store_failed(&e);
-                    tracing::warn!(worker = index, "claim failed: {e:#}");
-                    sleep_or_cancel(Duration::from_secs(1), &shutdown).await;
-                    continue;
-                }
-            };
+            let crate::store::Claimed { claims, drained } =
+                match self.claim(&lanes, size, quiet.as_ref()).await {
+                    Ok(c) => {
+                        metrics::histogram!(m::CLAIM_SECONDS, "source" => self.source.clone())
+                            .record(claim_started.elapsed().as_secs_f64());
+                        self.health.set_store_ok();
+                        c
+                    }
+                    Err(e) => {
+                        self.health.store_failed(&e);
+                        tracing::warn!(worker = index, "claim failed: {e:#}");
+                        sleep_or_cancel(Duration::from_secs(1), &shutdown).await;
+                        continue;
+                    }
+                };
             let with_rows: std::collections::HashSet<i32> = claims.iter().map(|c| c.lane).collect();
             let reserved = self.in_flight.take(&free, &with_rows);
             let claims = if reserved.lanes.len() < with_rows.len() {
@@ -332,12 +333,13 @@ impl Relay {
                     continue;
                 }
                 if index == 0
-                    && idle >= self.config.poll_max
+                    && (idle >= self.config.poll_max || self.slow())
                     && lanes.len() == owned
                     && self.in_flight.none()
                 {
-                    // Polling has backed off and nothing is in flight:
-                    // one step towards sleep per empty claim over every lane.
+                    // Polling has backed off, or events come slowly, and
+                    // nothing is in flight: one step towards sleep per
+                    // empty claim over every lane.
                     self.drift_off(&mut drowsy).await;
                     if self.is_asleep() {
                         continue;
@@ -350,12 +352,24 @@ impl Relay {
                 }
                 continue;
             }
-            // Events: the source is awake (recorded so after this batch).
-            let record_awake = self.drowsy() && {
-                drowsy = Drowsy::Awake;
+            // Events. They come slowly and this claim took every one there
+            // was: a sleeping source stays asleep (worker 0 alone claims
+            // while it sleeps), one on its way stays on it (`sleep.rs`).
+            // Otherwise the source is awake (recorded so after this batch).
+            let full = claims.len() as u32 >= size;
+            self.paced(claims.len());
+            let trickle = self.drowsy()
+                && !full
+                && self.slow()
+                && if self.is_asleep() {
+                    index == 0 && drained && lanes.len() == owned
+                } else {
+                    true
+                };
+            let record_awake = !trickle && self.drowsy() && {
+                drowsy.stirred();
                 self.stir()
             };
-            let full = claims.len() as u32 >= size;
             if full {
                 size = (size * 2).min(self.config.batch_size);
             }
@@ -376,8 +390,27 @@ impl Relay {
                 .process(claims, Some(&mut lease))
                 .instrument(span)
                 .await;
-            if record_awake {
+            // Events left retrying, held or deferred come due by the
+            // clock, which notifies nobody: a trickle ends there.
+            let settled_all = matches!(&processed, Ok(r) if !r.outage && r.retried == 0 && r.held == 0 && r.deferred == 0);
+            let woken = trickle && !settled_all && {
+                if index == 0 {
+                    drowsy.stirred();
+                }
+                self.stir()
+            };
+            if record_awake || woken {
                 self.record_awake().await;
+            }
+            if trickle && settled_all && index == 0 && self.is_asleep() {
+                // Asleep through it: wait for the next notification (one
+                // that came during the batch ends the wait at once).
+                drop(reserved);
+                outage_backoff = Duration::from_millis(100);
+                self.sleep(notified, &mut leases, &view.lanes, &shutdown)
+                    .await;
+                idle = self.config.poll_min;
+                continue;
             }
             match processed {
                 Ok(report) if report.outage => {

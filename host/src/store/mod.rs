@@ -36,6 +36,16 @@ pub struct Purged {
     pub more: bool,
 }
 
+/// What one claim took: its rows, and whether it took every row then
+/// claimable in its lanes (it stopped at neither its row limit nor
+/// `relay.max_batch_bytes`): a sleeping source that claimed them all needs
+/// no further claim until the next insert notifies (`relay/sleep.rs`).
+#[derive(Debug, Default)]
+pub struct Claimed {
+    pub claims: Vec<Claim>,
+    pub drained: bool,
+}
+
 /// One claimed row: an event, or a row that cannot be one.
 #[derive(Debug, Clone)]
 pub struct Claim {
@@ -560,7 +570,7 @@ impl Store {
         }
     }
 
-    pub async fn claim(&self, lanes: &[i32], limit: u32) -> anyhow::Result<Vec<Claim>> {
+    pub async fn claim(&self, lanes: &[i32], limit: u32) -> anyhow::Result<Claimed> {
         bounded!(self, "claiming events", s => s.claim(lanes, limit))
     }
 

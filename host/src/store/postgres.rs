@@ -83,7 +83,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{ConnectOptions, Row};
 
 use super::{
-    Claim, Cursor, FailedEvent, Failure, FailureKind, Filter, Leases, QuarantinedRoute,
+    Claim, Claimed, Cursor, FailedEvent, Failure, FailureKind, Filter, Leases, QuarantinedRoute,
     RelayStatus, Status,
 };
 use crate::config::{Config, Logical, LogicalInput, Marking, Ordering, TableConfig};

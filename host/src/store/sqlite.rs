@@ -99,7 +99,7 @@ impl SqliteStore {
         Ok(())
     }
 
-    pub async fn claim(&self, _lanes: &[i32], limit: u32) -> Result<Vec<Claim>> {
+    pub async fn claim(&self, _lanes: &[i32], limit: u32) -> Result<super::Claimed> {
         let q = format!(
             "SELECT {COLS}, COALESCE(st.attempts, 0) AS attempts, COALESCE(st.done_legs, '[]') AS done_legs FROM outbox o \
              LEFT JOIN outroute_event_state st ON st.source = ?1 AND st.event_id = o.id \
@@ -117,7 +117,11 @@ impl SqliteStore {
             .fetch_all(&self.pool)
             .await
             .context("claiming events")?;
-        rows.iter().map(to_claim).collect()
+        let claims = rows.iter().map(to_claim).collect::<Result<Vec<_>>>()?;
+        Ok(super::Claimed {
+            drained: (claims.len() as u32) < limit,
+            claims,
+        })
     }
 
     pub async fn mark_published(&self, claims: &[&Claim]) -> Result<u64> {

@@ -207,7 +207,7 @@ impl PgStore {
         Ok(())
     }
 
-    pub async fn claim(&self, lanes: &[i32], limit: u32) -> Result<Vec<Claim>> {
+    pub async fn claim(&self, lanes: &[i32], limit: u32) -> Result<Claimed> {
         self.claim_on(&self.pool, lanes, limit).await
     }
 
@@ -220,9 +220,12 @@ impl PgStore {
         conn: impl sqlx::PgExecutor<'c>,
         lanes: &[i32],
         limit: u32,
-    ) -> Result<Vec<Claim>> {
+    ) -> Result<Claimed> {
         if lanes.is_empty() {
-            return Ok(Vec::new());
+            return Ok(Claimed {
+                claims: Vec::new(),
+                drained: true,
+            });
         }
         let starts = self.current_floors(lanes);
         let json = self.sql()?.payload_is_json;
@@ -253,6 +256,7 @@ impl PgStore {
                 }
             }
         }
+        let drained = bytes < self.max_batch_bytes && (claims.len() as u32) < asked;
         let rows = if bytes >= self.max_batch_bytes {
             claims.len() as u32 + 1
         } else if claims.len() as u32 >= asked && asked < limit {
@@ -291,7 +295,7 @@ impl PgStore {
                 }
             }
         }
-        Ok(claims)
+        Ok(Claimed { claims, drained })
     }
 
     /// Name the routes that read this source (see [`PgStore::routes`]).
