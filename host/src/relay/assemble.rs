@@ -241,6 +241,7 @@ impl Relay {
             recorded_asleep: std::sync::atomic::AtomicBool::new(false),
             recording: tokio::sync::Mutex::new(()),
             pace: Default::default(),
+            hurry: Notify::new(),
             listening: std::sync::atomic::AtomicBool::new(false),
             capture: store_config.logical(source),
             store_key: config.source_key(source),

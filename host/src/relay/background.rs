@@ -140,12 +140,15 @@ impl Relay {
             // Asleep, once a minute: its sweep below the floors finds a row
             // committed late below them (its notification woke a claim
             // that cannot see it).
-            self.background_pause(
-                crate::store::postgres::FLOOR_ROUND_INTERVAL,
-                IdleTurn::Floors,
-                &shutdown,
-            )
-            .await;
+            // Awake with events coming slowly, every 2 s: few rows to pass
+            // over have piled up since, and every round reads every lane.
+            let every = if self.slow() {
+                crate::store::postgres::FLOOR_ROUND_INTERVAL * 8
+            } else {
+                crate::store::postgres::FLOOR_ROUND_INTERVAL
+            };
+            self.background_pause(every, IdleTurn::Floors, &shutdown)
+                .await;
         }
     }
 
@@ -354,7 +357,11 @@ impl Relay {
                     tracing::debug!("backlog query failed: {e:#}");
                 }
             }
-            self.background_pause(Duration::from_secs(1), IdleTurn::Backlog, &shutdown)
+            // Every second; every 4 s while events come slowly (the
+            // backlog can hardly build then: a burst makes them fast).
+            let slow = self.capture.is_none() && self.slow();
+            let every = Duration::from_secs(if slow { 4 } else { 1 });
+            self.background_pause(every, IdleTurn::Backlog, &shutdown)
                 .await;
         }
     }

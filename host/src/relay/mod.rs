@@ -114,9 +114,13 @@ pub struct Relay {
     /// Held while writing the asleep record, so a late "awake" never
     /// overwrites a newer "asleep".
     pub recording: tokio::sync::Mutex<()>,
-    /// How many events the workers claimed lately: a source that gets
-    /// them slowly stays asleep through them (`relay/sleep.rs`, [`sleep::Pace`]).
+    /// How many events the workers claimed lately: how often an awake
+    /// source polls, and whether it may sleep (`relay/sleep.rs`).
     pub pace: std::sync::Mutex<sleep::Pace>,
+    /// Worker 0 found events coming fast (a full batch, or faster than a
+    /// trickle): the other workers, waiting while they came slowly, poll
+    /// again.
+    pub hurry: Notify,
     /// The LISTEN task holds its connection (`outroute_source_connections`).
     pub listening: std::sync::atomic::AtomicBool,
 }

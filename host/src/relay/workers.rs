@@ -333,40 +333,51 @@ impl Relay {
                     continue;
                 }
                 if index == 0
-                    && (idle >= self.config.poll_max || self.slow())
+                    && idle >= self.config.poll_max
                     && lanes.len() == owned
                     && self.in_flight.none()
+                    && self.quiet_lately()
                 {
-                    // Polling has backed off, or events come slowly, and
-                    // nothing is in flight: one step towards sleep per
-                    // empty claim over every lane.
+                    // Polling has backed off, no events came for a second
+                    // or two and nothing is in flight: one step towards
+                    // sleep per empty claim over every lane.
                     self.drift_off(&mut drowsy).await;
                     if self.is_asleep() {
                         continue;
                     }
                 }
+                if index != 0 && self.slow() {
+                    // Events come slowly: worker 0 alone polls for them;
+                    // this one waits until it finds more (`Relay::hurry`).
+                    let hurry = self.hurry.notified();
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = hurry => {},
+                        _ = leases.changed() => {},
+                        // In case worker 0 is held up in a long batch.
+                        _ = tokio::time::sleep(self.config.poll_idle_max.max(self.config.poll_max)) => {},
+                    }
+                    idle = self.config.poll_min;
+                    continue;
+                }
+                // About one poll per event the source gets lately, however
+                // slowly they come (`sleep.rs`, `Pace`); from the fastest
+                // pace up when they come fast or not at all.
+                let pause = idle.max(self.expected_gap()).min(idle_ceiling);
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
                     _ = notified => idle = self.config.poll_min,
-                    _ = tokio::time::sleep(idle) => idle = (idle * 2).min(idle_ceiling),
+                    _ = tokio::time::sleep(pause) => idle = (pause * 2).min(idle_ceiling),
                 }
                 continue;
             }
-            // Events. They come slowly and this claim took every one there
-            // was: a sleeping source stays asleep (worker 0 alone claims
-            // while it sleeps), one on its way stays on it (`sleep.rs`).
-            // Otherwise the source is awake (recorded so after this batch).
+            // Events: the source is awake (recorded so after this batch).
             let full = claims.len() as u32 >= size;
             self.paced(claims.len());
-            let trickle = self.drowsy()
-                && !full
-                && self.slow()
-                && if self.is_asleep() {
-                    index == 0 && drained && lanes.len() == owned
-                } else {
-                    true
-                };
-            let record_awake = !trickle && self.drowsy() && {
+            if index == 0 && (full || !self.slow()) {
+                self.hurry.notify_waiters();
+            }
+            let record_awake = self.drowsy() && {
                 drowsy.stirred();
                 self.stir()
             };
@@ -390,27 +401,8 @@ impl Relay {
                 .process(claims, Some(&mut lease))
                 .instrument(span)
                 .await;
-            // Events left retrying, held or deferred come due by the
-            // clock, which notifies nobody: a trickle ends there.
-            let settled_all = matches!(&processed, Ok(r) if !r.outage && r.retried == 0 && r.held == 0 && r.deferred == 0);
-            let woken = trickle && !settled_all && {
-                if index == 0 {
-                    drowsy.stirred();
-                }
-                self.stir()
-            };
-            if record_awake || woken {
+            if record_awake {
                 self.record_awake().await;
-            }
-            if trickle && settled_all && index == 0 && self.is_asleep() {
-                // Asleep through it: wait for the next notification (one
-                // that came during the batch ends the wait at once).
-                drop(reserved);
-                outage_backoff = Duration::from_millis(100);
-                self.sleep(notified, &mut leases, &view.lanes, &shutdown)
-                    .await;
-                idle = self.config.poll_min;
-                continue;
             }
             match processed {
                 Ok(report) if report.outage => {
@@ -423,7 +415,18 @@ impl Relay {
                     outage_backoff = Duration::from_millis(100);
                     idle = self.config.poll_min;
                     if !full {
-                        sleep_or_cancel(self.config.poll_min, &shutdown).await;
+                        // Took every event there was, and they come
+                        // slowly: the next is about one gap away.
+                        let pause = if drained && lanes.len() == owned && self.slow() {
+                            self.expected_gap().min(idle_ceiling)
+                        } else {
+                            self.config.poll_min
+                        };
+                        tokio::select! {
+                            _ = shutdown.cancelled() => break,
+                            _ = notified => {},
+                            _ = tokio::time::sleep(pause) => {},
+                        }
                     }
                 }
                 Err(e) => {
