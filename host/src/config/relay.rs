@@ -59,10 +59,12 @@ pub struct RelayConfig {
     #[serde(with = "humantime_serde")]
     #[schemars(with = "String")]
     pub poll_min: Duration,
-    /// Longest pause between polls when the outbox is idle. A source on
-    /// the pending queue falls asleep from there (it polls no more until an
-    /// insert notifies it); one that cannot sleep backs off further, to
-    /// `poll_idle_max`.
+    /// Longest pause between polls when the outbox is idle, and between a
+    /// slow source's polls (its worker 0 alone polls it, about once per gap
+    /// between its events, up to this). A source on the pending queue falls
+    /// asleep from there after a second or two without events (it polls no
+    /// more until an insert notifies it); one that cannot sleep backs off
+    /// further, to `poll_idle_max`.
     #[serde(with = "humantime_serde")]
     #[schemars(with = "String")]
     pub poll_max: Duration,
