@@ -43,10 +43,19 @@ async fn one_published(
     name: &str,
     aggregate: &str,
 ) -> anyhow::Result<(TestDb, String, std::path::PathBuf, Relay)> {
+    one_published_with(name, aggregate, file_body).await
+}
+
+/// [`one_published`] with the config body `body(dir, http)`.
+async fn one_published_with(
+    name: &str,
+    aggregate: &str,
+    body: impl Fn(&Path, &str) -> String,
+) -> anyhow::Result<(TestDb, String, std::path::PathBuf, Relay)> {
     let db = TestDb::new().await?;
     let dir = test_dir(name);
     let http = free_addr();
-    let config = write_config(&dir, &db.url, "lanes = 8", &file_body(&dir, &http))?;
+    let config = write_config(&dir, &db.url, "lanes = 8", &body(&dir, &http))?;
     db.migrate(&config)?;
     let out = dir.join("out.jsonl");
     let relay = Relay::start(&config, &[])?;
@@ -426,26 +435,16 @@ async fn a_burst_wakes_a_sleeping_source_and_it_sleeps_again() -> anyhow::Result
 /// backstop).
 #[tokio::test(flavor = "multi_thread")]
 async fn an_event_left_retrying_keeps_a_woken_source_awake() -> anyhow::Result<()> {
-    let db = TestDb::new().await?;
-    let dir = test_dir("idle-trickle-retry");
-    let http = free_addr();
-    let body = format!(
-        "[http]\nlisten = \"{http}\"\n[sinks.file]\nkind = \"file\"\npath = \"{}\"\n[plugins.h]\npath = \"{}\"\n\
-         [[routes]]\nname = \"r\"\nplugin = \"h\"\nmax_attempts = 3\nbackoff_min = \"200ms\"\nbackoff_max = \"400ms\"\n\
-         config = {{ sink = \"file\", topic = \"orders.x\" }}\nallow = {{ file = [\"orders.*\"] }}\n",
-        dir.join("out.jsonl").display(),
-        plugin("hostile").display()
-    );
-    let config = write_config(&dir, &db.url, "lanes = 8", &body)?;
-    db.migrate(&config)?;
-    let out = dir.join("out.jsonl");
-    let relay = Relay::start(&config, &[])?;
-    insert(&db.pool, "r0").await?;
-    assert!(
-        file_sink_reaches(&out, 1, Duration::from_secs(30)).await,
-        "{}",
-        relay.log_text()
-    );
+    let hostile = |dir: &Path, http: &str| {
+        format!(
+            "[http]\nlisten = \"{http}\"\n[sinks.file]\nkind = \"file\"\npath = \"{}\"\n[plugins.h]\npath = \"{}\"\n\
+             [[routes]]\nname = \"r\"\nplugin = \"h\"\nmax_attempts = 3\nbackoff_min = \"200ms\"\nbackoff_max = \"400ms\"\n\
+             config = {{ sink = \"file\", topic = \"orders.x\" }}\nallow = {{ file = [\"orders.*\"] }}\n",
+            dir.join("out.jsonl").display(),
+            plugin("hostile").display()
+        )
+    };
+    let (db, http, _out, relay) = one_published_with("idle-retry", "r0", hostile).await?;
     falls_asleep(&http, &relay).await;
     sqlx::query(
         "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \

@@ -142,12 +142,8 @@ impl Relay {
             // that cannot see it).
             // Awake with events coming slowly, every 2 s: few rows to pass
             // over have piled up since, and every round reads every lane.
-            let every = if self.slow() {
-                crate::store::postgres::FLOOR_ROUND_INTERVAL * 8
-            } else {
-                crate::store::postgres::FLOOR_ROUND_INTERVAL
-            };
-            self.background_pause(every, IdleTurn::Floors, &shutdown)
+            let every = crate::store::postgres::FLOOR_ROUND_INTERVAL;
+            self.paced_pause(every, every * 8, IdleTurn::Floors, &shutdown)
                 .await;
         }
     }
@@ -359,10 +355,13 @@ impl Relay {
             }
             // Every second; every 4 s while events come slowly (the
             // backlog can hardly build then: a burst makes them fast).
-            let slow = self.capture.is_none() && self.slow();
-            let every = Duration::from_secs(if slow { 4 } else { 1 });
-            self.background_pause(every, IdleTurn::Backlog, &shutdown)
-                .await;
+            self.paced_pause(
+                Duration::from_secs(1),
+                Duration::from_secs(4),
+                IdleTurn::Backlog,
+                &shutdown,
+            )
+            .await;
         }
     }
 

@@ -384,8 +384,30 @@ impl Relay {
         turn: IdleTurn,
         shutdown: &CancellationToken,
     ) {
+        self.paced_pause(every, every, turn, shutdown).await
+    }
+
+    /// [`Relay::background_pause`] for a task that runs less often while
+    /// events come slowly (lease mode): `slow_every` then, ended early when
+    /// worker 0 finds them coming fast ([`Relay::hurry`]).
+    pub(super) async fn paced_pause(
+        &self,
+        every: Duration,
+        slow_every: Duration,
+        turn: IdleTurn,
+        shutdown: &CancellationToken,
+    ) {
         if !self.is_asleep() {
-            sleep_or_cancel(every, shutdown).await;
+            if self.capture.is_none() && slow_every > every && self.slow() {
+                let hurry = self.hurry.notified();
+                tokio::select! {
+                    _ = shutdown.cancelled() => {},
+                    _ = hurry => {},
+                    _ = tokio::time::sleep(slow_every) => {},
+                }
+            } else {
+                sleep_or_cancel(every, shutdown).await;
+            }
             return;
         }
         let mut asleep = self.asleep.subscribe();
