@@ -117,7 +117,7 @@ pub struct Relay {
     /// How many events the workers claimed lately: how often an awake
     /// source polls, and whether it may sleep (`relay/sleep.rs`).
     pub pace: std::sync::Mutex<sleep::Pace>,
-    /// Worker 0 found events coming fast (a full batch, or faster than a
+    /// A worker found events coming fast (a full batch, or faster than a
     /// trickle): the other workers, waiting while they came slowly, poll
     /// again.
     pub hurry: Notify,

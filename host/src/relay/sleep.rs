@@ -389,7 +389,7 @@ impl Relay {
 
     /// [`Relay::background_pause`] for a task that runs less often while
     /// events come slowly (lease mode): `slow_every` then, ended early when
-    /// worker 0 finds them coming fast ([`Relay::hurry`]).
+    /// a worker finds them coming fast ([`Relay::hurry`]).
     pub(super) async fn paced_pause(
         &self,
         every: Duration,

@@ -374,7 +374,8 @@ impl Relay {
             // Events: the source is awake (recorded so after this batch).
             let full = claims.len() as u32 >= size;
             self.paced(claims.len());
-            if index == 0 && (full || !self.slow()) {
+            if full || !self.slow() {
+                // Events come fast: every worker polls again.
                 self.hurry.notify_waiters();
             }
             let record_awake = self.drowsy() && {
