@@ -4,12 +4,13 @@
 //! read what reached tansu (Kafka protocol) and NATS JetStream, and the
 //! invariant checker every end-to-end test ends with.
 //!
-//! Files: `db.rs` (databases), `workload.rs` (producers and the invariant
+//! Files: `db.rs` (databases), `mysql.rs` (MySQL/MariaDB databases and
+//! producers), `workload.rs` (producers and the invariant
 //! checker), `process.rs` (the relay as a process), `brokers.rs` (topics,
 //! streams, consumers), `proxy.rs` (the TCP fault proxy), `secure.rs` (TLS
 //! material and secured services); this one the paths and `eventually`.
 //!
-//! Services: PostgreSQL 127.0.0.1:5432, NATS 127.0.0.1:4222, tansu
+//! Services: PostgreSQL 127.0.0.1:5432, MariaDB 127.0.0.1:3306, NATS 127.0.0.1:4222, tansu
 //! 127.0.0.1:9092 (`scripts/services` starts whatever is down).
 
 pub mod secure;
@@ -33,11 +34,13 @@ pub const NATS: &str = "nats://127.0.0.1:4222";
 
 pub mod brokers;
 pub mod db;
+pub mod mysql;
 pub mod process;
 pub mod proxy;
 pub mod workload;
 pub use brokers::*;
 pub use db::*;
+pub use mysql::*;
 pub use process::*;
 pub use workload::*;
 

@@ -10,7 +10,9 @@ use super::*;
 #[derive(Debug, Clone, Deserialize, Serialize, JsonSchema, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct StoreConfig {
-    /// `postgres://…` or `sqlite://path` (the embedded default).
+    /// `postgres://…`, `mysql://…` / `mariadb://…` (MySQL 8.0.16+,
+    /// MariaDB 10.6+; lease mode, canonical table) or `sqlite://path` (the
+    /// embedded default).
     pub url: String,
     /// Lanes of this source (default `relay.lanes`).
     #[serde(default)]
@@ -132,6 +134,17 @@ impl StoreConfig {
     /// A PostgreSQL source (not SQLite).
     pub fn is_postgres(&self) -> bool {
         self.url.starts_with("postgres://") || self.url.starts_with("postgresql://")
+    }
+
+    /// A MySQL or MariaDB source (`mysql://` or `mariadb://`).
+    pub fn is_mysql(&self) -> bool {
+        self.url.starts_with("mysql://") || self.url.starts_with("mariadb://")
+    }
+
+    /// A source on a database server, whose pool shares
+    /// `relay.max_connections` (PostgreSQL or MySQL; not SQLite).
+    pub fn is_pooled(&self) -> bool {
+        self.is_postgres() || self.is_mysql()
     }
 
     /// The most connections this source's pool opens: its own

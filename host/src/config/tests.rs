@@ -768,7 +768,7 @@ fn the_relay_wide_connection_ceiling_is_shared_and_checked() {
     let text = load(&write(&d, &body)).unwrap_err().to_string();
     assert!(
         text.contains(
-            "outroute.toml:relay.max_connections: 5 is under 3 per PostgreSQL source (2 of them"
+            "outroute.toml:relay.max_connections: 5 is under 3 per PostgreSQL or MySQL source (2 of them"
         ),
         "{text}"
     );

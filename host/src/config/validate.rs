@@ -29,17 +29,41 @@ impl Loaded {
                 "must be positive (0 would give up every statement)".into(),
             );
         }
-        if !(sc.url.starts_with("postgres://")
-            || sc.url.starts_with("postgresql://")
-            || sc.url.starts_with("sqlite:"))
-        {
+        if !(sc.is_pooled() || sc.url.starts_with("sqlite:")) {
             err(
                 format!("{key}.url"),
                 format!(
-                    "`{}` is neither a postgres:// nor a sqlite: URL",
+                    "`{}` is not a postgres://, mysql:// (or mariadb://) or sqlite: URL",
                     redact_url(&sc.url)
                 ),
             );
+        }
+        if sc.is_mysql() {
+            if sc
+                .table
+                .as_ref()
+                .is_some_and(|t| *t != TableConfig::canonical())
+            {
+                err(
+                    format!("{key}.table"),
+                    "MySQL/MariaDB sources support only the canonical table for now (`outroute migrate` \
+                     creates it); map existing tables on PostgreSQL"
+                        .into(),
+                );
+            }
+            if sc.capture != CaptureMode::Lease {
+                err(
+                    format!("{key}.capture"),
+                    "MySQL/MariaDB sources use `lease` (binlog capture is not built yet)".into(),
+                );
+            }
+            if sc.tls.is_some() {
+                err(
+                    format!("{key}.tls"),
+                    "is for PostgreSQL; a MySQL URL sets TLS itself (`?ssl-mode=VERIFY_IDENTITY&ssl-ca=…`)"
+                        .into(),
+                );
+            }
         }
         let t = &sc.table();
         let cols = t.columns();
@@ -233,15 +257,15 @@ impl Loaded {
             }
             self.validate_source(&key, sc, &mut err);
         }
-        let postgres_sources = c.sources.values().filter(|s| s.is_postgres()).count() as u32;
+        let postgres_sources = c.sources.values().filter(|s| s.is_pooled()).count() as u32;
         if let Some(n) = c.relay.max_connections
             && n < 3 * postgres_sources.max(1)
         {
             err(
                 "relay.max_connections".into(),
                 format!(
-                    "{n} is under 3 per PostgreSQL source ({postgres_sources} of them: 2 pooled, so marks \
-                     never wait behind claims, and the LISTEN one): at least {}",
+                    "{n} is under 3 per PostgreSQL or MySQL source ({postgres_sources} of them: 2 pooled, so \
+                     marks never wait behind claims, and PostgreSQL's LISTEN one): at least {}",
                     3 * postgres_sources.max(1)
                 ),
             );

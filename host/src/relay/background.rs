@@ -329,10 +329,10 @@ impl Relay {
         shutdown: CancellationToken,
     ) {
         while !shutdown.is_cancelled() {
-            if let Some(pg) = self.store.postgres() {
+            if let Some(pooled) = self.store.pool_connections() {
                 let listening = self.listening.load(std::sync::atomic::Ordering::Relaxed);
                 metrics::gauge!(m::SOURCE_CONNECTIONS, "source" => self.source.clone())
-                    .set(f64::from(pg.pool_connections()) + if listening { 1.0 } else { 0.0 });
+                    .set(f64::from(pooled) + if listening { 1.0 } else { 0.0 });
             }
             let backlog = self.quiet_or_pool(
                 quiet.as_ref(),

@@ -12,11 +12,12 @@
 //!   in `outroute_event_state` (so tables that have nowhere to put them still
 //!   work), mirrored into the table's own columns when it has them.
 //!
-//! PostgreSQL is the production store (many relays); SQLite is the embedded
+//! PostgreSQL is the production store (many relays); MySQL/MariaDB serves
+//! the same contract in lease mode (`mysql.rs`); SQLite is the embedded
 //! default for one relay and the quickstart.
 //!
 //! One concern, one file: the store interface every backend implements (its
-//! types and the one enum that dispatches to PostgreSQL or SQLite); splitting
+//! types and the one enum that dispatches to PostgreSQL, MySQL or SQLite); splitting
 //! it would separate a method from its contract.
 
 use chrono::{DateTime, Utc};
@@ -25,6 +26,7 @@ use serde::Serialize;
 use crate::config::{Config, StoreConfig};
 use crate::event::{Event, Malformed, RawRow};
 
+pub mod mysql;
 pub mod postgres;
 pub mod sqlite;
 
@@ -455,9 +457,10 @@ pub struct Leases {
     pub relays: i64,
 }
 
-/// The store, PostgreSQL or SQLite.
+/// The store: PostgreSQL, MySQL/MariaDB or SQLite.
 pub enum Store {
     Postgres(Box<postgres::PgStore>),
+    MySql(Box<mysql::MySqlStore>),
     Sqlite(sqlite::SqliteStore),
 }
 
@@ -465,18 +468,20 @@ macro_rules! dispatch {
     ($self:ident, $s:ident => $e:expr) => {
         match $self {
             Store::Postgres($s) => $e,
+            Store::MySql($s) => $e,
             Store::Sqlite($s) => $e,
         }
     };
 }
 
-/// A statement of the relay's: on PostgreSQL given up after
+/// A statement of the relay's: on PostgreSQL and MySQL given up after
 /// `store.statement_timeout` ([`postgres::PgStore::bounded`]; `$what` names
 /// it in the error). SQLite is a local file: nothing to wait for.
 macro_rules! bounded {
     ($self:ident, $what:expr, $s:ident => $e:expr) => {
         match $self {
             Store::Postgres($s) => $s.bounded($what, $e).await,
+            Store::MySql($s) => $s.bounded($what, $e).await,
             Store::Sqlite($s) => $e.await,
         }
     };
@@ -489,6 +494,10 @@ impl Store {
         let key = config.source_key(source);
         if sc.url.starts_with("sqlite:") {
             Ok(Store::Sqlite(sqlite::SqliteStore::connect(&key, sc).await?))
+        } else if sc.is_mysql() {
+            let pooled = config.sources.values().filter(|s| s.is_pooled()).count();
+            let my = mysql::MySqlStore::connect(config, &key, sc, relay_id, pooled).await?;
+            Ok(Store::MySql(Box::new(my)))
         } else {
             let pg = postgres::PgStore::connect(config, &key, sc, relay_id).await?;
             Ok(Store::Postgres(Box::new(pg)))
@@ -511,6 +520,7 @@ impl Store {
     pub fn missing_index(&self) -> Option<&str> {
         match self {
             Store::Postgres(s) => s.missing_index(),
+            Store::MySql(s) => s.missing_index(),
             Store::Sqlite(_) => None,
         }
     }
@@ -519,7 +529,7 @@ impl Store {
     pub fn postgres(&self) -> Option<&postgres::PgStore> {
         match self {
             Store::Postgres(s) => Some(s),
-            Store::Sqlite(_) => None,
+            _ => None,
         }
     }
 
@@ -537,17 +547,22 @@ impl Store {
     pub async fn create_lane_index(&mut self) -> anyhow::Result<Option<String>> {
         match self {
             Store::Postgres(s) => s.create_lane_index().await,
+            Store::MySql(s) => s.create_lane_index().await,
             Store::Sqlite(_) => Ok(None),
         }
     }
 
     /// Renew/acquire/release lane leases; returns the lanes to claim from.
-    /// On PostgreSQL given up after a quarter of `relay.lease_ttl` at most,
+    /// On PostgreSQL and MySQL given up after a quarter of `relay.lease_ttl` at most,
     /// so a round lost to a dead connection is retried on another one
     /// before the lease lapses.
     pub async fn lease_round(&self) -> anyhow::Result<Leases> {
         match self {
             Store::Postgres(s) => {
+                s.bounded_by(s.lease_ttl() / 4, "renewing lane leases", s.lease_round())
+                    .await
+            }
+            Store::MySql(s) => {
                 s.bounded_by(s.lease_ttl() / 4, "renewing lane leases", s.lease_round())
                     .await
             }
@@ -604,7 +619,7 @@ impl Store {
                 )
                 .await
             }
-            Store::Sqlite(_) => Ok(postgres::OrphanWalk::default()),
+            _ => Ok(postgres::OrphanWalk::default()),
         }
     }
 
@@ -669,7 +684,7 @@ impl Store {
     pub async fn failed_edit(&self, id: &str, set: &[(String, String)]) -> anyhow::Result<()> {
         match self {
             Store::Postgres(s) => s.failed_edit(id, set).await,
-            Store::Sqlite(_) => anyhow::bail!(
+            Store::MySql(_) | Store::Sqlite(_) => anyhow::bail!(
                 "only events parked by log-based capture keep their row in the failure record; \
                  edit the outbox row itself, then `outroute failed retry`"
             ),
@@ -722,6 +737,7 @@ impl Store {
     pub fn relay_id(&self) -> &str {
         match self {
             Store::Postgres(s) => s.relay_id(),
+            Store::MySql(s) => s.relay_id(),
             Store::Sqlite(_) => "embedded",
         }
     }
@@ -734,10 +750,23 @@ impl Store {
         }
     }
 
+    /// Connections this source's pool holds now (PostgreSQL and MySQL).
+    pub fn pool_connections(&self) -> Option<u32> {
+        match self {
+            Store::Postgres(s) => Some(s.pool_connections()),
+            Store::MySql(s) => Some(s.pool_connections()),
+            Store::Sqlite(_) => None,
+        }
+    }
+
     /// Is the database reachable?
     pub async fn ping(&self) -> bool {
         match self {
             Store::Postgres(s) => s
+                .bounded("ping", async { Ok(s.ping().await) })
+                .await
+                .unwrap_or(false),
+            Store::MySql(s) => s
                 .bounded("ping", async { Ok(s.ping().await) })
                 .await
                 .unwrap_or(false),

@@ -331,7 +331,7 @@ impl PgStore {
             .log_statements(tracing::log::LevelFilter::Trace)
             .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(2));
         let abandoned = std::sync::Arc::new(Abandoned::default());
-        let postgres_sources = config.sources.values().filter(|s| s.is_postgres()).count();
+        let postgres_sources = config.sources.values().filter(|s| s.is_pooled()).count();
         let pool = match PgPoolOptions::new()
             .max_connections(sc.pool_size(&config.relay, postgres_sources))
             // Connections close after a while unused: a quiet (or sleeping)

@@ -1,0 +1,320 @@
+//! The event path's reading half on MySQL/MariaDB: lease rounds (which
+//! lanes this relay claims from) and the claim (each owned lane's pending
+//! rows in outbox order, per batch whatever the backlog; see `mysql.rs`).
+
+use super::*;
+
+impl MySqlStore {
+    /// One lease round, in one transaction: heartbeat this relay, forget
+    /// relays silent for ten TTLs, count the live ones, renew the lanes
+    /// this relay holds, take free or lapsed ones up to its fair share
+    /// (`SKIP LOCKED`: never waits for another relay's round). A relay
+    /// over its share lets the extra leases lapse soon.
+    pub async fn lease_round(&self) -> Result<Leases> {
+        let ttl = micros(self.lease_ttl);
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(
+            "INSERT INTO outroute_relays (source, relay_id, hostname, pid, started_at, heartbeat_at) \
+             VALUES (?, ?, ?, ?, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6)) \
+             ON DUPLICATE KEY UPDATE heartbeat_at = UTC_TIMESTAMP(6)",
+        )
+        .bind(&self.source)
+        .bind(&self.relay_id)
+        .bind(this_host())
+        .bind(std::process::id() as i32)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "DELETE FROM outroute_relays WHERE source = ? AND relay_id <> ? \
+             AND heartbeat_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND",
+        )
+        .bind(&self.source)
+        .bind(&self.relay_id)
+        .bind(ttl.saturating_mul(10))
+        .execute(&mut *tx)
+        .await?;
+        let relays: i64 = sqlx::query_scalar(
+            "SELECT 1 + count(*) FROM outroute_relays WHERE source = ? AND relay_id <> ? \
+             AND heartbeat_at > UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND",
+        )
+        .bind(&self.source)
+        .bind(&self.relay_id)
+        .bind(ttl)
+        .fetch_one(&mut *tx)
+        .await?;
+        sqlx::query(
+            "UPDATE outroute_lanes SET lease_until = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND \
+             WHERE source = ? AND owner = ? AND lease_until > UTC_TIMESTAMP(6) AND lane < ?",
+        )
+        .bind(ttl)
+        .bind(&self.source)
+        .bind(&self.relay_id)
+        .bind(self.lanes as i32)
+        .execute(&mut *tx)
+        .await?;
+        let mut held: Vec<(i32, i64)> = sqlx::query_as(
+            "SELECT lane, epoch FROM outroute_lanes WHERE source = ? AND owner = ? \
+             AND lease_until > UTC_TIMESTAMP(6) AND lane < ? ORDER BY lane",
+        )
+        .bind(&self.source)
+        .bind(&self.relay_id)
+        .bind(self.lanes as i32)
+        .fetch_all(&mut *tx)
+        .await?;
+        let relays = relays.max(1);
+        let fair = (i64::from(self.lanes) + relays - 1) / relays;
+        let want = fair - held.len() as i64;
+        let mut acquired = 0;
+        if want > 0 {
+            let free: Vec<i32> = sqlx::query_scalar(
+                "SELECT lane FROM outroute_lanes WHERE source = ? AND lane < ? \
+                 AND (owner IS NULL OR lease_until <= UTC_TIMESTAMP(6)) ORDER BY lane LIMIT ? \
+                 FOR UPDATE SKIP LOCKED",
+            )
+            .bind(&self.source)
+            .bind(self.lanes as i32)
+            .bind(want)
+            .fetch_all(&mut *tx)
+            .await?;
+            if !free.is_empty() {
+                let mut qb: QueryBuilder<MySql> =
+                    QueryBuilder::new("UPDATE outroute_lanes SET epoch = epoch + 1, owner = ");
+                qb.push_bind(&self.relay_id)
+                    .push(", lease_until = UTC_TIMESTAMP(6) + INTERVAL ")
+                    .push_bind(ttl)
+                    .push(" MICROSECOND WHERE source = ")
+                    .push_bind(&self.source)
+                    .push(" AND lane IN (");
+                let mut sep = qb.separated(", ");
+                for lane in &free {
+                    sep.push_bind(*lane);
+                }
+                qb.push(")");
+                qb.build().execute(&mut *tx).await?;
+                let mut qb: QueryBuilder<MySql> =
+                    QueryBuilder::new("SELECT lane, epoch FROM outroute_lanes WHERE source = ");
+                qb.push_bind(&self.source).push(" AND lane IN (");
+                let mut sep = qb.separated(", ");
+                for lane in &free {
+                    sep.push_bind(*lane);
+                }
+                qb.push(")");
+                let taken: Vec<(i32, i64)> = qb.build_query_as().fetch_all(&mut *tx).await?;
+                acquired = taken.len();
+                held.extend(taken);
+            }
+        }
+        tx.commit().await.context("renewing lane leases")?;
+        held.sort_unstable();
+        if held.len() as i64 > fair {
+            // Over our share (another relay joined): stop claiming from the
+            // extra lanes now and let their leases lapse within a third of
+            // a TTL, so the newcomer takes them (in-flight batches finish
+            // well within it).
+            let extra: Vec<i32> = held
+                .split_off(fair.max(0) as usize)
+                .into_iter()
+                .map(|(lane, _)| lane)
+                .collect();
+            tracing::info!(lanes = ?extra, "releasing lanes over the fair share");
+            let mut qb: QueryBuilder<MySql> = QueryBuilder::new(
+                "UPDATE outroute_lanes SET lease_until = UTC_TIMESTAMP(6) + INTERVAL ",
+            );
+            qb.push_bind(ttl / 3)
+                .push(" MICROSECOND WHERE source = ")
+                .push_bind(&self.source)
+                .push(" AND owner = ")
+                .push_bind(&self.relay_id)
+                .push(" AND lane IN (");
+            let mut sep = qb.separated(", ");
+            for lane in &extra {
+                sep.push_bind(*lane);
+            }
+            qb.push(")");
+            qb.build().execute(&self.pool).await?;
+        }
+        let (lanes, epochs) = held.into_iter().unzip();
+        Ok(Leases {
+            lanes,
+            epochs,
+            acquired,
+            relays,
+        })
+    }
+
+    /// Give every lane back and leave the relay list (graceful shutdown).
+    pub async fn release_all(&self) -> Result<()> {
+        sqlx::query(&format!(
+            "UPDATE outroute_lanes SET owner = NULL, lease_until = {NEVER} WHERE source = ? AND owner = ?"
+        ))
+        .bind(&self.source)
+        .bind(&self.relay_id)
+        .execute(&self.pool)
+        .await?;
+        sqlx::query("DELETE FROM outroute_relays WHERE source = ? AND relay_id = ?")
+            .bind(&self.source)
+            .bind(&self.relay_id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// One lane's walk in a claim (`ord`: its place in the claim): its
+    /// pending rows after `seq > ?` in outbox order, skipping rows waiting
+    /// for a retry or failed, and (unless `ordering = "none"`) rows of an
+    /// aggregate an earlier event holds back, up to `LIMIT ?`.
+    /// Parameters: source, lane, after, [source], limit.
+    fn lane_walk(&self, ord: usize) -> String {
+        let (index, lane) = if self.lane_index {
+            (
+                format!(" FORCE INDEX ({})", lane_index_name(self.lanes)),
+                format!("o.{}", lane_column(self.lanes)),
+            )
+        } else {
+            (String::new(), lane_expr(self.lanes))
+        };
+        let hold = match self.ordering {
+            Ordering::None => "",
+            Ordering::Aggregate | Ordering::Strict => {
+                " AND NOT EXISTS (SELECT 1 FROM outroute_event_state b WHERE b.source = ? \
+                   AND b.aggregate_type = o.aggregate_type AND b.aggregate_id = o.aggregate_id \
+                   AND b.seq < o.seq AND b.blocks_until > UTC_TIMESTAMP(6))"
+            }
+        };
+        format!(
+            "(SELECT {ord} AS ord, {COLS}, st.event_id IS NOT NULL AS has_state, \
+               COALESCE(st.attempts, 0) AS attempts, CAST(COALESCE(st.done_legs, '[]') AS CHAR) AS done_legs \
+             FROM `{table}` o{index} \
+             LEFT JOIN outroute_event_state st ON st.source = ? AND st.event_id = o.id \
+             WHERE {lane} = ? AND o.published_at IS NULL AND o.failed_at IS NULL AND o.seq > ? \
+               AND (st.event_id IS NULL OR (st.failed_at IS NULL AND st.next_attempt_at <= UTC_TIMESTAMP(6))){hold} \
+             ORDER BY o.seq LIMIT ?)",
+            table = self.source,
+        )
+    }
+
+    /// Claim up to `limit` events from `lanes` (see the module header):
+    /// each lane walked for its share of the batch, the lanes that had more
+    /// walked on with what is left, at most [`CLAIM_ROUNDS`] statements.
+    /// Rows come back lane by lane, each lane in outbox order; the claim
+    /// stops at `relay.max_batch_bytes` of payload.
+    pub async fn claim(&self, lanes: &[i32], limit: u32) -> Result<Claimed> {
+        if lanes.is_empty() || limit == 0 {
+            return Ok(Claimed {
+                claims: Vec::new(),
+                drained: true,
+            });
+        }
+        // The lanes in the order given (the relay turns it every claim, so
+        // no lane is always last).
+        let mut order: Vec<i32> = lanes.to_vec();
+        let place: HashMap<i32, usize> = order.iter().enumerate().map(|(i, l)| (*l, i)).collect();
+        let mut after: HashMap<i32, i64> = HashMap::new();
+        let mut claims: Vec<(usize, Claim)> = Vec::new();
+        let mut bytes = 0u64;
+        let mut more = false;
+        for _ in 0..CLAIM_ROUNDS {
+            let left = limit as usize - claims.len().min(limit as usize);
+            if order.is_empty() || left == 0 || bytes >= self.max_batch_bytes {
+                break;
+            }
+            let share = left.div_ceil(order.len()) as i64;
+            let sql = (0..order.len())
+                .map(|i| self.lane_walk(i))
+                .collect::<Vec<_>>()
+                .join(" UNION ALL ");
+            let mut q = sqlx::query(&sql);
+            for lane in &order {
+                q = q
+                    .bind(&self.source)
+                    .bind(*lane)
+                    .bind(after.get(lane).copied().unwrap_or(i64::MIN));
+                if self.ordering != Ordering::None {
+                    q = q.bind(&self.source);
+                }
+                q = q.bind(share);
+            }
+            let rows = q.fetch_all(&self.pool).await.context("claiming events")?;
+            let mut per_lane: HashMap<i32, i64> = HashMap::new();
+            for r in &rows {
+                let ord: i64 = r.try_get("ord")?;
+                let lane = usize::try_from(ord)
+                    .ok()
+                    .and_then(|i| order.get(i))
+                    .copied()
+                    .ok_or_else(|| anyhow!("claim: a row of no lane (ord {ord})"))?;
+                let c = to_claim(r, lane)?;
+                *per_lane.entry(lane).or_default() += 1;
+                after.insert(lane, c.sequence());
+                bytes += c.bytes();
+                claims.push((place.get(&lane).copied().unwrap_or(usize::MAX), c));
+            }
+            // Lanes that filled their share may have more.
+            order.retain(|l| per_lane.get(l).copied().unwrap_or(0) >= share);
+            more = !order.is_empty();
+        }
+        // Lane by lane in this claim's lane order, each in outbox order
+        // (the walks of later rounds continue their lane's earlier rows).
+        claims.sort_by_key(|(place, c)| (*place, c.sequence()));
+        let mut out = Vec::with_capacity(claims.len().min(limit as usize));
+        let mut kept_bytes = 0u64;
+        let mut cut = false;
+        for (_, c) in claims {
+            if out.len() >= limit as usize
+                || (kept_bytes >= self.max_batch_bytes && !out.is_empty())
+            {
+                cut = true;
+                break;
+            }
+            kept_bytes += c.bytes();
+            out.push(c);
+        }
+        Ok(Claimed {
+            drained: !more && !cut && kept_bytes < self.max_batch_bytes,
+            claims: out,
+        })
+    }
+}
+
+/// A claimed (or replayed) row as a [`Claim`] of `lane`.
+pub(super) fn to_claim(r: &MySqlRow, lane: i32) -> Result<Claim> {
+    let id: String = r.try_get("id")?;
+    let read = || -> Result<RawRow, sqlx::Error> {
+        let created: Option<DateTime<Utc>> = r.try_get("created_at")?;
+        Ok(RawRow {
+            id: id.clone(),
+            sequence: r.try_get("seq")?,
+            aggregate_type: r.try_get("aggregate_type")?,
+            aggregate_id: r.try_get("aggregate_id")?,
+            event_type: r.try_get("event_type")?,
+            event_version: r.try_get("event_version")?,
+            payload: r.try_get("payload")?,
+            headers: r.try_get("headers")?,
+            created_at: created,
+            attempts: r.try_get::<i64, _>("attempts").unwrap_or(0) as i32,
+            // A CHECK (JSON_VALID) column; checked again all the same (a
+            // mapped table may have none).
+            payload_is_json: false,
+        })
+    };
+    let row = match read() {
+        Ok(raw) => raw.validate(),
+        Err(e) => Err(crate::store::unreadable(r, id.clone(), e)),
+    };
+    let done_legs = r
+        .try_get::<String, _>("done_legs")
+        .ok()
+        .and_then(|j| serde_json::from_str(&j).ok())
+        .unwrap_or_default();
+    Ok(Claim {
+        lane,
+        tid: None,
+        has_state: r.try_get::<i64, _>("has_state").unwrap_or(1) != 0,
+        held: Vec::new(),
+        done_legs,
+        epoch: None,
+        captured: None,
+        route: None,
+        row,
+    })
+}

@@ -1,0 +1,164 @@
+//! The event path's writing half on MySQL/MariaDB: marking claimed rows
+//! published and recording retries and failures, both fenced by the lane's
+//! owner, unexpired lease and epoch at claim time.
+
+use super::*;
+
+impl MySqlStore {
+    /// The lanes of `lanes` this relay still holds, with their epochs (a
+    /// plain read: a lease round never waits for a mark).
+    async fn held_lanes(&self, lanes: &[i32]) -> Result<HashMap<i32, i64>> {
+        let mut qb: QueryBuilder<MySql> =
+            QueryBuilder::new("SELECT lane, epoch FROM outroute_lanes WHERE source = ");
+        qb.push_bind(&self.source)
+            .push(" AND owner = ")
+            .push_bind(&self.relay_id)
+            .push(" AND lease_until > UTC_TIMESTAMP(6) AND lane IN (");
+        let mut sep = qb.separated(", ");
+        for lane in lanes {
+            sep.push_bind(*lane);
+        }
+        qb.push(")");
+        let rows: Vec<(i32, i64)> = qb.build_query_as().fetch_all(&self.pool).await?;
+        Ok(rows.into_iter().collect())
+    }
+
+    /// Of these claims (or failures), those whose lane this relay still
+    /// holds at the epoch it claimed them under (`None`: owner and lease
+    /// only).
+    async fn fenced<'a, T>(
+        &self,
+        items: &'a [T],
+        lane_epoch: impl Fn(&T) -> (i32, Option<i64>),
+    ) -> Result<Vec<&'a T>> {
+        let mut lanes: Vec<i32> = items.iter().map(|t| lane_epoch(t).0).collect();
+        lanes.sort_unstable();
+        lanes.dedup();
+        if lanes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let held = self.held_lanes(&lanes).await?;
+        Ok(items
+            .iter()
+            .filter(|t| {
+                let (lane, epoch) = lane_epoch(t);
+                held.get(&lane)
+                    .is_some_and(|e| epoch.is_none_or(|want| want == *e))
+            })
+            .collect())
+    }
+
+    /// Mark these claimed rows published, fenced by lane ownership and
+    /// epoch: rows of lanes this relay lost are not marked (another relay
+    /// publishes them again, with the same id). Rows already published are
+    /// not counted. An event's state row goes with it (one transaction).
+    pub async fn mark_published(&self, claims: &[&Claim]) -> Result<u64> {
+        let mine = self.fenced(claims, |c| (c.lane, c.epoch)).await?;
+        if mine.is_empty() {
+            return Ok(0);
+        }
+        let mut tx = self.pool.begin().await?;
+        let mut qb: QueryBuilder<MySql> = QueryBuilder::new(format!(
+            "UPDATE `{}` SET published_at = UTC_TIMESTAMP(6) WHERE published_at IS NULL AND seq IN (",
+            self.source
+        ));
+        let mut sep = qb.separated(", ");
+        for c in &mine {
+            sep.push_bind(c.sequence());
+        }
+        qb.push(")");
+        let n = qb.build().execute(&mut *tx).await?.rows_affected();
+        let with_state: Vec<&str> = mine
+            .iter()
+            .filter(|c| c.has_state)
+            .map(|c| c.id())
+            .collect();
+        if !with_state.is_empty() {
+            let mut qb: QueryBuilder<MySql> =
+                QueryBuilder::new("DELETE FROM outroute_event_state WHERE source = ");
+            qb.push_bind(&self.source).push(" AND event_id IN (");
+            let mut sep = qb.separated(", ");
+            for id in with_state {
+                sep.push_bind(id);
+            }
+            qb.push(")");
+            qb.build().execute(&mut *tx).await?;
+        }
+        tx.commit().await.context("marking events published")?;
+        Ok(n)
+    }
+
+    /// Record retries and failures (fenced like marks); returns how many
+    /// were recorded. Times are the database's, so relays on hosts with
+    /// skewed clocks agree on when a retry is due.
+    pub async fn record_failures(&self, failures: &[Failure]) -> Result<u64> {
+        let mine = self.fenced(failures, |f| (f.lane, f.epoch)).await?;
+        if mine.is_empty() {
+            return Ok(0);
+        }
+        let mut tx = self.pool.begin().await?;
+        for f in &mine {
+            // A retry is due, and holds its aggregate, until now + delay;
+            // a failure holds it for ever (`block`) or not at all.
+            let (next, blocks, failed, delay) = match f.kind {
+                FailureKind::Retry { delay } => (
+                    "UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND",
+                    "UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND",
+                    "NULL",
+                    Some(micros(delay)),
+                ),
+                FailureKind::Failed { hold } => (
+                    "UTC_TIMESTAMP(6)",
+                    if hold { FOREVER } else { NEVER },
+                    "UTC_TIMESTAMP(6)",
+                    None,
+                ),
+            };
+            let sql = format!(
+                "INSERT INTO outroute_event_state (source, event_id, aggregate_type, aggregate_id, seq, event_type, \
+                   attempts, next_attempt_at, blocks_until, last_error, route, plugin, plugin_version, \
+                   first_error_at, updated_at, failed_at, done_legs) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?, {n}, {b}, ?, ?, ?, ?, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6), {failed}, ?) \
+                 ON DUPLICATE KEY UPDATE attempts = VALUES(attempts), next_attempt_at = VALUES(next_attempt_at), \
+                   blocks_until = VALUES(blocks_until), last_error = VALUES(last_error), route = VALUES(route), \
+                   plugin = VALUES(plugin), plugin_version = VALUES(plugin_version), updated_at = VALUES(updated_at), \
+                   failed_at = VALUES(failed_at), discarded_at = NULL, done_legs = VALUES(done_legs)",
+                n = next,
+                b = blocks,
+            );
+            let mut q = sqlx::query(&sql)
+                .bind(&self.source)
+                .bind(&f.id)
+                .bind(&f.aggregate_type)
+                .bind(&f.aggregate_id)
+                .bind(f.sequence)
+                .bind(&f.event_type)
+                .bind(f.attempts as i64);
+            if let Some(d) = delay {
+                q = q.bind(d).bind(d);
+            }
+            q.bind(&f.reason)
+                .bind(&f.route)
+                .bind(&f.plugin)
+                .bind(&f.plugin_version)
+                .bind(serde_json::to_string(&f.done_legs).unwrap_or_else(|_| "[]".into()))
+                .execute(&mut *tx)
+                .await?;
+            // Mirrored into the row, which says whether it failed for good.
+            sqlx::query(&format!(
+                "UPDATE `{}` SET attempts = ?, last_error = ?, failed_at = {failed} \
+                 WHERE seq = ? AND published_at IS NULL",
+                self.source
+            ))
+            .bind(f.attempts as i64)
+            .bind(&f.reason)
+            .bind(f.sequence)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit()
+            .await
+            .context("recording failed and retried events")?;
+        Ok(mine.len() as u64)
+    }
+}

@@ -1,0 +1,149 @@
+//! MySQL/MariaDB for the end-to-end suite: a fresh database per test on
+//! the machine's MariaDB (127.0.0.1:3306, `scripts/services` starts it),
+//! and the business transactions that write its outbox rows — the same
+//! workload [`produce`] writes to PostgreSQL, checked by the same [`check`].
+
+use super::*;
+use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
+
+pub fn mysql_admin_url() -> String {
+    std::env::var("OUTROUTE_TEST_MYSQL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+}
+
+/// A fresh MySQL database with a business table `orders`; the outbox
+/// comes from `outroute migrate` ([`MyDb::migrate`]).
+pub struct MyDb {
+    pub name: String,
+    pub url: String,
+    pub pool: MySqlPool,
+}
+
+impl MyDb {
+    pub async fn new() -> Result<Self> {
+        let admin_url = mysql_admin_url();
+        let admin = MySqlPoolOptions::new()
+            .max_connections(1)
+            .connect(&admin_url)
+            .await
+            .with_context(|| {
+                format!("connecting to {admin_url} (scripts/services starts MariaDB)")
+            })?;
+        let name = format!("outroute_t_{}", tag());
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&admin)
+            .await?;
+        admin.close().await;
+        let base = &admin_url[..admin_url.rfind('/').unwrap_or(admin_url.len())];
+        let url = format!("{base}/{name}");
+        let pool = MySqlPoolOptions::new()
+            .max_connections(16)
+            .connect(&url)
+            .await?;
+        sqlx::query("CREATE TABLE orders (id VARCHAR(255) PRIMARY KEY, version INT NOT NULL) ENGINE = InnoDB")
+            .execute(&pool)
+            .await?;
+        Ok(MyDb { name, url, pool })
+    }
+
+    /// Apply outroute's migrations through the real binary.
+    pub fn migrate(&self, config: &Path) -> Result<()> {
+        let out = Command::new(bin())
+            .args(["migrate", "-c"])
+            .arg(config)
+            .output()?;
+        if !out.status.success() {
+            bail!(
+                "outroute migrate failed: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
+    }
+
+    pub async fn count(&self, sql: &str) -> i64 {
+        sqlx::query_scalar(sql)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap_or(-1)
+    }
+
+    pub async fn drop_db(self) {
+        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {}", self.name))
+            .execute(&self.pool)
+            .await;
+        self.pool.close().await;
+    }
+}
+
+/// [`produce`] on MySQL: business transactions that update an order and
+/// insert its event in the same transaction, every `rollback_every`-th
+/// rolled back; four producers at once, each owning a quarter of the
+/// aggregates.
+pub async fn produce_mysql(
+    pool: &MySqlPool,
+    prefix: &str,
+    aggregates: usize,
+    per_aggregate: usize,
+    rollback_every: usize,
+) -> Result<Workload> {
+    let mut tasks = Vec::new();
+    for worker in 0..4usize {
+        let pool = pool.clone();
+        let prefix = prefix.to_string();
+        tasks.push(tokio::spawn(async move {
+            let mut w = Workload::default();
+            let mut n = 0usize;
+            for round in 0..per_aggregate {
+                for a in (worker..aggregates).step_by(4) {
+                    n += 1;
+                    let agg = format!("{prefix}-{a}");
+                    let id = uuid::Uuid::new_v4().to_string();
+                    let mut tx = pool.begin().await?;
+                    sqlx::query(
+                        "INSERT INTO orders (id, version) VALUES (?, ?) ON DUPLICATE KEY UPDATE version = VALUES(version)",
+                    )
+                    .bind(&agg)
+                    .bind(round as i32)
+                    .execute(&mut *tx)
+                    .await?;
+                    let seq = sqlx::query(
+                        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, headers) \
+                         VALUES (?, 'order', ?, 'order-updated', ?, ?)",
+                    )
+                    .bind(&id)
+                    .bind(&agg)
+                    .bind(serde_json::json!({"order_id": agg, "version": round}).to_string())
+                    .bind(
+                        serde_json::json!({"traceparent": format!("00-{:032x}-{:016x}-01", n + 1, round + 1)})
+                            .to_string(),
+                    )
+                    .execute(&mut *tx)
+                    .await?
+                    .last_insert_id() as i64;
+                    if rollback_every > 0 && n.is_multiple_of(rollback_every) {
+                        tx.rollback().await?;
+                        w.rolled_back.push(id);
+                    } else {
+                        tx.commit().await?;
+                        w.committed.push(Expected {
+                            id,
+                            aggregate_id: agg,
+                            seq,
+                        });
+                    }
+                }
+            }
+            anyhow::Ok(w)
+        }));
+    }
+    let mut all = Workload::default();
+    for t in tasks {
+        let w = t.await??;
+        all.committed.extend(w.committed);
+        all.rolled_back.extend(w.rolled_back);
+    }
+    all.committed.sort_by_key(|e| e.seq);
+    Ok(all)
+}
