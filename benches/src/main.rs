@@ -53,6 +53,7 @@ mod consumer;
 mod drain;
 mod latency;
 mod measure;
+mod mysql;
 mod outage;
 mod plugins;
 mod scale;
@@ -63,6 +64,7 @@ use ceilings::*;
 use drain::*;
 use latency::*;
 use measure::*;
+use mysql::*;
 use outage::*;
 use plugins::*;
 use scale::*;
@@ -92,7 +94,7 @@ struct Args {
     json: PathBuf,
     /// Only these sections (plugin, ceiling, produce, drain, marking, sources, tables,
     /// baseline, wakeup, latency, backlog, history, logical, outage, huge-txn;
-    /// `scale` and `skew` run only when named).
+    /// `scale`, `skew` and `mysql` run only when named).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// `--only scale`: the numbers of idle sources one relay serves.
@@ -405,6 +407,22 @@ async fn main() -> Result<()> {
             runs.push(s);
         }
         results.insert("scale".into(), json!(runs));
+    }
+    if args.only.iter().any(|o| o == "mysql") {
+        for sink in ["kafka", "nats"] {
+            eprintln!("== outroute drain from MariaDB → {sink}");
+            let d = mysql_drain(args.events, sink, args.concurrency).await?;
+            table.push((format!("outroute drain, MariaDB → {sink}"), rate_line(&d)));
+            table.push((
+                format!("  CPU per event, MariaDB → {sink}: relay + mariadbd"),
+                format!(
+                    "{:.1} + {:.1} µs",
+                    d["relay_us_per_event"].as_f64().unwrap_or(0.0),
+                    d["mariadb_us_per_event"].as_f64().unwrap_or(0.0)
+                ),
+            ));
+            results.insert(format!("mysql_drain_{sink}"), d);
+        }
     }
     if args.only.iter().any(|o| o == "skew") {
         eprintln!("== skew: one deep backlog beside quiet sources");

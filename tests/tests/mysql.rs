@@ -31,7 +31,7 @@ fn kafka_config(
     )
 }
 
-const PENDING: &str = "SELECT count(*) FROM outbox WHERE published_at IS NULL";
+const PENDING: &str = "SELECT count(*) FROM outbox WHERE published_at = '1000-01-01 00:00:00'";
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_mysql_outbox_reaches_the_broker_in_order_and_rolled_back_events_never()

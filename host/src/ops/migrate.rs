@@ -122,12 +122,21 @@ pub(super) async fn migrate_source(
         return Ok(());
     }
     if let Some(ddl) = store.missing_index() {
-        println!(
-            "creating the lane index on `{name}`:\n  {ddl}\n\
-             CONCURRENTLY: producers keep inserting and updating; it takes a SHARE UPDATE EXCLUSIVE lock \
-             (only DDL, VACUUM and other index builds on `{name}` wait), waits for transactions already \
-             running on the table, and reads the table twice (time grows with its size)."
-        );
+        if matches!(store, Store::MySql(_)) {
+            println!(
+                "adding the lane column and index to `{name}`:\n  {ddl}\n\
+                 The column is virtual (no storage, added instantly); the index is built INPLACE with \
+                 LOCK=NONE: producers keep inserting and updating, only other DDL on `{name}` waits \
+                 (time grows with the table's size)."
+            );
+        } else {
+            println!(
+                "creating the lane index on `{name}`:\n  {ddl}\n\
+                 CONCURRENTLY: producers keep inserting and updating; it takes a SHARE UPDATE EXCLUSIVE lock \
+                 (only DDL, VACUUM and other index builds on `{name}` wait), waits for transactions already \
+                 running on the table, and reads the table twice (time grows with its size)."
+            );
+        }
     }
     match store.create_lane_index().await? {
         Some(_) => println!("lane index on `{name}` created; claims now cost per batch"),

@@ -49,7 +49,9 @@ CREATE TABLE IF NOT EXISTS outroute_event_state (
     done_legs       LONGTEXT     NOT NULL DEFAULT ('[]'),
     PRIMARY KEY (source, event_id),
     KEY outroute_event_state_aggregate (source, aggregate_type, aggregate_id, seq),
-    KEY outroute_event_state_failed (source, failed_at)
+    KEY outroute_event_state_failed (source, failed_at),
+    -- "Does anything hold back or defer events now?" (one probe per claim).
+    KEY outroute_event_state_blocks (source, blocks_until)
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;
 
 -- Per-route counts `outroute status` shows (events a plugin answered with

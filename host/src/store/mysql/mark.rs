@@ -59,7 +59,7 @@ impl MySqlStore {
         }
         let mut tx = self.pool.begin().await?;
         let mut qb: QueryBuilder<MySql> = QueryBuilder::new(format!(
-            "UPDATE `{}` SET published_at = UTC_TIMESTAMP(6) WHERE published_at IS NULL AND seq IN (",
+            "UPDATE `{}` SET published_at = UTC_TIMESTAMP(6) WHERE published_at = {PENDING} AND seq IN (",
             self.source
         ));
         let mut sep = qb.separated(", ");
@@ -147,7 +147,7 @@ impl MySqlStore {
             // Mirrored into the row, which says whether it failed for good.
             sqlx::query(&format!(
                 "UPDATE `{}` SET attempts = ?, last_error = ?, failed_at = {failed} \
-                 WHERE seq = ? AND published_at IS NULL",
+                 WHERE seq = ? AND published_at = {PENDING}",
                 self.source
             ))
             .bind(f.attempts as i64)

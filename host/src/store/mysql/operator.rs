@@ -25,13 +25,13 @@ impl MySqlStore {
         let t = &self.source;
         let exact: i64 = sqlx::query_scalar(&format!(
             "SELECT count(*) FROM (SELECT 1 FROM `{t}` FORCE INDEX (outbox_published_at) \
-             WHERE published_at IS NULL AND failed_at IS NULL LIMIT {BACKLOG_EXACT}) p"
+             WHERE published_at = {PENDING} AND failed_at IS NULL LIMIT {BACKLOG_EXACT}) p"
         ))
         .fetch_one(&self.pool)
         .await?;
         let oldest: Option<(i64, i64)> = sqlx::query_as(&format!(
             "SELECT seq, TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) FROM `{t}` \
-             FORCE INDEX (outbox_published_at) WHERE published_at IS NULL AND failed_at IS NULL \
+             FORCE INDEX (outbox_published_at) WHERE published_at = {PENDING} AND failed_at IS NULL \
              ORDER BY seq LIMIT 1"
         ))
         .fetch_optional(&self.pool)
@@ -64,7 +64,7 @@ impl MySqlStore {
         // pending row, unlike the relay's bounded gauge).
         let mut by_type: Vec<(String, i64)> = sqlx::query_as(&format!(
             "SELECT CAST(aggregate_type AS CHAR), count(*) FROM `{}` FORCE INDEX (outbox_published_at) \
-             WHERE published_at IS NULL AND failed_at IS NULL GROUP BY 1 ORDER BY 2 DESC",
+             WHERE published_at = {PENDING} AND failed_at IS NULL GROUP BY 1 ORDER BY 2 DESC",
             self.source
         ))
         .fetch_all(&self.pool)
@@ -327,7 +327,7 @@ impl MySqlStore {
     /// `SELECT … WHERE` published rows match `f`.
     fn published_query<'a>(&self, head: &str, f: &'a Filter) -> QueryBuilder<'a, MySql> {
         let mut qb = QueryBuilder::new(head);
-        qb.push(" WHERE o.published_at IS NOT NULL");
+        qb.push(format!(" WHERE o.published_at > {PENDING}"));
         if let Some(s) = f.since {
             qb.push(" AND o.created_at >= ").push_bind(s);
         }
@@ -400,7 +400,7 @@ impl MySqlStore {
             return Ok(Purged::default());
         }
         let deleted = sqlx::query(&format!(
-            "DELETE FROM `{}` WHERE published_at IS NOT NULL \
+            "DELETE FROM `{}` WHERE published_at > {PENDING} \
                AND published_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND ORDER BY published_at LIMIT ?",
             self.source
         ))
