@@ -423,6 +423,22 @@ async fn main() -> Result<()> {
             ));
             results.insert(format!("mysql_drain_{sink}"), d);
         }
+        eprintln!("== MariaDB producers with and without a relay draining");
+        let p = mysql_producers(args.wakeup_reps, args.wakeup_paced).await?;
+        for (case, v) in p.as_object().into_iter().flatten() {
+            table.push((
+                format!("MariaDB producers, 8 writers, {case}: with relay / without"),
+                format!(
+                    "{:.0} / {:.0} commits/s ({:.2}), commit p99 {:.1} / {:.1} ms",
+                    v["commits_per_s_with_relay"].as_f64().unwrap_or(0.0),
+                    v["commits_per_s_without_relay"].as_f64().unwrap_or(0.0),
+                    v["ratio"].as_f64().unwrap_or(0.0),
+                    v["commit_ms_p99_with"].as_f64().unwrap_or(0.0),
+                    v["commit_ms_p99_without"].as_f64().unwrap_or(0.0),
+                ),
+            ));
+        }
+        results.insert("mysql_producers".into(), p);
     }
     if args.only.iter().any(|o| o == "skew") {
         eprintln!("== skew: one deep backlog beside quiet sources");

@@ -114,3 +114,105 @@ pub(crate) async fn mysql_drain(n: usize, sink: &str, concurrency: u32) -> Resul
         "peak_rss_mib": rss,
     }))
 }
+
+/// 8 writer connections on MySQL, one outbox insert per transaction, for
+/// `secs`: as fast as they can (`pace` `None`) or `pace` commits/s in all.
+/// Returns commits/s and each commit's latency (ms, sorted).
+async fn mysql_writers(pool: &MySqlPool, secs: u64, pace: Option<u64>) -> Result<(f64, Vec<f64>)> {
+    let end = Instant::now() + Duration::from_secs(secs);
+    let mut tasks = Vec::new();
+    for w in 0..8u64 {
+        let pool = pool.clone();
+        tasks.push(tokio::spawn(async move {
+            let (mut n, mut latency) = (0u64, Vec::new());
+            let mut tick = pace.map(|p| {
+                let mut t = tokio::time::interval(Duration::from_secs_f64(8.0 / p.max(1) as f64));
+                t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                t
+            });
+            while Instant::now() < end {
+                if let Some(t) = tick.as_mut() {
+                    t.tick().await;
+                }
+                let began = Instant::now();
+                let mut tx = pool.begin().await?;
+                sqlx::query(
+                    "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+                     VALUES (?, 'order', ?, 'order-created', '{}')",
+                )
+                .bind(uuid::Uuid::new_v4().to_string())
+                .bind(format!("w{w}-{}", n % 50))
+                .execute(&mut *tx)
+                .await?;
+                tx.commit().await?;
+                latency.push(began.elapsed().as_secs_f64() * 1000.0);
+                n += 1;
+            }
+            anyhow::Ok((n, latency))
+        }));
+    }
+    let (mut total, mut latency_ms) = (0, Vec::new());
+    for t in tasks {
+        let (n, l) = t.await??;
+        total += n;
+        latency_ms.extend(l);
+    }
+    latency_ms.sort_by(f64::total_cmp);
+    Ok((total as f64 / secs as f64, latency_ms))
+}
+
+/// What a relay draining a MySQL outbox costs its producers: 8 writers'
+/// commits/s with no relay and with one draining what they write (to a
+/// file sink: the database's side only), flat out and paced at `paced`/s,
+/// `reps` interleaved runs of 8 s each; medians.
+pub(crate) async fn mysql_producers(reps: usize, paced: u64) -> Result<Value> {
+    let secs = 8;
+    let mut out = serde_json::Map::new();
+    for pace in [None, Some(paced)] {
+        let mut rates = [Vec::new(), Vec::new()];
+        let mut lat = [Vec::new(), Vec::new()];
+        for _ in 0..reps.max(1) {
+            for (i, with_relay) in [false, true].into_iter().enumerate() {
+                let db = MyDb::new().await?;
+                let dir = test_dir("mysql-producers");
+                let config = write_config(&dir, &db.url, "", &file_sink_body(&dir))?;
+                db.migrate(&config)?;
+                let relay = match with_relay {
+                    true => Some(Relay::start(&config, &[("RUST_LOG", "warn")])?),
+                    false => None,
+                };
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                let (r, l) = mysql_writers(&db.pool, secs, pace).await?;
+                if let Some(mut relay) = relay {
+                    relay.terminate(Duration::from_secs(15));
+                }
+                db.drop_db().await;
+                rates[i].push(r);
+                lat[i].extend(l);
+            }
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            percentile(v, 0.5)
+        };
+        let (without, with) = (median(&mut rates[0]), median(&mut rates[1]));
+        for l in lat.iter_mut() {
+            l.sort_by(f64::total_cmp);
+        }
+        out.insert(
+            match pace {
+                None => "saturated".to_string(),
+                Some(p) => format!("paced_{p}"),
+            },
+            json!({
+                "commits_per_s_without_relay": without,
+                "commits_per_s_with_relay": with,
+                "ratio": with / without.max(f64::MIN_POSITIVE),
+                "commit_ms_p99_without": percentile(&lat[0], 0.99),
+                "commit_ms_p99_with": percentile(&lat[1], 0.99),
+                "runs": rates,
+            }),
+        );
+    }
+    Ok(Value::Object(out))
+}

@@ -70,13 +70,15 @@ fn config_check_names_file_key_and_reason_and_schema_prints() -> anyhow::Result<
     let file = dir.join("bad.toml");
     std::fs::write(
         &file,
-        "[store]\nurl = \"mysql://x\"\n[relay]\nbatch_size = 0\n[[routes]]\nname = \"r\"\nplugin = \"nope\"\nallow = { kafka = [\"a.*\"] }\n",
+        "[store]\nurl = \"mongodb://x\"\n[relay]\nbatch_size = 0\n[[routes]]\nname = \"r\"\nplugin = \"nope\"\nallow = { kafka = [\"a.*\"] }\n",
     )?;
     let (code, _, err) = cli(&["config", "check", "-c", file.to_str().unwrap_or_default()])?;
     assert_ne!(code, 0);
     let f = file.display();
     for needle in [
-        format!("{f}:store.url: `mysql://x` is neither a postgres:// nor a sqlite: URL"),
+        format!(
+            "{f}:store.url: `mongodb://x` is not a postgres://, mysql:// (or mariadb://) or sqlite: URL"
+        ),
         format!("{f}:relay.batch_size: must be between 1 and 10000"),
         format!("{f}:routes[0].plugin: no plugin named `nope` in [plugins]"),
         format!("{f}:routes[0].allow.kafka: no sink named `kafka` in [sinks]"),

@@ -608,6 +608,32 @@ fn errors_name_file_key_and_reason() {
     );
 }
 
+/// A MySQL source loads in lease mode on the canonical table; what it
+/// cannot do yet (a mapped table, log capture, `tls`) is refused by key.
+#[test]
+fn a_mysql_source_is_checked_for_what_it_supports() {
+    let d = tmp();
+    let good = GOOD.replace(
+        "postgres://root@127.0.0.1/test",
+        "mysql://root@127.0.0.1:3306/test",
+    );
+    assert!(load(&write(&d, &good)).is_ok());
+    let bad = good.replace(
+        "[sinks.kafka]",
+        "capture = \"logical\"\ntls = { mode = \"require\" }\n[store.table]\nname = \"t_outbox\"\nid = \"id\"\n\
+         aggregate_type = \"aggregate_type\"\naggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\n\
+         payload = \"payload\"\ncreated_at = \"created_at\"\nmarking = { style = \"delete\" }\n[sinks.kafka]",
+    );
+    let text = load(&write(&d, &bad)).unwrap_err().to_string();
+    for needle in [
+        "outroute.toml:store.table: MySQL/MariaDB sources support only the canonical table",
+        "outroute.toml:store.capture: MySQL/MariaDB sources use `lease`",
+        "outroute.toml:store.tls: is for PostgreSQL",
+    ] {
+        assert!(text.contains(needle), "missing `{needle}` in {text}");
+    }
+}
+
 /// Values that load and parse but would start a relay that publishes
 /// nothing, logs nothing, or fails every event: refused by name.
 #[test]
