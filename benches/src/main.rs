@@ -424,7 +424,11 @@ async fn main() -> Result<()> {
             results.insert(format!("mysql_drain_{sink}"), d);
         }
         eprintln!("== MariaDB producers with and without a relay draining");
-        let p = mysql_producers(args.wakeup_reps, args.wakeup_paced).await?;
+        // `--wakeup-reps 0` skips it (the drains alone).
+        let p = match args.wakeup_reps {
+            0 => json!({}),
+            reps => mysql_producers(reps, args.wakeup_paced).await?,
+        };
         for (case, v) in p.as_object().into_iter().flatten() {
             table.push((
                 format!("MariaDB producers, 8 writers, {case}: with relay / without"),

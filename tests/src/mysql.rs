@@ -19,9 +19,32 @@ pub struct MyDb {
     pub pool: MySqlPool,
 }
 
+/// The own MariaDB server of `scripts/mariadb-own` (binlog on, a buffer
+/// pool for benchmarks), started if needed: its admin URL.
+pub fn mariadb_own_admin_url() -> Result<String> {
+    let out = Command::new(workspace().join("scripts/mariadb-own"))
+        .stdin(Stdio::null())
+        .output()
+        .context("scripts/mariadb-own")?;
+    if !out.status.success() {
+        bail!(
+            "scripts/mariadb-own failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let port = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    Ok(format!("mysql://root@127.0.0.1:{port}/test"))
+}
+
 impl MyDb {
+    /// A fresh database on the shared server (`OUTROUTE_TEST_MYSQL`).
     pub async fn new() -> Result<Self> {
-        let admin_url = mysql_admin_url();
+        Self::new_at(&mysql_admin_url()).await
+    }
+
+    /// A fresh database on the server behind `admin_url`.
+    pub async fn new_at(admin_url: &str) -> Result<Self> {
+        let admin_url = admin_url.to_string();
         let admin = MySqlPoolOptions::new()
             .max_connections(1)
             .connect(&admin_url)

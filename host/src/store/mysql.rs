@@ -108,6 +108,9 @@ pub struct MySqlStore {
     /// (`missing_index` says how to fix it).
     lane_index: bool,
     missing_index: Option<String>,
+    /// The last claim left a lane with more rows than it took: the next
+    /// walks its first lane alone first (see `mysql/claim.rs`).
+    deep: std::sync::atomic::AtomicBool,
 }
 
 /// The lane column and its index for `lanes` lanes.
@@ -229,6 +232,7 @@ impl MySqlStore {
             max_batch_bytes: config.relay.max_batch_bytes,
             lane_index: false,
             missing_index: None,
+            deep: std::sync::atomic::AtomicBool::new(false),
         })
     }
 

@@ -206,12 +206,46 @@ impl MySqlStore {
         )
     }
 
+    /// One statement of a claim: `order`'s lanes walked, each from after
+    /// its last row so far (`after`), for up to `share` rows each.
+    async fn walk(
+        &self,
+        order: &[i32],
+        after: &HashMap<i32, i64>,
+        share: i64,
+    ) -> Result<Vec<MySqlRow>> {
+        let sql = (0..order.len())
+            .map(|i| self.lane_walk(i))
+            .collect::<Vec<_>>()
+            .join(" UNION ALL ");
+        let mut q = sqlx::query(&sql);
+        for lane in order {
+            q = q
+                .bind(&self.source)
+                .bind(*lane)
+                .bind(after.get(lane).copied().unwrap_or(i64::MIN))
+                .bind(&self.source)
+                .bind(&self.source);
+            if self.ordering != Ordering::None {
+                q = q.bind(&self.source);
+            }
+            q = q.bind(share);
+        }
+        q.fetch_all(&self.pool).await.context("claiming events")
+    }
+
     /// Claim up to `limit` events from `lanes` (see the module header):
     /// each lane walked for its share of the batch, the lanes that had more
     /// walked on with what is left, at most [`CLAIM_ROUNDS`] statements.
+    /// While the backlog is deep (the last claim left a lane with more),
+    /// the first lane is walked alone for the whole batch first: a batch
+    /// then takes as few lanes as it can, and the source's other workers
+    /// find lanes of their own (a batch spread over every lane leaves them
+    /// none, and their claims find their rows taken).
     /// Rows come back lane by lane, each lane in outbox order; the claim
     /// stops at `relay.max_batch_bytes` of payload.
     pub async fn claim(&self, lanes: &[i32], limit: u32) -> Result<Claimed> {
+        use std::sync::atomic::Ordering::Relaxed;
         if lanes.is_empty() || limit == 0 {
             return Ok(Claimed {
                 claims: Vec::new(),
@@ -226,36 +260,25 @@ impl MySqlStore {
         let mut claims: Vec<(usize, Claim)> = Vec::new();
         let mut bytes = 0u64;
         let mut more = false;
-        for _ in 0..CLAIM_ROUNDS {
+        let alone = self.deep.load(Relaxed) && order.len() > 1;
+        for round in 0..CLAIM_ROUNDS {
             let left = limit as usize - claims.len().min(limit as usize);
             if order.is_empty() || left == 0 || bytes >= self.max_batch_bytes {
                 break;
             }
-            let share = left.div_ceil(order.len()) as i64;
-            let sql = (0..order.len())
-                .map(|i| self.lane_walk(i))
-                .collect::<Vec<_>>()
-                .join(" UNION ALL ");
-            let mut q = sqlx::query(&sql);
-            for lane in &order {
-                q = q
-                    .bind(&self.source)
-                    .bind(*lane)
-                    .bind(after.get(lane).copied().unwrap_or(i64::MIN))
-                    .bind(&self.source)
-                    .bind(&self.source);
-                if self.ordering != Ordering::None {
-                    q = q.bind(&self.source);
-                }
-                q = q.bind(share);
-            }
-            let rows = q.fetch_all(&self.pool).await.context("claiming events")?;
+            let walking: &[i32] = if alone && round == 0 {
+                &order[..1]
+            } else {
+                &order
+            };
+            let share = left.div_ceil(walking.len()) as i64;
+            let rows = self.walk(walking, &after, share).await?;
             let mut per_lane: HashMap<i32, i64> = HashMap::new();
             for r in &rows {
                 let ord: i64 = r.try_get("ord")?;
                 let lane = usize::try_from(ord)
                     .ok()
-                    .and_then(|i| order.get(i))
+                    .and_then(|i| walking.get(i))
                     .copied()
                     .ok_or_else(|| anyhow!("claim: a row of no lane (ord {ord})"))?;
                 let c = to_claim(r, lane)?;
@@ -264,10 +287,22 @@ impl MySqlStore {
                 bytes += c.bytes();
                 claims.push((place.get(&lane).copied().unwrap_or(usize::MAX), c));
             }
-            // Lanes that filled their share may have more.
-            order.retain(|l| per_lane.get(l).copied().unwrap_or(0) >= share);
-            more = !order.is_empty();
+            // Lanes that filled their share may have more; a lane walked
+            // alone that did not is done, the others are still to walk.
+            let walked: Vec<i32> = walking.to_vec();
+            order.retain(|l| !walked.contains(l) || per_lane.get(l).copied().unwrap_or(0) >= share);
+            more = walked
+                .iter()
+                .any(|l| per_lane.get(l).copied().unwrap_or(0) >= share);
+            if alone && round == 0 && !more {
+                continue;
+            }
+            if alone && round == 0 {
+                // The first lane filled the batch.
+                break;
+            }
         }
+        self.deep.store(more, Relaxed);
         // Lane by lane in this claim's lane order, each in outbox order
         // (the walks of later rounds continue their lane's earlier rows).
         claims.sort_by_key(|(place, c)| (*place, c.sequence()));
