@@ -409,40 +409,15 @@ async fn main() -> Result<()> {
         results.insert("scale".into(), json!(runs));
     }
     if args.only.iter().any(|o| o == "mysql") {
-        for sink in ["kafka", "nats"] {
-            eprintln!("== outroute drain from MariaDB → {sink}");
-            let d = mysql_drain(args.events, sink, args.concurrency).await?;
-            table.push((format!("outroute drain, MariaDB → {sink}"), rate_line(&d)));
-            table.push((
-                format!("  CPU per event, MariaDB → {sink}: relay + mariadbd"),
-                format!(
-                    "{:.1} + {:.1} µs",
-                    d["relay_us_per_event"].as_f64().unwrap_or(0.0),
-                    d["mariadb_us_per_event"].as_f64().unwrap_or(0.0)
-                ),
-            ));
-            results.insert(format!("mysql_drain_{sink}"), d);
-        }
-        eprintln!("== MariaDB producers with and without a relay draining");
-        // `--wakeup-reps 0` skips it (the drains alone).
-        let p = match args.wakeup_reps {
-            0 => json!({}),
-            reps => mysql_producers(reps, args.wakeup_paced).await?,
-        };
-        for (case, v) in p.as_object().into_iter().flatten() {
-            table.push((
-                format!("MariaDB producers, 8 writers, {case}: with relay / without"),
-                format!(
-                    "{:.0} / {:.0} commits/s ({:.2}), commit p99 {:.1} / {:.1} ms",
-                    v["commits_per_s_with_relay"].as_f64().unwrap_or(0.0),
-                    v["commits_per_s_without_relay"].as_f64().unwrap_or(0.0),
-                    v["ratio"].as_f64().unwrap_or(0.0),
-                    v["commit_ms_p99_with"].as_f64().unwrap_or(0.0),
-                    v["commit_ms_p99_without"].as_f64().unwrap_or(0.0),
-                ),
-            ));
-        }
-        results.insert("mysql_producers".into(), p);
+        let (rows, figures) = mysql_section(
+            args.events,
+            args.concurrency,
+            args.wakeup_reps,
+            args.wakeup_paced,
+        )
+        .await?;
+        table.extend(rows);
+        results.extend(figures);
     }
     if args.only.iter().any(|o| o == "skew") {
         eprintln!("== skew: one deep backlog beside quiet sources");

@@ -222,3 +222,49 @@ pub(crate) async fn mysql_producers(reps: usize, paced: u64) -> Result<Value> {
     }
     Ok(Value::Object(out))
 }
+
+/// The section: drains to Kafka and JetStream, then (unless `reps` is 0)
+/// the producers; the table's rows and the figures by name.
+pub(crate) async fn mysql_section(
+    events: usize,
+    concurrency: u32,
+    reps: usize,
+    paced: u64,
+) -> Result<(Vec<(String, String)>, Vec<(String, Value)>)> {
+    let (mut table, mut results) = (Vec::new(), Vec::new());
+    for sink in ["kafka", "nats"] {
+        eprintln!("== outroute drain from MariaDB → {sink}");
+        let d = mysql_drain(events, sink, concurrency).await?;
+        table.push((format!("outroute drain, MariaDB → {sink}"), rate_line(&d)));
+        table.push((
+            format!("  CPU per event, MariaDB → {sink}: relay + mariadbd"),
+            format!(
+                "{:.1} + {:.1} µs",
+                d["relay_us_per_event"].as_f64().unwrap_or(0.0),
+                d["mariadb_us_per_event"].as_f64().unwrap_or(0.0)
+            ),
+        ));
+        results.push((format!("mysql_drain_{sink}"), d));
+    }
+    // `--wakeup-reps 0` skips the producers (the drains alone).
+    if reps == 0 {
+        return Ok((table, results));
+    }
+    eprintln!("== MariaDB producers with and without a relay draining");
+    let p = mysql_producers(reps, paced).await?;
+    for (case, v) in p.as_object().into_iter().flatten() {
+        table.push((
+            format!("MariaDB producers, 8 writers, {case}: with relay / without"),
+            format!(
+                "{:.0} / {:.0} commits/s ({:.2}), commit p99 {:.1} / {:.1} ms",
+                v["commits_per_s_with_relay"].as_f64().unwrap_or(0.0),
+                v["commits_per_s_without_relay"].as_f64().unwrap_or(0.0),
+                v["ratio"].as_f64().unwrap_or(0.0),
+                v["commit_ms_p99_with"].as_f64().unwrap_or(0.0),
+                v["commit_ms_p99_without"].as_f64().unwrap_or(0.0),
+            ),
+        ));
+    }
+    results.push(("mysql_producers".into(), p));
+    Ok((table, results))
+}
