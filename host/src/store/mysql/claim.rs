@@ -294,10 +294,7 @@ impl MySqlStore {
             more = walked
                 .iter()
                 .any(|l| per_lane.get(l).copied().unwrap_or(0) >= share);
-            if alone && round == 0 && !more {
-                continue;
-            }
-            if alone && round == 0 {
+            if alone && round == 0 && more {
                 // The first lane filled the batch.
                 break;
             }
