@@ -320,7 +320,7 @@ impl MySqlStore {
         .fetch_one(&self.pool)
         .await?;
         self.lane_index = index > 0;
-        self.missing_index = (!self.lane_index).then(|| self.lane_index_ddl().join(";\n"));
+        self.missing_index = (!self.lane_index).then(|| self.lane_index_ddl().join(";\n  "));
         let mut qb: QueryBuilder<MySql> =
             QueryBuilder::new("INSERT IGNORE INTO outroute_lanes (source, lane) ");
         qb.push_values(0..self.lanes as i32, |mut b, lane| {
@@ -378,7 +378,7 @@ impl MySqlStore {
             }
         }
         self.check_table().await?;
-        Ok(Some(ddl.join(";\n")))
+        Ok(Some(ddl.join(";\n  ")))
     }
 
     async fn is_mariadb(&self) -> bool {
