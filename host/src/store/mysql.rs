@@ -363,10 +363,11 @@ impl MySqlStore {
             return Ok(None);
         }
         let ddl = self.lane_index_ddl();
+        let mariadb = self.is_mariadb().await;
         for s in &ddl {
             // MySQL has no `ADD COLUMN IF NOT EXISTS`: a column left by an
             // earlier, interrupted run is fine.
-            let s = if self.is_mariadb().await {
+            let s = if mariadb {
                 s.clone()
             } else {
                 s.replace(" IF NOT EXISTS", "")

@@ -51,13 +51,13 @@ impl MySqlStore {
     /// Mark these claimed rows published, fenced by lane ownership and
     /// epoch: rows of lanes this relay lost are not marked (another relay
     /// publishes them again, with the same id). Rows already published are
-    /// not counted. An event's state row goes with it (one transaction).
+    /// not counted. An event's state row goes with it (one transaction; a
+    /// batch without state rows is one autocommitted statement).
     pub async fn mark_published(&self, claims: &[&Claim]) -> Result<u64> {
         let mine = self.fenced(claims, |c| (c.lane, c.epoch)).await?;
         if mine.is_empty() {
             return Ok(0);
         }
-        let mut tx = self.pool.begin().await?;
         let mut qb: QueryBuilder<MySql> = QueryBuilder::new(format!(
             "UPDATE `{}` SET published_at = UTC_TIMESTAMP(6) WHERE published_at = {PENDING} AND seq IN (",
             self.source
@@ -67,23 +67,27 @@ impl MySqlStore {
             sep.push_bind(c.sequence());
         }
         qb.push(")");
-        let n = qb.build().execute(&mut *tx).await?.rows_affected();
         let with_state: Vec<&str> = mine
             .iter()
             .filter(|c| c.has_state)
             .map(|c| c.id())
             .collect();
-        if !with_state.is_empty() {
-            let mut qb: QueryBuilder<MySql> =
-                QueryBuilder::new("DELETE FROM outroute_event_state WHERE source = ");
-            qb.push_bind(&self.source).push(" AND event_id IN (");
-            let mut sep = qb.separated(", ");
-            for id in with_state {
-                sep.push_bind(id);
-            }
-            qb.push(")");
-            qb.build().execute(&mut *tx).await?;
+        if with_state.is_empty() {
+            // The usual batch: one statement, committed by itself.
+            let n = qb.build().execute(&self.pool).await;
+            return Ok(n.context("marking events published")?.rows_affected());
         }
+        let mut tx = self.pool.begin().await?;
+        let n = qb.build().execute(&mut *tx).await?.rows_affected();
+        let mut qb: QueryBuilder<MySql> =
+            QueryBuilder::new("DELETE FROM outroute_event_state WHERE source = ");
+        qb.push_bind(&self.source).push(" AND event_id IN (");
+        let mut sep = qb.separated(", ");
+        for id in with_state {
+            sep.push_bind(id);
+        }
+        qb.push(")");
+        qb.build().execute(&mut *tx).await?;
         tx.commit().await.context("marking events published")?;
         Ok(n)
     }
