@@ -86,6 +86,10 @@ struct Args {
     /// Events per second in the latency run.
     #[arg(long, default_value_t = 1000)]
     rate: u64,
+    /// `--only mysql`: the pre-filled backlog whose first and last tenth's
+    /// claim cost are compared (0 skips it; the figure is 1000000).
+    #[arg(long, default_value_t = 0)]
+    mysql_backlog: usize,
     /// Relay workers (`relay.concurrency`); the ceiling runs as many loops.
     #[arg(long, default_value_t = 2)]
     concurrency: u32,
@@ -412,8 +416,9 @@ async fn main() -> Result<()> {
         let (rows, figures) = mysql_section(
             args.events,
             args.concurrency,
-            args.wakeup_reps,
-            args.wakeup_paced,
+            (args.wakeup_reps, args.wakeup_paced),
+            (args.latency_secs, args.rate),
+            args.mysql_backlog,
         )
         .await?;
         table.extend(rows);

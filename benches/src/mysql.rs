@@ -223,16 +223,246 @@ pub(crate) async fn mysql_producers(reps: usize, paced: u64) -> Result<Value> {
     Ok(Value::Object(out))
 }
 
+/// Steady load on MySQL: `rate` events/s from 4 writers (one transaction
+/// each) for `secs`, relayed to JetStream; commit → consumer latency per
+/// event (a core subscription on the stream's subjects sees each message
+/// as the server stores it), and the relay's pickup (row's `created_at` →
+/// claimed) and claim histograms.
+pub(crate) async fn mysql_latency(secs: u64, rate: u64) -> Result<Value> {
+    use futures::StreamExt;
+    let db = MyDb::new_at(&outroute_e2e::mariadb_own_admin_url()?).await?;
+    let t = tag();
+    nats_stream(&format!("B{t}"), vec![format!("b{t}.>")]).await?;
+    let dir = test_dir("mysql-latency");
+    let http = outroute_e2e::free_addr();
+    let config = write_config(&dir, &db.url, "", &relay_body("nats", &t, &http))?;
+    db.migrate(&config)?;
+    let mut sub = async_nats::connect(NATS)
+        .await?
+        .subscribe(format!("b{t}.>"))
+        .await?;
+    let (tx, rx) = std::sync::mpsc::channel::<(String, Instant)>();
+    let consumer = tokio::spawn(async move {
+        while let Some(m) = sub.next().await {
+            let now = Instant::now();
+            if let Some(id) = m.headers.as_ref().and_then(|h| h.get("ce_id")) {
+                let _ = tx.send((id.to_string(), now));
+            }
+        }
+    });
+    let mut relay = Relay::start(&config, &[("RUST_LOG", "warn")])?;
+    // Warm up (the relay's first claims, the subscription) before measuring.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (_, before) = outroute_e2e::http_get(&http, "/metrics")
+        .await
+        .unwrap_or_default();
+    let per_writer = Duration::from_secs_f64(4.0 / rate.max(1) as f64);
+    let end = Instant::now() + Duration::from_secs(secs);
+    let mut writers = Vec::new();
+    for w in 0..4 {
+        let pool = db.pool.clone();
+        writers.push(tokio::spawn(async move {
+            let mut committed: Vec<(String, Instant)> = Vec::new();
+            let mut next = Instant::now();
+            let mut i = 0usize;
+            while Instant::now() < end {
+                let id = uuid::Uuid::new_v4().to_string();
+                let mut tx = pool.begin().await?;
+                sqlx::query(
+                    "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+                     VALUES (?, 'order', ?, 'order-created', ?)",
+                )
+                .bind(&id)
+                .bind(format!("w{w}-{}", i % 100))
+                .bind(payload(i).to_string())
+                .execute(&mut *tx)
+                .await?;
+                tx.commit().await?;
+                committed.push((id, Instant::now()));
+                i += 1;
+                next += per_writer;
+                tokio::time::sleep_until(next.into()).await;
+            }
+            anyhow::Ok(committed)
+        }));
+    }
+    let mut committed: HashMap<String, Instant> = HashMap::new();
+    for w in writers {
+        committed.extend(w.await??);
+    }
+    let mut first: HashMap<String, Instant> = HashMap::with_capacity(committed.len());
+    let tail = Instant::now() + Duration::from_secs(60);
+    while first.len() < committed.len() && Instant::now() < tail {
+        for (id, at) in rx.try_iter() {
+            if committed.contains_key(&id) {
+                first.entry(id).or_insert(at);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    consumer.abort();
+    let (_, metrics) = outroute_e2e::http_get(&http, "/metrics")
+        .await
+        .unwrap_or_default();
+    let metrics = buckets_since(&before, &metrics);
+    relay.terminate(Duration::from_secs(15));
+    db.drop_db().await;
+    outroute_e2e::drop_nats_stream(&format!("B{t}")).await;
+    anyhow::ensure!(
+        first.len() == committed.len(),
+        "mysql latency: {} of {} committed events never reached the consumer",
+        committed.len() - first.len(),
+        committed.len()
+    );
+    let mut lat: Vec<f64> = first
+        .iter()
+        .filter_map(|(id, at)| {
+            let c = committed.get(id)?;
+            Some(at.saturating_duration_since(*c).as_secs_f64() * 1000.0)
+        })
+        .collect();
+    lat.sort_by(f64::total_cmp);
+    Ok(json!({
+        "committed": committed.len(),
+        "achieved_rate": committed.len() as f64 / secs.max(1) as f64,
+        "commit_to_consumer_ms": {"p50": percentile(&lat, 0.5), "p99": percentile(&lat, 0.99), "max": lat.last().copied().unwrap_or(0.0)},
+        "pickup_ms_bucket": {
+            "p50": bucket_quantile(&metrics, "outroute_pickup_seconds", 0.5),
+            "p99": bucket_quantile(&metrics, "outroute_pickup_seconds", 0.99),
+        },
+        "claim_ms_bucket": {
+            "p50": bucket_quantile(&metrics, "outroute_claim_seconds", 0.5),
+            "p99": bucket_quantile(&metrics, "outroute_claim_seconds", 0.99),
+        },
+    }))
+}
+
+/// Claim cost against backlog depth on MySQL: `n` 1 KB events pre-filled
+/// (one aggregate each), drained to JetStream; the relay's claim histogram
+/// and the drain rate over the first and the last tenth of the events
+/// (`outroute_claim_seconds` deltas between published counts).
+pub(crate) async fn mysql_deep_backlog(n: usize) -> Result<Value> {
+    let db = MyDb::new_at(&outroute_e2e::mariadb_own_admin_url()?).await?;
+    let t = tag();
+    nats_stream(&format!("B{t}"), vec![format!("b{t}.>")]).await?;
+    let dir = test_dir("mysql-deep");
+    let http = outroute_e2e::free_addr();
+    let config = write_config(
+        &dir,
+        &db.url,
+        "batch_size = 1000\nlanes = 64",
+        &relay_body("nats", &t, &http),
+    )?;
+    db.migrate(&config)?;
+    let filled = Instant::now();
+    fill_mysql(&db.pool, n).await?;
+    eprintln!(
+        "   {n} events written in {:.0} s",
+        filled.elapsed().as_secs_f64()
+    );
+    let mut relay = Relay::start(&config, &[("RUST_LOG", "warn")])?;
+    let tenth = (n / 10).max(1);
+    // (published at least, metrics text, instant) at 0, n/10, 9n/10, n.
+    let marks = [0, tenth, n - tenth, n];
+    let mut seen: Vec<(String, Instant)> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(3600);
+    let published = |m: &str| {
+        outroute_e2e::metric(m, "outroute_events_published_total{route=\"orders\"}").unwrap_or(0.0)
+            as usize
+    };
+    for mark in marks {
+        loop {
+            let (_, m) = outroute_e2e::http_get(&http, "/metrics")
+                .await
+                .unwrap_or_default();
+            if published(&m) >= mark {
+                seen.push((m, Instant::now()));
+                break;
+            }
+            if Instant::now() > deadline {
+                relay.terminate(Duration::from_secs(15));
+                anyhow::bail!(
+                    "deep backlog: {} of {n} published within an hour",
+                    published(&m)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    relay.terminate(Duration::from_secs(15));
+    db.drop_db().await;
+    outroute_e2e::drop_nats_stream(&format!("B{t}")).await;
+    let window = |a: usize, b: usize| {
+        let (ma, ta) = &seen[a];
+        let (mb, tb) = &seen[b];
+        let d = buckets_since(ma, mb);
+        let events = published(mb).saturating_sub(published(ma));
+        json!({
+            "events": events,
+            "events_per_s": events as f64 / tb.duration_since(*ta).as_secs_f64().max(1e-3),
+            "claim_ms_p50": bucket_quantile(&d, "outroute_claim_seconds", 0.5),
+            "claim_ms_p99": bucket_quantile(&d, "outroute_claim_seconds", 0.99),
+        })
+    };
+    Ok(json!({
+        "backlog": n,
+        "first_tenth": window(0, 1),
+        "last_tenth": window(2, 3),
+    }))
+}
+
 /// The section: drains to Kafka and JetStream, then (unless `reps` is 0)
 /// the producers; the table's rows and the figures by name.
 pub(crate) async fn mysql_section(
     events: usize,
     concurrency: u32,
-    reps: usize,
-    paced: u64,
+    (reps, paced): (usize, u64),
+    (latency_secs, rate): (u64, u64),
+    backlog: usize,
 ) -> Result<(Vec<(String, String)>, Vec<(String, Value)>)> {
     let (mut table, mut results) = (Vec::new(), Vec::new());
-    for sink in ["kafka", "nats"] {
+    if latency_secs > 0 {
+        eprintln!("== steady load on MariaDB: {rate}/s for {latency_secs} s → nats");
+        let l = mysql_latency(latency_secs, rate).await?;
+        let ms = |k: &str, q: &str| l[k][q].as_f64().unwrap_or(f64::NAN);
+        table.push((
+            format!("MariaDB latency @{rate}/s → nats: commit→consumer p50 / p99"),
+            format!(
+                "{:.1} / {:.1} ms",
+                ms("commit_to_consumer_ms", "p50"),
+                ms("commit_to_consumer_ms", "p99")
+            ),
+        ));
+        table.push((
+            "  pickup (created_at → claimed) p50 / p99, claim p50 / p99".into(),
+            format!(
+                "{:.1} / {:.1} ms, {:.2} / {:.2} ms",
+                ms("pickup_ms_bucket", "p50"),
+                ms("pickup_ms_bucket", "p99"),
+                ms("claim_ms_bucket", "p50"),
+                ms("claim_ms_bucket", "p99")
+            ),
+        ));
+        results.push(("mysql_latency".into(), l));
+    }
+    if backlog > 0 {
+        eprintln!("== claim cost against a {backlog}-event MariaDB backlog");
+        let b = mysql_deep_backlog(backlog).await?;
+        for (k, label) in [("first_tenth", "first"), ("last_tenth", "last")] {
+            table.push((
+                format!("MariaDB {backlog} backlog, {label} tenth: drain, claim p50 / p99"),
+                format!(
+                    "{:.0} events/s, {:.2} / {:.2} ms",
+                    b[k]["events_per_s"].as_f64().unwrap_or(0.0),
+                    b[k]["claim_ms_p50"].as_f64().unwrap_or(f64::NAN),
+                    b[k]["claim_ms_p99"].as_f64().unwrap_or(f64::NAN)
+                ),
+            ));
+        }
+        results.push(("mysql_deep_backlog".into(), b));
+    }
+    // `--events 0` skips the drains.
+    for sink in ["kafka", "nats"].into_iter().filter(|_| events > 0) {
         eprintln!("== outroute drain from MariaDB → {sink}");
         let d = mysql_drain(events, sink, concurrency).await?;
         table.push((format!("outroute drain, MariaDB → {sink}"), rate_line(&d)));

@@ -170,3 +170,130 @@ pub async fn produce_mysql(
     all.committed.sort_by_key(|e| e.seq);
     Ok(all)
 }
+
+/// Seed article 004's `t_outbox` as Hibernate creates it for the JPA
+/// entity: varchar id, nullable text columns, `@Lob` payload, status
+/// `PENDING`/`SENT`, `retry_count`, `create_time` (the server's default
+/// collation, case-insensitive).
+pub const T_OUTBOX: &str = "CREATE TABLE t_outbox (
+    event_id varchar(255) NOT NULL,
+    aggregate_type varchar(255),
+    aggregate_id varchar(255),
+    event_type varchar(255),
+    payload longtext,
+    status varchar(255),
+    retry_count int NOT NULL,
+    create_time datetime(6),
+    PRIMARY KEY (event_id)
+) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4";
+
+/// `[store.table]` mapping [`T_OUTBOX`] as it is (`examples/mysql-t_outbox.toml`).
+pub const T_OUTBOX_MAPPING: &str = "[store.table]
+name = \"t_outbox\"
+id = \"event_id\"
+aggregate_type = \"aggregate_type\"
+aggregate_id = \"aggregate_id\"
+event_type = \"event_type\"
+payload = \"payload\"
+created_at = \"create_time\"
+attempts = \"retry_count\"
+marking = { style = \"status\", column = \"status\", pending = \"PENDING\", sent = \"SENT\" }";
+
+/// [`produce_mysql`] into [`T_OUTBOX`] the way the seed's service writes
+/// it: `create_time = NOW()` (whole seconds), so events of one aggregate
+/// share a time and their ids order them (`<prefix>-<round>-<aggregate>-…`:
+/// a producer that wants order within a second must give it).
+pub async fn produce_t_outbox(
+    pool: &MySqlPool,
+    prefix: &str,
+    aggregates: usize,
+    per_aggregate: usize,
+    rollback_every: usize,
+) -> Result<Workload> {
+    let mut tasks = Vec::new();
+    for worker in 0..4usize {
+        let pool = pool.clone();
+        let prefix = prefix.to_string();
+        tasks.push(tokio::spawn(async move {
+            let mut w = Workload::default();
+            let mut n = 0usize;
+            for round in 0..per_aggregate {
+                for a in (worker..aggregates).step_by(4) {
+                    n += 1;
+                    let agg = format!("{prefix}-{a}");
+                    let id = format!("{prefix}-{round:06}-{a:06}-{}", uuid::Uuid::new_v4());
+                    let mut tx = pool.begin().await?;
+                    sqlx::query(
+                        "INSERT INTO orders (id, version) VALUES (?, ?) ON DUPLICATE KEY UPDATE version = VALUES(version)",
+                    )
+                    .bind(&agg)
+                    .bind(round as i32)
+                    .execute(&mut *tx)
+                    .await?;
+                    sqlx::query(
+                        "INSERT INTO t_outbox (event_id, aggregate_type, aggregate_id, event_type, payload, status, \
+                         retry_count, create_time) VALUES (?, 'order', ?, 'order-updated', ?, 'PENDING', 0, NOW())",
+                    )
+                    .bind(&id)
+                    .bind(&agg)
+                    .bind(serde_json::json!({"order_id": agg, "version": round}).to_string())
+                    .execute(&mut *tx)
+                    .await?;
+                    if rollback_every > 0 && n.is_multiple_of(rollback_every) {
+                        tx.rollback().await?;
+                        w.rolled_back.push(id);
+                    } else {
+                        tx.commit().await?;
+                        w.committed.push(Expected {
+                            id,
+                            aggregate_id: agg,
+                            seq: (round * aggregates + a) as i64,
+                        });
+                    }
+                }
+            }
+            anyhow::Ok(w)
+        }));
+    }
+    let mut all = Workload::default();
+    for t in tasks {
+        let w = t.await??;
+        all.committed.extend(w.committed);
+        all.rolled_back.extend(w.rolled_back);
+    }
+    all.committed.sort_by_key(|e| e.seq);
+    Ok(all)
+}
+
+/// Crash the own server of `scripts/mariadb-own` (`kill -9`, as a host
+/// failure would) and wait until its port is closed; `mariadb_own_admin_url`
+/// starts it again (InnoDB recovers what was committed).
+pub fn mariadb_own_crash(admin_url: &str) -> Result<()> {
+    let port = admin_url
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.split('/').next())
+        .unwrap_or("3307")
+        .to_string();
+    let out = Command::new("pgrep")
+        .args(["-f", &format!("mariadbd .*--port={port}")])
+        .output()?;
+    let pids: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .map(str::to_string)
+        .collect();
+    if pids.is_empty() {
+        bail!("no mariadbd on port {port} to crash");
+    }
+    for pid in &pids {
+        Command::new("kill").args(["-9", pid]).status()?;
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port.parse::<u16>().unwrap_or(3307))).is_ok() {
+        if Instant::now() > deadline {
+            bail!("mariadbd on port {port} still answers after kill -9");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(())
+}

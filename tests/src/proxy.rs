@@ -225,3 +225,57 @@ impl Pipe {
         }
     }
 }
+
+/// xorshift64*: enough randomness for fault schedules, reproducible by seed.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn from_env() -> Rng {
+        let seed = std::env::var("OUTROUTE_FAULT_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos() as u64)
+                    .unwrap_or(42)
+                    | 1
+            });
+        println!("fault seed: {seed} (OUTROUTE_FAULT_SEED={seed} replays it)");
+        Rng(seed)
+    }
+    fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+}
+
+/// Run `n` random faults through `proxy`, each held 10–250 ms, with 0–150 ms
+/// of normal network between them. Returns how many of each kind ran.
+pub async fn inject(proxy: &FaultProxy, rng: &mut Rng, n: usize) -> [usize; 4] {
+    let mut kinds = [0usize; 4];
+    for _ in 0..n {
+        let k = rng.below(4) as usize;
+        kinds[k] += 1;
+        let fault = match k {
+            0 => Fault::CutAfter(rng.below(20_000)),
+            1 => Fault::Delay(Duration::from_millis(1 + rng.below(100))),
+            2 => Fault::BlackHole,
+            _ => Fault::Refuse,
+        };
+        proxy.set(fault);
+        tokio::time::sleep(Duration::from_millis(10 + rng.below(240))).await;
+        if fault == Fault::BlackHole && rng.below(2) == 0 {
+            // The partition ends the way long ones do: connections time out.
+            proxy.cut_all();
+        }
+        proxy.set(Fault::None);
+        tokio::time::sleep(Duration::from_millis(rng.below(150))).await;
+    }
+    kinds
+}

@@ -17,37 +17,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use outroute_e2e::proxy::{Fault, FaultProxy};
+use outroute_e2e::proxy::{Fault, FaultProxy, Rng, inject};
 use outroute_e2e::*;
-
-/// xorshift64*: enough randomness for fault schedules, reproducible by seed.
-struct Rng(u64);
-
-impl Rng {
-    fn from_env() -> Rng {
-        let seed = std::env::var("OUTROUTE_FAULT_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_nanos() as u64)
-                    .unwrap_or(42)
-                    | 1
-            });
-        println!("fault seed: {seed} (OUTROUTE_FAULT_SEED={seed} replays it)");
-        Rng(seed)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
 
 fn faults_per_sink() -> usize {
     std::env::var("OUTROUTE_NETWORK_FAULTS")
@@ -73,31 +44,6 @@ fn keep_producing(
         all.committed.sort_by_key(|e| e.seq);
         Ok(all)
     })
-}
-
-/// Run `n` random faults through `proxy`, each held 10–250 ms, with 0–150 ms
-/// of normal network between them. Returns how many of each kind ran.
-async fn inject(proxy: &FaultProxy, rng: &mut Rng, n: usize) -> [usize; 4] {
-    let mut kinds = [0usize; 4];
-    for _ in 0..n {
-        let k = rng.below(4) as usize;
-        kinds[k] += 1;
-        let fault = match k {
-            0 => Fault::CutAfter(rng.below(20_000)),
-            1 => Fault::Delay(Duration::from_millis(1 + rng.below(100))),
-            2 => Fault::BlackHole,
-            _ => Fault::Refuse,
-        };
-        proxy.set(fault);
-        tokio::time::sleep(Duration::from_millis(10 + rng.below(240))).await;
-        if fault == Fault::BlackHole && rng.below(2) == 0 {
-            // The partition ends the way long ones do: connections time out.
-            proxy.cut_all();
-        }
-        proxy.set(Fault::None);
-        tokio::time::sleep(Duration::from_millis(rng.below(150))).await;
-    }
-    kinds
 }
 
 /// Producers commit while `inject` runs its faults; then wait (bounded)

@@ -158,6 +158,8 @@ fn shipped_example_configs_pass_config_check() -> anyhow::Result<()> {
         "t_outbox.toml",
         "outbox-delete.toml",
         "outbox-published-at.toml",
+        "mysql.toml",
+        "mysql-t_outbox.toml",
     ] {
         let path = workspace().join("examples").join(name);
         let (code, out, err) = cli(&["config", "check", "-c", path.to_str().unwrap_or_default()])?;

@@ -608,8 +608,9 @@ fn errors_name_file_key_and_reason() {
     );
 }
 
-/// A MySQL source loads in lease mode on the canonical table; what it
-/// cannot do yet (a mapped table, log capture, `tls`) is refused by key.
+/// A MySQL source loads in lease mode, on the canonical table or a mapped
+/// one; what it cannot do (log capture, `tls`, `queue` marking, constants
+/// that would need escaping) is refused by key.
 #[test]
 fn a_mysql_source_is_checked_for_what_it_supports() {
     let d = tmp();
@@ -618,20 +619,36 @@ fn a_mysql_source_is_checked_for_what_it_supports() {
         "mysql://root@127.0.0.1:3306/test",
     );
     assert!(load(&write(&d, &good)).is_ok());
+    let table = "[store.table]\nname = \"t_outbox\"\nid = \"id\"\n\
+         aggregate_type = \"aggregate_type\"\naggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\n\
+         payload = \"payload\"\ncreated_at = \"created_at\"\n";
+    let mapped = good.replace(
+        "[sinks.kafka]",
+        &format!(
+            "{table}marking = {{ style = \"status\", column = \"status\", pending = \"PENDING\", sent = \"SENT\" }}\n[sinks.kafka]"
+        ),
+    );
+    assert!(load(&write(&d, &mapped)).is_ok());
     let bad = good.replace(
         "[sinks.kafka]",
-        "capture = \"logical\"\ntls = { mode = \"require\" }\n[store.table]\nname = \"t_outbox\"\nid = \"id\"\n\
-         aggregate_type = \"aggregate_type\"\naggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"\n\
-         payload = \"payload\"\ncreated_at = \"created_at\"\nmarking = { style = \"delete\" }\n[sinks.kafka]",
+        &format!(
+            "capture = \"logical\"\ntls = {{ mode = \"require\" }}\n{table}marking = {{ style = \"queue\" }}\n[sinks.kafka]"
+        ),
     );
     let text = load(&write(&d, &bad)).unwrap_err().to_string();
     for needle in [
-        "outroute.toml:store.table: MySQL/MariaDB sources support only the canonical table",
+        "outroute.toml:store.table.marking: `queue` fills its list by an insert trigger, on PostgreSQL only",
         "outroute.toml:store.capture: MySQL/MariaDB sources use `lease`",
         "outroute.toml:store.tls: is for PostgreSQL",
     ] {
         assert!(text.contains(needle), "missing `{needle}` in {text}");
     }
+    let quoted = mapped.replace("\"SENT\"", "\"SENT' OR '1\"");
+    let text = load(&write(&d, &quoted)).unwrap_err().to_string();
+    assert!(
+        text.contains("store.table.marking.sent: `SENT' OR '1` holds a quote or a backslash"),
+        "{text}"
+    );
 }
 
 /// Values that load and parse but would start a relay that publishes

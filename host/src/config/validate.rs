@@ -39,17 +39,41 @@ impl Loaded {
             );
         }
         if sc.is_mysql() {
-            if sc
-                .table
-                .as_ref()
-                .is_some_and(|t| *t != TableConfig::canonical())
-            {
+            let t = sc.table();
+            if let Marking::Queue { .. } = t.marking {
                 err(
-                    format!("{key}.table"),
-                    "MySQL/MariaDB sources support only the canonical table for now (`outroute migrate` \
-                     creates it); map existing tables on PostgreSQL"
+                    format!("{key}.table.marking"),
+                    "`queue` fills its list by an insert trigger, on PostgreSQL only; a MySQL/MariaDB table is \
+                     marked by `published_at`, `status` or `delete`"
                         .into(),
                 );
+            }
+            // Constants become SQL literals; what a backslash means
+            // depends on the server's sql_mode, so neither it nor a quote
+            // is accepted.
+            let mut constants = vec![("aggregate_type_value", t.aggregate_type_value.clone())];
+            if let Marking::Status {
+                pending,
+                sent,
+                failed,
+                ..
+            } = &t.marking
+            {
+                constants.push(("marking.pending", Some(pending.clone())));
+                constants.push(("marking.sent", Some(sent.clone())));
+                constants.push(("marking.failed", failed.clone()));
+            }
+            for (k, v) in constants {
+                if let Some(v) = v
+                    && v.contains(['\'', '\\'])
+                {
+                    err(
+                        format!("{key}.table.{k}"),
+                        format!(
+                            "`{v}` holds a quote or a backslash, which MySQL/MariaDB sources do not take"
+                        ),
+                    );
+                }
             }
             if sc.capture != CaptureMode::Lease {
                 err(

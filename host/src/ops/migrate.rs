@@ -63,7 +63,9 @@ pub(super) async fn migrate_source(
     let name = sc.table().name;
     if add_sequence {
         let Some(pg) = store.postgres() else {
-            bail!("--add-sequence: only PostgreSQL tables are mapped");
+            bail!(
+                "--add-sequence: PostgreSQL only (on MySQL/MariaDB, add an AUTO_INCREMENT column yourself and map it as `sequence`: see the MySQL guide)"
+            );
         };
         if sc.table().sequence.is_some() {
             println!("`{name}` already has a sequence column ({key}.table.sequence)");

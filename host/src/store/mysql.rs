@@ -1,9 +1,11 @@
 //! MySQL/MariaDB store: leases, claims, marks and failure state for the
-//! canonical outbox table on MySQL 8.0.16+ and MariaDB 10.6+ (lease mode).
+//! canonical outbox table or an existing one mapped onto it, on MySQL
+//! 8.0.16+ and MariaDB 10.6+ (lease mode).
 //!
 //! ## Files
 //! This file holds the connection, the design and the schema (migrations,
-//! the lane column and index); `mysql/claim.rs` the lease rounds and the
+//! the lane column and index, the mapped table's checks);
+//! `mysql/table.rs` the SQL of the table mapping; `mysql/claim.rs` the lease rounds and the
 //! claim, `mysql/mark.rs` marks and failure records, `mysql/operator.rs`
 //! what operators and the metrics read or change (status, backlog,
 //! quarantine records, failed events, replay pages, retention).
@@ -35,9 +37,12 @@
 //!
 //! ## Cost: per batch, never per backlog
 //! The lane index `outbox_outroute_lanes<N> (outroute_lane<N>,
-//! published_at, failed_at, seq)` over a virtual column (no storage, added
-//! without a table rewrite) puts each lane's pending rows together in outbox
-//! order: a claim descends once per lane and reads the rows it returns.
+//! published_at, failed_at, seq)` (on a mapped table: the lane column, the
+//! marking and `failed_at` columns, then the order) over an invisible
+//! virtual column (no storage, added without a table rewrite, unseen by
+//! `SELECT *` and by an `INSERT` without a column list) puts each lane's
+//! pending rows together in outbox order: a claim descends once per lane
+//! and reads the rows it returns.
 //! Each lane's walk stops at its share of the batch; lanes that still had
 //! rows are walked on (`seq > last`) with what is left of the batch, so one
 //! busy lane still fills a batch (at most [`CLAIM_ROUNDS`] statements).
@@ -53,14 +58,16 @@ use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions, MySqlRow};
 use sqlx::{ConnectOptions, Executor, MySql, QueryBuilder, Row};
 
 use super::{Claim, Claimed, Failure, FailureKind, Leases};
-use crate::config::{Config, Ordering, StoreConfig, TableConfig};
+use crate::config::{Config, Ordering, StoreConfig};
 use crate::event::RawRow;
 
 mod claim;
 mod mark;
 mod operator;
+mod table;
 
 use claim::to_claim;
+use table::{RowKey, TableSql};
 
 /// Connections close after this long unused (min 0): a quiet source keeps
 /// only what its lease rounds use.
@@ -73,18 +80,6 @@ pub const CLAIM_ROUNDS: usize = 3;
 const FOREVER: &str = "'9999-12-31 23:59:59'";
 /// "Never" in `blocks_until` and `lease_until`.
 const NEVER: &str = "'1000-01-01 00:00:00'";
-
-/// The columns a claim and a replay page read. Columns a producer could
-/// fill with an unexpected type are read as text, so a bad value becomes a
-/// reason on that event rather than a failed claim. Short text is read
-/// through `CAST(… AS CHAR)` (the tables' binary collation, `utf8mb4_bin`,
-/// makes the driver see a column as bytes); payload and headers are read
-/// as the bytes they are and checked as UTF-8 here (the CAST copies every
-/// payload once more: measured 18 % of a claim's time).
-const COLS: &str = "o.seq AS seq, CAST(o.id AS CHAR) AS id, CAST(o.aggregate_type AS CHAR) AS aggregate_type, \
-    CAST(o.aggregate_id AS CHAR) AS aggregate_id, CAST(o.event_type AS CHAR) AS event_type, \
-    CAST(o.event_version AS CHAR) AS event_version, o.payload AS payload, \
-    o.headers AS headers, o.created_at AS created_at";
 
 /// A pending row's `published_at` (and "never" in the coordination
 /// tables' times): not NULL, so marking overwrites it in place (see the
@@ -99,6 +94,8 @@ pub struct MySqlStore {
     /// The key of this source's coordination rows: the table's name.
     source: String,
     relay_id: String,
+    /// The table mapping's SQL.
+    sql: TableSql,
     lanes: u32,
     lease_ttl: Duration,
     ordering: Ordering,
@@ -120,11 +117,6 @@ fn lane_column(lanes: u32) -> String {
 
 fn lane_index_name(lanes: u32) -> String {
     format!("outbox_outroute_lanes{lanes}")
-}
-
-/// Every aggregate's lane, as SQL over the outbox row `o`.
-fn lane_expr(lanes: u32) -> String {
-    format!("(CRC32(CONCAT(o.aggregate_type, ':', o.aggregate_id)) % {lanes})")
 }
 
 /// A first connection that failed, said so an operator knows which
@@ -172,12 +164,6 @@ impl MySqlStore {
         relay_id: &str,
         pooled_sources: usize,
     ) -> Result<Self> {
-        if sc.table() != TableConfig::canonical() {
-            bail!(
-                "{key}.table: MySQL/MariaDB sources support only the canonical table for now \
-                 (`outroute migrate` creates it); map existing tables on PostgreSQL"
-            );
-        }
         let mut opts = MySqlConnectOptions::from_str(&sc.url)
             .map_err(|e| anyhow!("{key}.url: {e}"))?
             .timezone(Some("+00:00".into()))
@@ -226,6 +212,7 @@ impl MySqlStore {
             key: key.to_string(),
             source: sc.table().name,
             relay_id: relay_id.to_string(),
+            sql: TableSql::new(&sc.table(), lanes),
             lanes,
             lease_ttl: config.relay.lease_ttl,
             ordering: config.relay.ordering,
@@ -284,7 +271,8 @@ impl MySqlStore {
         c.run(&self.pool)
             .await
             .context("applying MySQL coordination migrations")?;
-        if outbox {
+        // A mapped table is the producers' own: only the canonical one is created.
+        if outbox && self.sql.canonical {
             let mut o = sqlx::migrate!("../migrations/mysql/outbox");
             o.set_ignore_missing(true);
             o.run(&self.pool)
@@ -294,27 +282,41 @@ impl MySqlStore {
         Ok(())
     }
 
-    /// Check the table is there and whether it has this lane count's lane
-    /// column and index; make sure every lane has its lease row.
+    /// Check the table is there (a mapped one: with every mapped column
+    /// and a unique, NOT NULL id) and whether it has this lane count's
+    /// lane column and index; make sure every lane has its lease row.
     pub async fn check_table(&mut self) -> Result<()> {
-        let table = &self.source;
-        let n: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = ?",
+        let name = &self.sql.cfg.name;
+        let schema = self.sql.schema.as_deref();
+        let bare = self.sql.bare_name.as_str();
+        let columns: Vec<(String, String)> = sqlx::query_as(
+            "SELECT CAST(column_name AS CHAR), CAST(is_nullable AS CHAR) FROM information_schema.columns \
+             WHERE table_schema = COALESCE(?, DATABASE()) AND table_name = ?",
         )
-        .bind(table)
-        .fetch_one(&self.pool)
+        .bind(schema)
+        .bind(bare)
+        .fetch_all(&self.pool)
         .await?;
-        if n == 0 {
+        if columns.is_empty() {
             bail!(
-                "{}.table.name: table `{table}` does not exist (run `outroute migrate`)",
-                self.key
+                "{}.table.name: table `{name}` does not exist ({})",
+                self.key,
+                if self.sql.canonical {
+                    "run `outroute migrate`"
+                } else {
+                    "a mapped table is the producers' own: check the name and the database in the URL"
+                }
             );
         }
+        if !self.sql.canonical {
+            self.check_mapped(&columns).await?;
+        }
         let index: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM information_schema.statistics WHERE table_schema = DATABASE() \
+            "SELECT count(*) FROM information_schema.statistics WHERE table_schema = COALESCE(?, DATABASE()) \
              AND table_name = ? AND index_name = ? AND seq_in_index = 1 AND column_name = ?",
         )
-        .bind(table)
+        .bind(schema)
+        .bind(bare)
         .bind(lane_index_name(self.lanes))
         .bind(lane_column(self.lanes))
         .fetch_one(&self.pool)
@@ -330,24 +332,86 @@ impl MySqlStore {
         Ok(())
     }
 
-    /// The statements that add the lane column (instant: a virtual column
-    /// at the end of the table) and build its index without blocking
-    /// producers (`ALGORITHM=INPLACE, LOCK=NONE`: inserts and updates go
-    /// on while it builds; only other DDL waits).
+    /// A mapped table has every mapped column, and an id marks can
+    /// address one row by: NOT NULL, and unique on its own.
+    async fn check_mapped(&self, columns: &[(String, String)]) -> Result<()> {
+        let cfg = &self.sql.cfg;
+        let name = &cfg.name;
+        let has = |c: &str| columns.iter().find(|(n, _)| n.eq_ignore_ascii_case(c));
+        let mut mapped = cfg.columns();
+        let marking_col = match &cfg.marking {
+            crate::config::Marking::PublishedAt { column }
+            | crate::config::Marking::Status { column, .. } => Some(column),
+            _ => None,
+        };
+        if let Some(c) = marking_col {
+            mapped.push(("marking.column", c));
+        }
+        let missing: Vec<String> = mapped
+            .iter()
+            .filter(|(_, c)| has(c).is_none())
+            .map(|(k, c)| format!("{}.table.{k} = `{c}`", self.key))
+            .collect();
+        if !missing.is_empty() {
+            let present: Vec<&str> = columns.iter().map(|(n, _)| n.as_str()).collect();
+            bail!(
+                "{}: not a column of `{name}` (its columns: {})",
+                missing.join(", "),
+                present.join(", ")
+            );
+        }
+        let id = &cfg.id;
+        let nullable = has(id).is_some_and(|(_, n)| n == "YES");
+        let unique: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM (SELECT index_name FROM information_schema.statistics \
+               WHERE table_schema = COALESCE(?, DATABASE()) AND table_name = ? AND non_unique = 0 \
+               GROUP BY index_name HAVING count(*) = 1 AND max(column_name) = ?) u",
+        )
+        .bind(self.sql.schema.as_deref())
+        .bind(&self.sql.bare_name)
+        .bind(id)
+        .fetch_one(&self.pool)
+        .await?;
+        if nullable || unique == 0 {
+            bail!(
+                "{key}.table.id: `{id}` must be NOT NULL and unique on its own (a PRIMARY KEY, or a UNIQUE \
+                 index on `{id}` alone): the relay marks rows by their id, and a duplicate would mark another \
+                 event published. `{name}`'s `{id}` is {what}. Fix it once (ALTER TABLE `{name}` {fix}) or map \
+                 another id column.",
+                key = self.key,
+                what = match (nullable, unique == 0) {
+                    (true, true) => "nullable and not unique",
+                    (true, false) => "nullable",
+                    _ => "not unique",
+                },
+                fix = if nullable {
+                    format!("MODIFY `{id}` … NOT NULL, ADD UNIQUE (`{id}`)")
+                } else {
+                    format!("ADD UNIQUE (`{id}`), ALGORITHM=INPLACE, LOCK=NONE")
+                },
+            );
+        }
+        Ok(())
+    }
+
+    /// The statements that add the lane column (instant: an invisible
+    /// virtual column at the end of the table, which producers' `SELECT *`
+    /// and column-less `INSERT`s never see) and build its index without
+    /// blocking producers (`ALGORITHM=INPLACE, LOCK=NONE`: inserts and
+    /// updates go on while it builds; only other DDL waits).
     fn lane_index_ddl(&self) -> Vec<String> {
         let col = lane_column(self.lanes);
         vec![
             format!(
-                "ALTER TABLE `{t}` ADD COLUMN IF NOT EXISTS {col} INT AS \
-                 (CRC32(CONCAT(aggregate_type, ':', aggregate_id)) % {n}) VIRTUAL",
-                t = self.source,
-                n = self.lanes
+                "ALTER TABLE {t} ADD COLUMN IF NOT EXISTS {col} INT AS {lane} VIRTUAL INVISIBLE",
+                t = self.sql.table,
+                lane = self.sql.lane_bare,
             ),
             format!(
-                "ALTER TABLE `{t}` ADD INDEX {idx} ({col}, published_at, failed_at, seq), \
-                 ALGORITHM=INPLACE, LOCK=NONE",
-                t = self.source,
-                idx = lane_index_name(self.lanes)
+                "ALTER TABLE {t} ADD INDEX {idx} ({col}, {tail}), ALGORITHM=INPLACE, LOCK=NONE",
+                t = self.sql.table,
+                idx = lane_index_name(self.lanes),
+                tail = self.sql.index_tail,
             ),
         ]
     }

@@ -3,6 +3,7 @@
 //! rows in outbox order, per batch whatever the backlog; see `mysql.rs`).
 
 use super::*;
+use chrono::NaiveDateTime;
 
 /// Nothing of the source waits for a retry or holds an aggregate back
 /// now: no state row is retrying (`failed_at IS NULL`) and none blocks
@@ -169,39 +170,53 @@ impl MySqlStore {
     }
 
     /// One lane's walk in a claim (`ord`: its place in the claim): its
-    /// pending rows after `seq > ?` in outbox order, skipping rows waiting
-    /// for a retry or failed, and (unless `ordering = "none"`) rows of an
-    /// aggregate an earlier event holds back, up to `LIMIT ?`. While no
-    /// event of the source is retrying or holding anything back ([`QUIET`],
-    /// one probe per lane walk), rows skip those per-row probes (measured:
-    /// 15 % of a claim's time).
-    /// Parameters: source, lane, after, source, source, [source], limit.
-    fn lane_walk(&self, ord: usize) -> String {
+    /// pending rows (after the last row an earlier round returned, when
+    /// `after`) in outbox order, skipping rows waiting for a retry or
+    /// failed, and (unless `ordering = "none"`) rows of an aggregate an
+    /// earlier event holds back, up to `LIMIT ?`. While no event of the
+    /// source is retrying or holding anything back ([`QUIET`], one probe
+    /// per lane walk), rows skip those per-row probes (measured: 15 % of a
+    /// claim's time).
+    /// Parameters: source, lane, [after…], source, source, [source], limit.
+    fn lane_walk(&self, ord: usize, after: bool) -> String {
+        let s = &self.sql;
         let (index, lane) = if self.lane_index {
             (
                 format!(" FORCE INDEX ({})", lane_index_name(self.lanes)),
                 format!("o.{}", lane_column(self.lanes)),
             )
         } else {
-            (String::new(), lane_expr(self.lanes))
+            (String::new(), s.lane.clone())
         };
         let hold = match self.ordering {
-            Ordering::None => "",
-            Ordering::Aggregate | Ordering::Strict => {
-                " AND NOT EXISTS (SELECT 1 FROM outroute_event_state b FORCE INDEX (outroute_event_state_aggregate) WHERE b.source = ? \
-                   AND b.aggregate_type = o.aggregate_type AND b.aggregate_id = o.aggregate_id \
-                   AND b.seq < o.seq AND b.blocks_until > UTC_TIMESTAMP(6))"
-            }
+            Ordering::None => String::new(),
+            Ordering::Aggregate | Ordering::Strict => format!(
+                " AND NOT EXISTS (SELECT 1 FROM outroute_event_state b FORCE INDEX (outroute_event_state_aggregate) \
+                   WHERE b.source = ? AND b.aggregate_type = {at} AND b.aggregate_id = {ai} \
+                   AND {before} AND b.blocks_until > UTC_TIMESTAMP(6))",
+                at = s.aggregate_type_bin,
+                ai = s.aggregate_id_bin,
+                before = s.before(),
+            ),
+        };
+        let after = if after {
+            format!(" AND {}", s.after())
+        } else {
+            String::new()
         };
         format!(
-            "(SELECT {ord} AS ord, {COLS}, st.event_id IS NOT NULL AS has_state, \
+            "(SELECT {ord} AS ord, {cols}, st.event_id IS NOT NULL AS has_state, \
                COALESCE(st.attempts, 0) AS attempts, CAST(COALESCE(st.done_legs, '[]') AS CHAR) AS done_legs \
-             FROM `{table}` o{index} \
-             LEFT JOIN outroute_event_state st ON st.source = ? AND st.event_id = o.id \
-             WHERE {lane} = ? AND o.published_at = {PENDING} AND o.failed_at IS NULL AND o.seq > ? \
+             FROM {table} o{index} \
+             LEFT JOIN outroute_event_state st ON st.source = ? AND st.event_id = {id} \
+             WHERE {lane} = ? AND {pending}{after} \
                AND ({quiet} OR ((st.event_id IS NULL OR (st.failed_at IS NULL AND st.next_attempt_at <= UTC_TIMESTAMP(6))){hold})) \
-             ORDER BY o.seq LIMIT ?)",
-            table = self.source,
+             ORDER BY {order} LIMIT ?)",
+            cols = s.cols,
+            table = s.table,
+            id = s.id_bin,
+            pending = s.pending,
+            order = s.order,
             quiet = QUIET,
         )
     }
@@ -211,21 +226,24 @@ impl MySqlStore {
     async fn walk(
         &self,
         order: &[i32],
-        after: &HashMap<i32, i64>,
+        after: &HashMap<i32, Last>,
         share: i64,
     ) -> Result<Vec<MySqlRow>> {
-        let sql = (0..order.len())
-            .map(|i| self.lane_walk(i))
+        let sql = order
+            .iter()
+            .enumerate()
+            .map(|(i, lane)| self.lane_walk(i, after.contains_key(lane)))
             .collect::<Vec<_>>()
             .join(" UNION ALL ");
         let mut q = sqlx::query(&sql);
         for lane in order {
-            q = q
-                .bind(&self.source)
-                .bind(*lane)
-                .bind(after.get(lane).copied().unwrap_or(i64::MIN))
-                .bind(&self.source)
-                .bind(&self.source);
+            q = q.bind(&self.source).bind(*lane);
+            match after.get(lane) {
+                None => {}
+                Some(Last::Seq(seq)) => q = q.bind(*seq),
+                Some(Last::Time(at, id)) => q = q.bind(*at).bind(*at).bind(id.clone()),
+            }
+            q = q.bind(&self.source).bind(&self.source);
             if self.ordering != Ordering::None {
                 q = q.bind(&self.source);
             }
@@ -256,7 +274,7 @@ impl MySqlStore {
         // no lane is always last).
         let mut order: Vec<i32> = lanes.to_vec();
         let place: HashMap<i32, usize> = order.iter().enumerate().map(|(i, l)| (*l, i)).collect();
-        let mut after: HashMap<i32, i64> = HashMap::new();
+        let mut after: HashMap<i32, Last> = HashMap::new();
         let mut claims: Vec<(usize, Claim)> = Vec::new();
         let mut bytes = 0u64;
         let mut more = false;
@@ -283,7 +301,7 @@ impl MySqlStore {
                     .ok_or_else(|| anyhow!("claim: a row of no lane (ord {ord})"))?;
                 let c = to_claim(r, lane)?;
                 *per_lane.entry(lane).or_default() += 1;
-                after.insert(lane, c.sequence());
+                after.insert(lane, self.last(r, &c));
                 bytes += c.bytes();
                 claims.push((place.get(&lane).copied().unwrap_or(usize::MAX), c));
             }
@@ -320,6 +338,30 @@ impl MySqlStore {
             drained: !more && !cut && kept_bytes < self.max_batch_bytes,
             claims: out,
         })
+    }
+}
+
+/// Where a lane's walk stopped: its last row's sequence number, or (a
+/// table ordered by `created_at`) its time and id. A row whose time is
+/// NULL ends the lane's walk for this claim (`> NULL` matches nothing).
+#[derive(Debug, Clone)]
+enum Last {
+    Seq(i64),
+    Time(Option<NaiveDateTime>, String),
+}
+
+impl MySqlStore {
+    fn last(&self, r: &MySqlRow, c: &Claim) -> Last {
+        if self.sql.by_seq {
+            Last::Seq(c.sequence())
+        } else {
+            Last::Time(
+                r.try_get::<Option<NaiveDateTime>, _>("created_at")
+                    .ok()
+                    .flatten(),
+                c.id().to_string(),
+            )
+        }
     }
 }
 

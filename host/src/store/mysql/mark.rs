@@ -58,13 +58,13 @@ impl MySqlStore {
         if mine.is_empty() {
             return Ok(0);
         }
-        let mut qb: QueryBuilder<MySql> = QueryBuilder::new(format!(
-            "UPDATE `{}` SET published_at = UTC_TIMESTAMP(6) WHERE published_at = {PENDING} AND seq IN (",
-            self.source
-        ));
+        let mut qb = self.mark_statement();
         let mut sep = qb.separated(", ");
         for c in &mine {
-            sep.push_bind(c.sequence());
+            match self.sql.key {
+                RowKey::Seq => sep.push_bind(c.sequence()),
+                RowKey::Id => sep.push_bind(c.id().to_string()),
+            };
         }
         qb.push(")");
         let with_state: Vec<&str> = mine
@@ -148,21 +148,94 @@ impl MySqlStore {
                 .bind(serde_json::to_string(&f.done_legs).unwrap_or_else(|_| "[]".into()))
                 .execute(&mut *tx)
                 .await?;
-            // Mirrored into the row, which says whether it failed for good.
-            sqlx::query(&format!(
-                "UPDATE `{}` SET attempts = ?, last_error = ?, failed_at = {failed} \
-                 WHERE seq = ? AND published_at = {PENDING}",
-                self.source
-            ))
-            .bind(f.attempts as i64)
-            .bind(&f.reason)
-            .bind(f.sequence)
-            .execute(&mut *tx)
-            .await?;
+            // Mirrored into the row (the columns it has), which says
+            // whether it failed for good.
+            let failed_for_good = matches!(f.kind, FailureKind::Failed { .. });
+            if let Some(set) = self.failure_columns(failed_for_good) {
+                let sql = format!(
+                    "UPDATE {t} o SET {set} WHERE {key} = ? AND {unpublished}",
+                    t = self.sql.table,
+                    key = self.sql.key_col(),
+                    unpublished = self.sql.unpublished,
+                );
+                let mut q = sqlx::query(&sql);
+                if self.sql.cfg.attempts.is_some() {
+                    q = q.bind(f.attempts as i64);
+                }
+                if self.sql.cfg.last_error.is_some() {
+                    q = q.bind(&f.reason);
+                }
+                q = match self.sql.key {
+                    RowKey::Seq => q.bind(f.sequence),
+                    RowKey::Id => q.bind(&f.id),
+                };
+                q.execute(&mut *tx).await?;
+            }
         }
         tx.commit()
             .await
             .context("recording failed and retried events")?;
         Ok(mine.len() as u64)
+    }
+
+    /// `UPDATE`/`DELETE … WHERE <unpublished> AND <key> IN (`: the mark,
+    /// as the table's marking style has it (the caller binds the keys and
+    /// closes the list).
+    fn mark_statement(&self) -> QueryBuilder<'static, MySql> {
+        let s = &self.sql;
+        let set = match &s.cfg.marking {
+            crate::config::Marking::PublishedAt { column } => {
+                format!("o.{} = UTC_TIMESTAMP(6)", table::quote(column))
+            }
+            crate::config::Marking::Status { column, sent, .. } => {
+                format!("o.{} = {}", table::quote(column), table::literal(sent))
+            }
+            crate::config::Marking::Delete | crate::config::Marking::Queue { .. } => {
+                return QueryBuilder::new(format!(
+                    "DELETE o FROM {t} o WHERE {key} IN (",
+                    t = s.table,
+                    key = s.key_col()
+                ));
+            }
+        };
+        QueryBuilder::new(format!(
+            "UPDATE {t} o SET {set} WHERE {unpublished} AND {key} IN (",
+            t = s.table,
+            unpublished = s.unpublished,
+            key = s.key_col()
+        ))
+    }
+
+    /// The row's own failure columns for a retry or (`failed`) a failure
+    /// for good: attempts and last error (bound in that order, when
+    /// mapped), `failed_at` and a failed status. `None`: the table has
+    /// none of them.
+    fn failure_columns(&self, failed: bool) -> Option<String> {
+        let cfg = &self.sql.cfg;
+        let mut set = Vec::new();
+        if let Some(c) = &cfg.attempts {
+            set.push(format!("o.{} = ?", table::quote(c)));
+        }
+        if let Some(c) = &cfg.last_error {
+            set.push(format!("o.{} = ?", table::quote(c)));
+        }
+        if let Some(c) = &cfg.failed_at {
+            let v = if failed { "UTC_TIMESTAMP(6)" } else { "NULL" };
+            set.push(format!("o.{} = {v}", table::quote(c)));
+        }
+        if let crate::config::Marking::Status {
+            column,
+            failed: Some(value),
+            ..
+        } = &cfg.marking
+            && failed
+        {
+            set.push(format!(
+                "o.{} = {}",
+                table::quote(column),
+                table::literal(value)
+            ));
+        }
+        (!set.is_empty()).then(|| set.join(", "))
     }
 }

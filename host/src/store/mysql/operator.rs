@@ -19,35 +19,103 @@ const MAKE_WAITING_DUE: &str = "UPDATE outroute_event_state SET next_attempt_at 
 
 impl MySqlStore {
     /// Pending events (exact up to [`BACKLOG_EXACT`]) and the age of the
-    /// oldest, in seconds: both read through the `published_at` index,
-    /// pending rows only.
+    /// oldest, in seconds, read through an index, pending rows only: the
+    /// canonical table's `published_at` index, a mapped table's lane
+    /// index (each lane's first pending row; without the index a mapped
+    /// table is scanned, as its claims are).
     pub async fn backlog(&self) -> Result<(i64, Option<f64>)> {
-        let t = &self.source;
+        let s = &self.sql;
+        let (from, oldest_sql) = if s.canonical {
+            (
+                format!("{} o FORCE INDEX (outbox_published_at)", s.table),
+                format!(
+                    "SELECT {seq}, TIMESTAMPDIFF(MICROSECOND, {c}, UTC_TIMESTAMP(6)) FROM {t} o \
+                     FORCE INDEX (outbox_published_at) WHERE {p} ORDER BY {o} LIMIT 1",
+                    seq = s.seq,
+                    c = s.created_at,
+                    t = s.table,
+                    p = s.pending,
+                    o = s.order
+                ),
+            )
+        } else if self.lane_index {
+            let idx = lane_index_name(self.lanes);
+            let col = lane_column(self.lanes);
+            let lanes = (0..self.lanes)
+                .map(|l| l.to_string())
+                .collect::<Vec<_>>()
+                .join(", ");
+            let firsts = (0..self.lanes)
+                .map(|l| {
+                    format!(
+                        "(SELECT {seq} AS seq, {c} AS c FROM {t} o FORCE INDEX ({idx}) \
+                         WHERE o.{col} = {l} AND {p} ORDER BY {o} LIMIT 1)",
+                        seq = s.seq,
+                        c = s.created_at,
+                        t = s.table,
+                        p = s.pending,
+                        o = s.order
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(" UNION ALL ");
+            (
+                format!(
+                    "{t} o FORCE INDEX ({idx}) WHERE o.{col} IN ({lanes}) AND",
+                    t = s.table
+                ),
+                format!(
+                    "SELECT seq, TIMESTAMPDIFF(MICROSECOND, c, UTC_TIMESTAMP(6)) FROM ({firsts}) f \
+                     ORDER BY seq LIMIT 1"
+                ),
+            )
+        } else {
+            (
+                format!("{} o", s.table),
+                format!(
+                    "SELECT {seq}, TIMESTAMPDIFF(MICROSECOND, {c}, UTC_TIMESTAMP(6)) FROM {t} o \
+                     WHERE {p} ORDER BY {o} LIMIT 1",
+                    seq = s.seq,
+                    c = s.created_at,
+                    t = s.table,
+                    p = s.pending,
+                    o = s.order
+                ),
+            )
+        };
+        let from = if from.ends_with("AND") {
+            from
+        } else {
+            format!("{from} WHERE")
+        };
         let exact: i64 = sqlx::query_scalar(&format!(
-            "SELECT count(*) FROM (SELECT 1 FROM `{t}` FORCE INDEX (outbox_published_at) \
-             WHERE published_at = {PENDING} AND failed_at IS NULL LIMIT {BACKLOG_EXACT}) p"
+            "SELECT count(*) FROM (SELECT 1 FROM {from} {p} LIMIT {BACKLOG_EXACT}) p",
+            p = s.pending
         ))
         .fetch_one(&self.pool)
         .await?;
-        let oldest: Option<(i64, i64)> = sqlx::query_as(&format!(
-            "SELECT seq, TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) FROM `{t}` \
-             FORCE INDEX (outbox_published_at) WHERE published_at = {PENDING} AND failed_at IS NULL \
-             ORDER BY seq LIMIT 1"
-        ))
-        .fetch_optional(&self.pool)
-        .await?;
-        let count = if exact < BACKLOG_EXACT {
-            exact
-        } else {
-            let last: Option<i64> = sqlx::query_scalar(&format!("SELECT max(seq) FROM `{t}`"))
+        let oldest: Option<(Option<i64>, Option<i64>)> = sqlx::query_as(&oldest_sql)
+            .fetch_optional(&self.pool)
+            .await?;
+        let count = match (&s.cfg.sequence, oldest) {
+            // Past the exact count: the span of sequence numbers still
+            // pending (a table ordered by time says "at least").
+            (Some(seq), Some((Some(first), _))) if exact >= BACKLOG_EXACT => {
+                let last: Option<i64> = sqlx::query_scalar(&format!(
+                    "SELECT CAST(max({}) AS SIGNED) FROM {}",
+                    table::quote(seq),
+                    s.table
+                ))
                 .fetch_one(&self.pool)
                 .await?;
-            match (oldest, last) {
-                (Some((first, _)), Some(last)) => (last - first + 1).max(exact),
-                _ => exact,
+                last.map_or(exact, |last| (last - first + 1).max(exact))
             }
+            _ => exact,
         };
-        Ok((count, oldest.map(|(_, us)| us as f64 / 1e6)))
+        Ok((
+            count,
+            oldest.and_then(|(_, us)| us).map(|us| us as f64 / 1e6),
+        ))
     }
 
     pub async fn status(&self) -> Result<Status> {
@@ -63,9 +131,15 @@ impl MySqlStore {
         // An operator's question, answered exactly (this reads every
         // pending row, unlike the relay's bounded gauge).
         let mut by_type: Vec<(String, i64)> = sqlx::query_as(&format!(
-            "SELECT CAST(aggregate_type AS CHAR), count(*) FROM `{}` FORCE INDEX (outbox_published_at) \
-             WHERE published_at = {PENDING} AND failed_at IS NULL GROUP BY 1 ORDER BY 2 DESC",
-            self.source
+            "SELECT {at}, count(*) FROM {t} o{index} WHERE {p} GROUP BY 1 ORDER BY 2 DESC",
+            at = self.sql.aggregate_type_text,
+            t = self.sql.table,
+            index = if self.sql.canonical {
+                " FORCE INDEX (outbox_published_at)"
+            } else {
+                ""
+            },
+            p = self.sql.pending,
         ))
         .fetch_all(&self.pool)
         .await?;
@@ -300,16 +374,43 @@ impl MySqlStore {
         }
         qb.push(")");
         qb.build().execute(&mut *tx).await?;
-        let mut qb: QueryBuilder<MySql> = QueryBuilder::new(format!(
-            "UPDATE `{}` SET failed_at = NULL, attempts = 0 WHERE id IN (",
-            self.source
-        ));
-        let mut sep = qb.separated(", ");
-        for id in &ids {
-            sep.push_bind(id.as_str());
+        // The row's own failure columns, where it has them.
+        let cfg = &self.sql.cfg;
+        let mut set = Vec::new();
+        if let Some(c) = &cfg.failed_at {
+            set.push(format!("o.{} = NULL", table::quote(c)));
         }
-        qb.push(")");
-        qb.build().execute(&mut *tx).await?;
+        if let Some(c) = &cfg.attempts {
+            set.push(format!("o.{} = 0", table::quote(c)));
+        }
+        if let crate::config::Marking::Status {
+            column,
+            pending,
+            failed: Some(failed),
+            ..
+        } = &cfg.marking
+        {
+            let c = format!("o.{}", table::quote(column));
+            set.push(format!(
+                "{c} = IF({c} = {f}, {p}, {c})",
+                f = table::literal(failed),
+                p = table::literal(pending)
+            ));
+        }
+        if !set.is_empty() {
+            let mut qb: QueryBuilder<MySql> = QueryBuilder::new(format!(
+                "UPDATE {t} o SET {set} WHERE {id} IN (",
+                t = self.sql.table,
+                set = set.join(", "),
+                id = self.sql.id
+            ));
+            let mut sep = qb.separated(", ");
+            for id in &ids {
+                sep.push_bind(id.as_str());
+            }
+            qb.push(")");
+            qb.build().execute(&mut *tx).await?;
+        }
         tx.commit().await?;
         Ok(ids.len() as u64)
     }
@@ -324,23 +425,28 @@ impl MySqlStore {
         Ok(qb.build().execute(&self.pool).await?.rows_affected())
     }
 
-    /// `SELECT … WHERE` published rows match `f`.
+    /// `SELECT … WHERE` published rows match `f` (none under `delete`).
     fn published_query<'a>(&self, head: &str, f: &'a Filter) -> QueryBuilder<'a, MySql> {
+        let s = &self.sql;
         let mut qb = QueryBuilder::new(head);
-        qb.push(format!(" WHERE o.published_at > {PENDING}"));
-        if let Some(s) = f.since {
-            qb.push(" AND o.created_at >= ").push_bind(s);
+        qb.push(format!(
+            " WHERE {}",
+            s.published.as_deref().unwrap_or("FALSE")
+        ));
+        if let Some(since) = f.since {
+            qb.push(format!(" AND {} >= ", s.created_at))
+                .push_bind(since);
         }
         if let Some(u) = f.until {
-            qb.push(" AND o.created_at < ").push_bind(u);
+            qb.push(format!(" AND {} < ", s.created_at)).push_bind(u);
         }
-        for (col, v) in [
-            ("aggregate_type", &f.aggregate_type),
-            ("aggregate_id", &f.aggregate_id),
-            ("event_type", &f.event_type),
+        for (expr, v) in [
+            (&s.aggregate_type_bin, &f.aggregate_type),
+            (&s.aggregate_id_bin, &f.aggregate_id),
+            (&s.event_type_bin, &f.event_type),
         ] {
             if let Some(v) = v {
-                qb.push(format!(" AND o.{col} = ")).push_bind(v.as_str());
+                qb.push(format!(" AND {expr} = ")).push_bind(v.as_str());
             }
         }
         qb
@@ -355,24 +461,42 @@ impl MySqlStore {
         limit: i64,
         newest: bool,
     ) -> Result<Vec<Claim>> {
+        let s = &self.sql;
         let (cmp, dir, start) = if newest {
-            (" < ", " DESC", i64::MAX)
+            ("<", " DESC", i64::MAX)
         } else {
-            (" > ", "", i64::MIN)
+            (">", "", i64::MIN)
         };
         let head = format!(
-            "SELECT {COLS}, 0 AS attempts, 0 AS has_state, '[]' AS done_legs, \
-               CAST({lane} AS SIGNED) AS lane FROM `{}` o",
-            self.source,
-            lane = lane_expr(self.lanes),
+            "SELECT {cols}, 0 AS attempts, 0 AS has_state, '[]' AS done_legs, \
+               CAST({lane} AS SIGNED) AS lane FROM {t} o",
+            cols = s.cols,
+            lane = s.lane,
+            t = s.table,
         );
         let mut qb = self.published_query(&head, f);
-        // `seq` is unique here: the id only breaks ties for the contract.
         let seq = cursor.map_or(start, |c| c.seq);
-        qb.push(format!(" AND o.seq{cmp}"))
-            .push_bind(seq)
-            .push(format!(" ORDER BY o.seq{dir} LIMIT "))
-            .push_bind(limit);
+        if s.by_seq {
+            // A sequence column orders alone (the canonical `seq` is
+            // unique; the id only breaks ties for the contract).
+            qb.push(format!(" AND {} {cmp} ", s.seq))
+                .push_bind(seq)
+                .push(format!(" ORDER BY {}{dir} LIMIT ", s.seq));
+        } else {
+            // Time, then the id, as the cursor has them.
+            let id = cursor.map_or(String::new(), |c| c.id.clone());
+            qb.push(format!(" AND ({} {cmp} ", s.seq))
+                .push_bind(seq)
+                .push(format!(" OR ({} = ", s.seq))
+                .push_bind(seq)
+                .push(format!(" AND {} {cmp} ", s.id_bin))
+                .push_bind(id)
+                .push(format!(
+                    ")) ORDER BY {}{dir}, {}{dir} LIMIT ",
+                    s.seq, s.id_bin
+                ));
+        }
+        qb.push_bind(limit);
         let rows = qb.build().fetch_all(&self.pool).await?;
         rows.iter()
             .map(|r| to_claim(r, r.try_get::<i64, _>("lane").unwrap_or(0) as i32))
@@ -380,7 +504,7 @@ impl MySqlStore {
     }
 
     pub async fn published_count(&self, f: &Filter) -> Result<i64> {
-        let head = format!("SELECT count(*) FROM `{}` o", self.source);
+        let head = format!("SELECT count(*) FROM {} o", self.sql.table);
         let mut qb = self.published_query(&head, f);
         Ok(qb.build().fetch_one(&self.pool).await?.try_get(0)?)
     }
@@ -399,10 +523,24 @@ impl MySqlStore {
         if ours != Some(1) {
             return Ok(Purged::default());
         }
+        let s = &self.sql;
+        // Published before the window: by `published_at` where the table
+        // has it (the canonical table through its index), else by
+        // `created_at` (a status table keeps no publish time). A mapped
+        // table without an index on that column is scanned each round.
+        let (Some(published), age) = (
+            &s.published_bare,
+            match &s.cfg.marking {
+                crate::config::Marking::PublishedAt { column } => table::quote(column),
+                _ => table::quote(&s.cfg.created_at),
+            },
+        ) else {
+            return Ok(Purged::default());
+        };
         let deleted = sqlx::query(&format!(
-            "DELETE FROM `{}` WHERE published_at > {PENDING} \
-               AND published_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND ORDER BY published_at LIMIT ?",
-            self.source
+            "DELETE FROM {t} WHERE {published} \
+               AND {age} < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND ORDER BY {age} LIMIT ?",
+            t = s.table,
         ))
         .bind(micros(older_than))
         .bind(batch)
