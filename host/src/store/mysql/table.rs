@@ -114,7 +114,8 @@ impl TableSql {
             None => (None, cfg.name.clone()),
         };
         let text = |c: &str| format!("CAST({} AS CHAR)", col(c));
-        let bin = |e: String| format!("(CAST({e} AS CHAR) COLLATE utf8mb4_bin)");
+        let bin =
+            |e: String| format!("(CAST({e} AS CHAR CHARACTER SET utf8mb4) COLLATE utf8mb4_bin)");
         let (aggregate_type, aggregate_type_bare) =
             match (&cfg.aggregate_type, &cfg.aggregate_type_value) {
                 (Some(c), _) => (col(c), quote(c)),
