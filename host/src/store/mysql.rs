@@ -110,9 +110,9 @@ pub struct MySqlStore {
     /// (`missing_index` says how to fix it).
     lane_index: bool,
     missing_index: Option<String>,
-    /// The last claim left rows behind (or failed, or none ran yet): the
-    /// next is a deep claim (see `MySqlStore::claim`).
-    deep: std::sync::atomic::AtomicBool,
+    /// The lanes whose last walk came back short (fewer rows than asked):
+    /// a claim of only such lanes is shallow (see `MySqlStore::claim`).
+    empty: std::sync::Mutex<std::collections::HashSet<i32>>,
 }
 
 /// The lane column and its index for `lanes` lanes.
@@ -224,7 +224,7 @@ impl MySqlStore {
             max_batch_bytes: config.relay.max_batch_bytes,
             lane_index: false,
             missing_index: None,
-            deep: std::sync::atomic::AtomicBool::new(true),
+            empty: std::sync::Mutex::new(std::collections::HashSet::new()),
         })
     }
 

@@ -111,6 +111,12 @@ impl MySqlStore {
                 qb.push(")");
                 let taken: Vec<(i32, i64)> = qb.build_query_as().fetch_all(&mut *tx).await?;
                 acquired = taken.len();
+                // Another relay may have left anything in them: deep.
+                let mut empty = self.empty.lock().unwrap_or_else(|p| p.into_inner());
+                for (lane, _) in &taken {
+                    empty.remove(lane);
+                }
+                drop(empty);
                 held.extend(taken);
             }
         }
@@ -277,14 +283,14 @@ impl MySqlStore {
 
     /// Claim up to `limit` events from `lanes`, in one of two ways:
     ///
-    /// * **Shallow** (the last claim emptied what it walked): one statement
+    /// * **Shallow** (every lane's last walk came back short): one statement
     ///   over all the lanes, reading every pending row they have (few, or
     ///   the last claim would have found them) in outbox order. A claim
     ///   statement costs MariaDB ~0.3 ms per lane branch to plan whatever it
     ///   finds, so the per-lane walk below cost a caught-up relay at
     ///   steady load 10 ms per claim over 32 lanes; this costs one.
-    /// * **Deep** (the last claim left rows, or failed, or none ran yet:
-    ///   the backlog may be anything): each lane walked through the lane
+    /// * **Deep** (a lane left rows last time, or its claim failed, or none
+    ///   ran yet: the backlog may be anything): each lane walked through the lane
     ///   index for its share of the batch, the lanes that had more walked
     ///   on with what is left, at most [`CLAIM_ROUNDS`] statements; the
     ///   first lane walked alone for the whole batch first, so a batch takes
@@ -295,16 +301,48 @@ impl MySqlStore {
     /// every claim), each lane in outbox order; the claim stops at
     /// `relay.max_batch_bytes` of payload.
     pub async fn claim(&self, lanes: &[i32], limit: u32) -> Result<Claimed> {
-        use std::sync::atomic::Ordering::Relaxed;
         if lanes.is_empty() || limit == 0 {
             return Ok(Claimed {
                 claims: Vec::new(),
                 drained: true,
             });
         }
-        let deep = self.deep.load(Relaxed);
-        // Until this claim says otherwise: a failed claim leaves it deep.
-        self.deep.store(true, Relaxed);
+        // Shallow only if every lane came back short last time.
+        let deep = {
+            let empty = self.empty.lock().unwrap_or_else(|p| p.into_inner());
+            !lanes.iter().all(|l| empty.contains(l))
+        };
+        let claimed = self.claim_walks(lanes, limit, deep).await;
+        let mut empty = self.empty.lock().unwrap_or_else(|p| p.into_inner());
+        match &claimed {
+            // What the walks found: lanes that came back short, and lanes
+            // that filled what they were asked (or were cut off).
+            Ok((_, short, full)) => {
+                empty.extend(short.iter().copied());
+                for l in full {
+                    empty.remove(l);
+                }
+            }
+            // A failed claim leaves its lanes deep (it may have failed for
+            // reading too much).
+            Err(_) => {
+                for l in lanes {
+                    empty.remove(l);
+                }
+            }
+        }
+        claimed.map(|(c, _, _)| c)
+    }
+
+    /// The walks of one claim (see [`MySqlStore::claim`]): the claim, the
+    /// lanes that came back short, and those that did not.
+    async fn claim_walks(
+        &self,
+        lanes: &[i32],
+        limit: u32,
+        deep: bool,
+    ) -> Result<(Claimed, Vec<i32>, Vec<i32>)> {
+        let mut short: Vec<i32> = Vec::new();
         let place: HashMap<i32, usize> = lanes.iter().enumerate().map(|(i, l)| (*l, i)).collect();
         let mut claims: Vec<(usize, Claim)> = Vec::new();
         let mut more = false;
@@ -318,6 +356,9 @@ impl MySqlStore {
                 ));
             }
             more = rows.len() >= limit as usize;
+            if !more {
+                short = lanes.to_vec();
+            }
         } else {
             let mut order: Vec<i32> = lanes.to_vec();
             let mut after: HashMap<i32, Last> = HashMap::new();
@@ -347,6 +388,11 @@ impl MySqlStore {
                 // Lanes that filled their share may have more; a lane walked
                 // alone that did not is done, the others are still to walk.
                 let walked: Vec<i32> = walking.to_vec();
+                short.extend(
+                    walked
+                        .iter()
+                        .filter(|l| per_lane.get(l).copied().unwrap_or(0) < share),
+                );
                 order.retain(|l| {
                     !walked.contains(l) || per_lane.get(l).copied().unwrap_or(0) >= share
                 });
@@ -359,7 +405,6 @@ impl MySqlStore {
                 }
             }
         }
-        self.deep.store(more, Relaxed);
         // Lane by lane in this claim's lane order, each in outbox order
         // (the walks of later rounds continue their lane's earlier rows).
         claims.sort_by_key(|(place, c)| (*place, c.sequence()));
@@ -376,13 +421,17 @@ impl MySqlStore {
             kept_bytes += c.bytes();
             out.push(c);
         }
-        if cut {
-            self.deep.store(true, Relaxed);
-        }
-        Ok(Claimed {
+        let full: Vec<i32> = if cut {
+            short.clear();
+            lanes.to_vec()
+        } else {
+            lanes.iter().filter(|l| !short.contains(l)).copied().collect()
+        };
+        let claimed = Claimed {
             drained: !more && !cut && kept_bytes < self.max_batch_bytes,
             claims: out,
-        })
+        };
+        Ok((claimed, short, full))
     }
 }
 
