@@ -111,6 +111,53 @@ pub async fn produce_mysql(
     per_aggregate: usize,
     rollback_every: usize,
 ) -> Result<Workload> {
+    produce_into(
+        pool,
+        OutboxTable::Outbox,
+        prefix,
+        (aggregates, per_aggregate),
+        rollback_every,
+    )
+    .await
+}
+
+/// [`produce_mysql`] into [`T_OUTBOX`] the way the seed's service writes
+/// it: `create_time = NOW()` (whole seconds), so events of one aggregate
+/// share a time and their ids order them (`<prefix>-<round>-<aggregate>-…`:
+/// a producer that wants order within a second must give it).
+pub async fn produce_t_outbox(
+    pool: &MySqlPool,
+    prefix: &str,
+    aggregates: usize,
+    per_aggregate: usize,
+    rollback_every: usize,
+) -> Result<Workload> {
+    produce_into(
+        pool,
+        OutboxTable::TOutbox,
+        prefix,
+        (aggregates, per_aggregate),
+        rollback_every,
+    )
+    .await
+}
+
+/// The table a producer writes.
+#[derive(Clone, Copy)]
+enum OutboxTable {
+    /// The canonical `outbox`: UUID ids, ordered by its AUTO_INCREMENT.
+    Outbox,
+    /// [`T_OUTBOX`]: ids that sort in write order, `create_time = NOW()`.
+    TOutbox,
+}
+
+async fn produce_into(
+    pool: &MySqlPool,
+    into: OutboxTable,
+    prefix: &str,
+    (aggregates, per_aggregate): (usize, usize),
+    rollback_every: usize,
+) -> Result<Workload> {
     let mut tasks = Vec::new();
     for worker in 0..4usize {
         let pool = pool.clone();
@@ -122,7 +169,13 @@ pub async fn produce_mysql(
                 for a in (worker..aggregates).step_by(4) {
                     n += 1;
                     let agg = format!("{prefix}-{a}");
-                    let id = uuid::Uuid::new_v4().to_string();
+                    let id = match into {
+                        OutboxTable::Outbox => uuid::Uuid::new_v4().to_string(),
+                        OutboxTable::TOutbox => {
+                            format!("{prefix}-{round:06}-{a:06}-{}", uuid::Uuid::new_v4())
+                        }
+                    };
+                    let payload = serde_json::json!({"order_id": agg, "version": round}).to_string();
                     let mut tx = pool.begin().await?;
                     sqlx::query(
                         "INSERT INTO orders (id, version) VALUES (?, ?) ON DUPLICATE KEY UPDATE version = VALUES(version)",
@@ -131,20 +184,34 @@ pub async fn produce_mysql(
                     .bind(round as i32)
                     .execute(&mut *tx)
                     .await?;
-                    let seq = sqlx::query(
-                        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, headers) \
-                         VALUES (?, 'order', ?, 'order-updated', ?, ?)",
-                    )
-                    .bind(&id)
-                    .bind(&agg)
-                    .bind(serde_json::json!({"order_id": agg, "version": round}).to_string())
-                    .bind(
-                        serde_json::json!({"traceparent": format!("00-{:032x}-{:016x}-01", n + 1, round + 1)})
-                            .to_string(),
-                    )
-                    .execute(&mut *tx)
-                    .await?
-                    .last_insert_id() as i64;
+                    let seq = match into {
+                        OutboxTable::Outbox => sqlx::query(
+                            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, headers) \
+                             VALUES (?, 'order', ?, 'order-updated', ?, ?)",
+                        )
+                        .bind(&id)
+                        .bind(&agg)
+                        .bind(&payload)
+                        .bind(
+                            serde_json::json!({"traceparent": format!("00-{:032x}-{:016x}-01", n + 1, round + 1)})
+                                .to_string(),
+                        )
+                        .execute(&mut *tx)
+                        .await?
+                        .last_insert_id() as i64,
+                        OutboxTable::TOutbox => {
+                            sqlx::query(
+                                "INSERT INTO t_outbox (event_id, aggregate_type, aggregate_id, event_type, payload, \
+                                 status, retry_count, create_time) VALUES (?, 'order', ?, 'order-updated', ?, 'PENDING', 0, NOW())",
+                            )
+                            .bind(&id)
+                            .bind(&agg)
+                            .bind(&payload)
+                            .execute(&mut *tx)
+                            .await?;
+                            (round * aggregates + a) as i64
+                        }
+                    };
                     if rollback_every > 0 && n.is_multiple_of(rollback_every) {
                         tx.rollback().await?;
                         w.rolled_back.push(id);
@@ -198,72 +265,6 @@ payload = \"payload\"
 created_at = \"create_time\"
 attempts = \"retry_count\"
 marking = { style = \"status\", column = \"status\", pending = \"PENDING\", sent = \"SENT\" }";
-
-/// [`produce_mysql`] into [`T_OUTBOX`] the way the seed's service writes
-/// it: `create_time = NOW()` (whole seconds), so events of one aggregate
-/// share a time and their ids order them (`<prefix>-<round>-<aggregate>-…`:
-/// a producer that wants order within a second must give it).
-pub async fn produce_t_outbox(
-    pool: &MySqlPool,
-    prefix: &str,
-    aggregates: usize,
-    per_aggregate: usize,
-    rollback_every: usize,
-) -> Result<Workload> {
-    let mut tasks = Vec::new();
-    for worker in 0..4usize {
-        let pool = pool.clone();
-        let prefix = prefix.to_string();
-        tasks.push(tokio::spawn(async move {
-            let mut w = Workload::default();
-            let mut n = 0usize;
-            for round in 0..per_aggregate {
-                for a in (worker..aggregates).step_by(4) {
-                    n += 1;
-                    let agg = format!("{prefix}-{a}");
-                    let id = format!("{prefix}-{round:06}-{a:06}-{}", uuid::Uuid::new_v4());
-                    let mut tx = pool.begin().await?;
-                    sqlx::query(
-                        "INSERT INTO orders (id, version) VALUES (?, ?) ON DUPLICATE KEY UPDATE version = VALUES(version)",
-                    )
-                    .bind(&agg)
-                    .bind(round as i32)
-                    .execute(&mut *tx)
-                    .await?;
-                    sqlx::query(
-                        "INSERT INTO t_outbox (event_id, aggregate_type, aggregate_id, event_type, payload, status, \
-                         retry_count, create_time) VALUES (?, 'order', ?, 'order-updated', ?, 'PENDING', 0, NOW())",
-                    )
-                    .bind(&id)
-                    .bind(&agg)
-                    .bind(serde_json::json!({"order_id": agg, "version": round}).to_string())
-                    .execute(&mut *tx)
-                    .await?;
-                    if rollback_every > 0 && n.is_multiple_of(rollback_every) {
-                        tx.rollback().await?;
-                        w.rolled_back.push(id);
-                    } else {
-                        tx.commit().await?;
-                        w.committed.push(Expected {
-                            id,
-                            aggregate_id: agg,
-                            seq: (round * aggregates + a) as i64,
-                        });
-                    }
-                }
-            }
-            anyhow::Ok(w)
-        }));
-    }
-    let mut all = Workload::default();
-    for t in tasks {
-        let w = t.await??;
-        all.committed.extend(w.committed);
-        all.rolled_back.extend(w.rolled_back);
-    }
-    all.committed.sort_by_key(|e| e.seq);
-    Ok(all)
-}
 
 /// Crash the own server of `scripts/mariadb-own` (`kill -9`, as a host
 /// failure would) and wait until its port is closed; `mariadb_own_admin_url`

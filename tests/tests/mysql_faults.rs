@@ -44,6 +44,40 @@ fn keep_producing(
     })
 }
 
+/// Producers commit while `inject` runs its faults through `proxy`; then
+/// wait (bounded) until the relay has marked everything. Returns what was
+/// committed and the faults by kind.
+async fn faults_while_producing(
+    db: &MyDb,
+    proxy: &FaultProxy,
+    rng: &mut Rng,
+    relay: &Relay,
+) -> anyhow::Result<(Workload, [usize; 4])> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let producing = keep_producing(db.pool.clone(), stop.clone());
+    let kinds = inject(proxy, rng, faults()).await;
+    stop.store(true, Ordering::SeqCst);
+    let w = producing.await??;
+    let drained = eventually(Duration::from_secs(120), || async {
+        db.count(PENDING).await == 0
+    })
+    .await;
+    assert!(drained, "rows left pending:\n{}", relay.log_text());
+    Ok((w, kinds))
+}
+
+/// `100 faults (cut 28, delay 21, black hole 23, refuse 28)`.
+fn describe(kinds: [usize; 4]) -> String {
+    format!(
+        "{} faults (cut {}, delay {}, black hole {}, refuse {})",
+        kinds.iter().sum::<usize>(),
+        kinds[0],
+        kinds[1],
+        kinds[2],
+        kinds[3]
+    )
+}
+
 /// A JetStream stream for `t`'s subjects, and the route publishing to it.
 async fn nats_route(t: &str) -> anyhow::Result<(async_nats::jetstream::Context, String, String)> {
     let stream = format!("MYF{t}");
@@ -79,26 +113,10 @@ async fn mariadb_connections_through_random_network_faults_lose_nothing() -> any
     db.migrate(&config)?;
     let mut relay = Relay::start(&config, &[])?;
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let producing = keep_producing(db.pool.clone(), stop.clone());
-    let kinds = inject(&proxy, &mut rng, faults()).await;
-    stop.store(true, Ordering::SeqCst);
-    let w = producing.await??;
-    let drained = eventually(Duration::from_secs(120), || async {
-        db.count(PENDING).await == 0
-    })
-    .await;
-    assert!(drained, "rows left pending:\n{}", relay.log_text());
+    let (w, kinds) = faults_while_producing(&db, &proxy, &mut rng, &relay).await?;
     let delivered = consume_nats(&js, &stream, w.committed.len(), Duration::from_secs(30)).await?;
     let report = check(&w, &delivered);
-    println!(
-        "mariadb connections: {} faults (cut {}, delay {}, black hole {}, refuse {}): {report}",
-        kinds.iter().sum::<usize>(),
-        kinds[0],
-        kinds[1],
-        kinds[2],
-        kinds[3]
-    );
+    println!("mariadb connections: {}: {report}", describe(kinds));
     report.assert_clean();
     // The relay met the faults (its store statements failed or were given
     // up) and rode them out.
@@ -146,16 +164,7 @@ async fn kafka_through_random_network_faults_from_mariadb_loses_nothing() -> any
     )?;
     db.migrate(&config)?;
     let mut relay = Relay::start(&config, &[])?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let producing = keep_producing(db.pool.clone(), stop.clone());
-    let kinds = inject(&proxy, &mut rng, faults()).await;
-    stop.store(true, Ordering::SeqCst);
-    let w = producing.await??;
-    let drained = eventually(Duration::from_secs(120), || async {
-        db.count(PENDING).await == 0
-    })
-    .await;
-    assert!(drained, "rows left pending:\n{}", relay.log_text());
+    let (w, kinds) = faults_while_producing(&db, &proxy, &mut rng, &relay).await?;
     let delivered = consume_kafka_at(
         &proxy.addr,
         &topic,
@@ -164,14 +173,7 @@ async fn kafka_through_random_network_faults_from_mariadb_loses_nothing() -> any
         Duration::from_secs(60),
     )?;
     let report = check(&w, &delivered);
-    println!(
-        "kafka from mariadb: {} faults (cut {}, delay {}, black hole {}, refuse {}): {report}",
-        kinds.iter().sum::<usize>(),
-        kinds[0],
-        kinds[1],
-        kinds[2],
-        kinds[3]
-    );
+    println!("kafka from mariadb: {}: {report}", describe(kinds));
     report.assert_clean();
     let (_, metrics) = http_get(&http, "/metrics").await?;
     let errors: f64 = metrics

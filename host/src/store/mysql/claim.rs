@@ -425,7 +425,11 @@ impl MySqlStore {
             short.clear();
             lanes.to_vec()
         } else {
-            lanes.iter().filter(|l| !short.contains(l)).copied().collect()
+            lanes
+                .iter()
+                .filter(|l| !short.contains(l))
+                .copied()
+                .collect()
         };
         let claimed = Claimed {
             drained: !more && !cut && kept_bytes < self.max_batch_bytes,
