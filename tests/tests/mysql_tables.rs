@@ -1,7 +1,8 @@
 //! MySQL/MariaDB table shapes and the plugin contract across databases
 //! (issue 44): the seed article's Spring `t_outbox` relayed as it is
-//! through a mapping, and one plugin routing the same events from a
-//! PostgreSQL and a MariaDB outbox to identical messages.
+//! through a mapping, mapped tables marked by `delete` and `published_at`,
+//! and one plugin routing the same events from a PostgreSQL and a MariaDB
+//! outbox to identical messages.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -289,5 +290,90 @@ async fn one_plugin_routes_postgres_and_mariadb_events_identically() -> anyhow::
     }
     pg.drop_db().await;
     my.drop_db().await;
+    Ok(())
+}
+
+/// The other markings on a mapped MySQL table, with an AUTO_INCREMENT
+/// column mapped as `sequence`: `delete` (a published row leaves the
+/// table) and `published_at` (NULL while pending, stamped when
+/// published). Every event goes out once in per-aggregate order, and the
+/// table says so afterwards.
+#[tokio::test(flavor = "multi_thread")]
+async fn mapped_mysql_tables_marked_by_delete_or_published_at() -> anyhow::Result<()> {
+    for (marking, done) in [
+        (
+            "{ style = \"delete\" }",
+            "SELECT count(*) = 0 FROM app_events",
+        ),
+        (
+            "{ style = \"published_at\", column = \"sent_at\" }",
+            "SELECT count(*) = 0 FROM app_events WHERE sent_at IS NULL",
+        ),
+    ] {
+        let db = MyDb::new().await?;
+        sqlx::query(
+            "CREATE TABLE app_events (n BIGINT NOT NULL AUTO_INCREMENT UNIQUE, event_id CHAR(36) NOT NULL PRIMARY KEY, \
+             agg VARCHAR(64) NOT NULL, kind VARCHAR(64) NOT NULL, body TEXT NOT NULL, \
+             at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6), sent_at DATETIME(6) NULL) ENGINE = InnoDB",
+        )
+        .execute(&db.pool)
+        .await?;
+        let dir = test_dir("mysql-markings");
+        let out = dir.join("out.jsonl");
+        let mapping = format!(
+            "[store.table]\nname = \"app_events\"\nid = \"event_id\"\nsequence = \"n\"\naggregate_type_value = \"order\"\n\
+             aggregate_id = \"agg\"\nevent_type = \"kind\"\npayload = \"body\"\ncreated_at = \"at\"\nmarking = {marking}"
+        );
+        let config = write_config_with(
+            &dir,
+            &db.url,
+            &mapping,
+            "lanes = 4\npoll_max = \"100ms\"",
+            &relay_body(
+                "",
+                &[TestSink::File(&out)],
+                "order-router",
+                "orders",
+                FILE_ROUTE,
+            ),
+        )?;
+        let c = config.to_string_lossy().to_string();
+        let (code, o, e) = cli(&["migrate", "--table", "-c", &c])?;
+        assert_eq!(code, 0, "{marking}: {o}{e}");
+        let mut relay = Relay::start(&config, &[])?;
+        let mut work = Workload::default();
+        for i in 0..40usize {
+            let id = uuid::Uuid::new_v4().to_string();
+            let agg = format!("a-{}", i % 5);
+            let seq = sqlx::query(
+                "INSERT INTO app_events (event_id, agg, kind, body) VALUES (?, ?, 'order-updated', ?)",
+            )
+            .bind(&id)
+            .bind(&agg)
+            .bind(format!("{{\"i\": {i}}}"))
+            .execute(&db.pool)
+            .await?
+            .last_insert_id() as i64;
+            work.committed.push(Expected {
+                id,
+                aggregate_id: agg,
+                seq,
+            });
+        }
+        let finished = eventually(Duration::from_secs(30), || async {
+            db.count(done).await == 1 && file_sink_deliveries(&out).len() >= work.committed.len()
+        })
+        .await;
+        assert!(
+            finished,
+            "{marking}: not all published\n{}",
+            relay.log_text()
+        );
+        let report = check(&work, &file_sink_deliveries(&out));
+        println!("{marking}: {report}");
+        report.assert_clean();
+        relay.terminate(Duration::from_secs(15));
+        db.drop_db().await;
+    }
     Ok(())
 }
