@@ -312,26 +312,24 @@ impl MySqlStore {
             let empty = self.empty.lock().unwrap_or_else(|p| p.into_inner());
             !lanes.iter().all(|l| empty.contains(l))
         };
-        let claimed = self.claim_walks(lanes, limit, deep).await;
+        // A claim that fails, or is given up mid-statement (the store's
+        // statement timeout drops it), leaves its lanes deep: it may have
+        // failed for reading too much.
+        let mut guard = DeepUnlessDone {
+            store: self,
+            lanes,
+            done: false,
+        };
+        let (claimed, short, full) = self.claim_walks(lanes, limit, deep).await?;
+        guard.done = true;
+        // What the walks found: lanes that came back short, and lanes that
+        // filled what they were asked (or were cut off).
         let mut empty = self.empty.lock().unwrap_or_else(|p| p.into_inner());
-        match &claimed {
-            // What the walks found: lanes that came back short, and lanes
-            // that filled what they were asked (or were cut off).
-            Ok((_, short, full)) => {
-                empty.extend(short.iter().copied());
-                for l in full {
-                    empty.remove(l);
-                }
-            }
-            // A failed claim leaves its lanes deep (it may have failed for
-            // reading too much).
-            Err(_) => {
-                for l in lanes {
-                    empty.remove(l);
-                }
-            }
+        empty.extend(short);
+        for l in full {
+            empty.remove(&l);
         }
-        claimed.map(|(c, _, _)| c)
+        Ok(claimed)
     }
 
     /// The walks of one claim (see [`MySqlStore::claim`]): the claim, the
@@ -436,6 +434,24 @@ impl MySqlStore {
             claims: out,
         };
         Ok((claimed, short, full))
+    }
+}
+
+/// Marks a claim's lanes deep when dropped before the claim finished.
+struct DeepUnlessDone<'a> {
+    store: &'a MySqlStore,
+    lanes: &'a [i32],
+    done: bool,
+}
+
+impl Drop for DeepUnlessDone<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            let mut empty = self.store.empty.lock().unwrap_or_else(|p| p.into_inner());
+            for l in self.lanes {
+                empty.remove(l);
+            }
+        }
     }
 }
 
