@@ -129,6 +129,15 @@ async fn the_seed_t_outbox_on_mysql_is_relayed_as_it_is() -> anyhow::Result<()> 
     let v: serde_json::Value = serde_json::from_str(&out_s)?;
     let s = v.as_array().and_then(|a| a.first()).unwrap_or(&v);
     assert_eq!(s["failed"], 2, "{out_s}");
+    // The two failed rows are still `PENDING` (no failed status mapped):
+    // counted, and the oldest of them aged, through the lane index.
+    assert_eq!(s["backlog"], 2, "{out_s}");
+    assert!(
+        s["oldest_pending_age_seconds"]
+            .as_f64()
+            .is_some_and(|a| a >= 0.0),
+        "{out_s}"
+    );
     relay.terminate(Duration::from_secs(15));
 
     // Refused by name: an id that is not unique, a column that is not there.

@@ -25,71 +25,57 @@ impl MySqlStore {
     /// table is scanned, as its claims are).
     pub async fn backlog(&self) -> Result<(i64, Option<f64>)> {
         let s = &self.sql;
-        let (from, oldest_sql) = if s.canonical {
+        // The index pending rows are read through, and (the lane index)
+        // the lanes to read.
+        let mapped_lanes = !s.canonical && self.lane_index;
+        let (index, lanes) = if s.canonical {
             (
-                format!("{} o FORCE INDEX (outbox_published_at)", s.table),
-                format!(
-                    "SELECT {seq}, TIMESTAMPDIFF(MICROSECOND, {c}, UTC_TIMESTAMP(6)) FROM {t} o \
-                     FORCE INDEX (outbox_published_at) WHERE {p} ORDER BY {o} LIMIT 1",
-                    seq = s.seq,
-                    c = s.created_at,
-                    t = s.table,
-                    p = s.pending,
-                    o = s.order
-                ),
+                " FORCE INDEX (outbox_published_at)".to_string(),
+                String::new(),
             )
-        } else if self.lane_index {
-            let idx = lane_index_name(self.lanes);
-            let col = lane_column(self.lanes);
-            let lanes = (0..self.lanes)
+        } else if mapped_lanes {
+            let all = (0..self.lanes)
                 .map(|l| l.to_string())
                 .collect::<Vec<_>>()
                 .join(", ");
-            let firsts = (0..self.lanes)
+            (
+                format!(" FORCE INDEX ({})", lane_index_name(self.lanes)),
+                format!("o.{} IN ({all}) AND ", lane_column(self.lanes)),
+            )
+        } else {
+            (String::new(), String::new())
+        };
+        let first = |lane: &str| {
+            format!(
+                "SELECT {seq} AS seq, {c} AS c FROM {t} o{index} WHERE {lane}{p} ORDER BY {o} LIMIT 1",
+                seq = s.seq,
+                c = s.created_at,
+                t = s.table,
+                p = s.pending,
+                o = s.order
+            )
+        };
+        // Through the lane index the oldest is the first of each lane's
+        // firsts (one `ORDER BY` over every lane would sort them all).
+        let firsts = if mapped_lanes {
+            (0..self.lanes)
                 .map(|l| {
                     format!(
-                        "(SELECT {seq} AS seq, {c} AS c FROM {t} o FORCE INDEX ({idx}) \
-                         WHERE o.{col} = {l} AND {p} ORDER BY {o} LIMIT 1)",
-                        seq = s.seq,
-                        c = s.created_at,
-                        t = s.table,
-                        p = s.pending,
-                        o = s.order
+                        "({})",
+                        first(&format!("o.{} = {l} AND ", lane_column(self.lanes)))
                     )
                 })
                 .collect::<Vec<_>>()
-                .join(" UNION ALL ");
-            (
-                format!(
-                    "{t} o FORCE INDEX ({idx}) WHERE o.{col} IN ({lanes}) AND",
-                    t = s.table
-                ),
-                format!(
-                    "SELECT seq, TIMESTAMPDIFF(MICROSECOND, c, UTC_TIMESTAMP(6)) FROM ({firsts}) f \
-                     ORDER BY seq LIMIT 1"
-                ),
-            )
+                .join(" UNION ALL ")
         } else {
-            (
-                format!("{} o", s.table),
-                format!(
-                    "SELECT {seq}, TIMESTAMPDIFF(MICROSECOND, {c}, UTC_TIMESTAMP(6)) FROM {t} o \
-                     WHERE {p} ORDER BY {o} LIMIT 1",
-                    seq = s.seq,
-                    c = s.created_at,
-                    t = s.table,
-                    p = s.pending,
-                    o = s.order
-                ),
-            )
+            first("")
         };
-        let from = if from.ends_with("AND") {
-            from
-        } else {
-            format!("{from} WHERE")
-        };
+        let oldest_sql = format!(
+            "SELECT seq, TIMESTAMPDIFF(MICROSECOND, c, UTC_TIMESTAMP(6)) FROM ({firsts}) f ORDER BY seq LIMIT 1"
+        );
         let exact: i64 = sqlx::query_scalar(&format!(
-            "SELECT count(*) FROM (SELECT 1 FROM {from} {p} LIMIT {BACKLOG_EXACT}) p",
+            "SELECT count(*) FROM (SELECT 1 FROM {t} o{index} WHERE {lanes}{p} LIMIT {BACKLOG_EXACT}) p",
+            t = s.table,
             p = s.pending
         ))
         .fetch_one(&self.pool)
