@@ -48,7 +48,23 @@ async fn fill_mysql(pool: &MySqlPool, n: usize) -> Result<()> {
 /// The own server's processes (`group_cpu` pattern).
 const OWN_SERVER: &str = "mariadb-3307/data";
 
-pub(crate) async fn mysql_drain(n: usize, sink: &str, concurrency: u32) -> Result<Value> {
+/// How the drained relay reads the outbox.
+#[derive(Clone, Copy, PartialEq)]
+pub(crate) enum Capture {
+    /// Claims of leased lanes.
+    Lease,
+    /// The binlog (`capture = "binlog"`): a first run records a position
+    /// and stops; the events are written after it, so the timed run reads
+    /// every one of them from the binlog.
+    Binlog,
+}
+
+pub(crate) async fn mysql_drain(
+    n: usize,
+    sink: &str,
+    concurrency: u32,
+    capture: Capture,
+) -> Result<Value> {
     let db = MyDb::new_at(&outroute_e2e::mariadb_own_admin_url()?).await?;
     let t = tag();
     if sink == "kafka" {
@@ -58,13 +74,29 @@ pub(crate) async fn mysql_drain(n: usize, sink: &str, concurrency: u32) -> Resul
     }
     let dir = test_dir("mysql-drain");
     let http = outroute_e2e::free_addr();
-    let config = write_config(
+    let config = outroute_e2e::write_config_with(
         &dir,
         &db.url,
+        match capture {
+            Capture::Lease => "",
+            Capture::Binlog => "capture = \"binlog\"",
+        },
         &format!("batch_size = 1000\nconcurrency = {concurrency}\nlanes = 64"),
         &relay_body(sink, &t, &http),
     )?;
     db.migrate(&config)?;
+    if capture == Capture::Binlog {
+        let mut first = Relay::start(&config, &[("RUST_LOG", "warn")])?;
+        let recorded = "SELECT count(*) FROM outroute_binlog WHERE backfilled = 1";
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while db.count(recorded).await != 1 {
+            if Instant::now() > deadline {
+                anyhow::bail!("binlog drain: no position recorded\n{}", first.log_text());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        first.terminate(Duration::from_secs(15));
+    }
     fill_mysql(&db.pool, n).await?;
     let pending = "SELECT count(*) FROM outbox WHERE published_at = '1000-01-01 00:00:00'";
     let deadline = Instant::now() + Duration::from_secs(600);
@@ -462,19 +494,32 @@ pub(crate) async fn mysql_section(
         results.push(("mysql_deep_backlog".into(), b));
     }
     // `--events 0` skips the drains.
-    for sink in ["kafka", "nats"].into_iter().filter(|_| events > 0) {
-        eprintln!("== outroute drain from MariaDB → {sink}");
-        let d = mysql_drain(events, sink, concurrency).await?;
-        table.push((format!("outroute drain, MariaDB → {sink}"), rate_line(&d)));
+    let drains = [
+        ("kafka", Capture::Lease, ""),
+        ("nats", Capture::Lease, ""),
+        ("kafka", Capture::Binlog, "binlog "),
+        ("nats", Capture::Binlog, "binlog "),
+    ];
+    for (sink, capture, mode) in drains.into_iter().filter(|_| events > 0) {
+        eprintln!("== outroute {mode}drain from MariaDB → {sink}");
+        let d = mysql_drain(events, sink, concurrency, capture).await?;
         table.push((
-            format!("  CPU per event, MariaDB → {sink}: relay + mariadbd"),
+            format!("outroute {mode}drain, MariaDB → {sink}"),
+            rate_line(&d),
+        ));
+        table.push((
+            format!("  CPU per event, MariaDB {mode}→ {sink}: relay + mariadbd"),
             format!(
                 "{:.1} + {:.1} µs",
                 d["relay_us_per_event"].as_f64().unwrap_or(0.0),
                 d["mariadb_us_per_event"].as_f64().unwrap_or(0.0)
             ),
         ));
-        results.push((format!("mysql_drain_{sink}"), d));
+        let key = match capture {
+            Capture::Lease => format!("mysql_drain_{sink}"),
+            Capture::Binlog => format!("mysql_binlog_drain_{sink}"),
+        };
+        results.push((key, d));
     }
     // `--wakeup-reps 0` skips the producers (the drains alone).
     if reps == 0 {

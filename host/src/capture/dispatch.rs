@@ -81,6 +81,57 @@ impl Partition {
     }
 }
 
+/// Where a capture's parked queues are. PostgreSQL writes a waiting event
+/// whole to `outroute_event_state` (the slot moves past it and may take
+/// the row with it); MySQL/MariaDB leaves its row pending in the table
+/// with a state record, and reads the rows back from there.
+#[derive(Clone, Copy)]
+pub(crate) enum Queues<'a> {
+    Pg(&'a PgStore),
+    MySql(&'a crate::store::mysql::MySqlStore),
+}
+
+impl Queues<'_> {
+    /// The aggregates with a parked queue, and the routes it holds.
+    pub(super) async fn held(&self) -> Result<HeldAggregates> {
+        match self {
+            Queues::Pg(pg) => {
+                pg.bounded("reading held aggregates", pg.held_aggregates())
+                    .await
+            }
+            Queues::MySql(my) => {
+                my.bounded("reading held aggregates", my.held_aggregates())
+                    .await
+            }
+        }
+    }
+
+    /// The due heads of `held`'s queues and the due events behind them,
+    /// in order, up to `limit`.
+    pub(super) async fn heads(&self, held: &HeldAggregates, limit: u32) -> Result<Vec<Claim>> {
+        match self {
+            Queues::Pg(pg) => {
+                pg.bounded("reading parked events", pg.parked_heads(held, limit))
+                    .await
+            }
+            Queues::MySql(my) => {
+                my.bounded("reading waiting events", my.held_events(held, limit))
+                    .await
+            }
+        }
+    }
+}
+
+impl Relay {
+    /// This source's parked queues, if it streams.
+    pub(crate) fn queues(&self) -> Option<Queues<'_>> {
+        match self.store.logical() {
+            Some(pg) => Some(Queues::Pg(pg)),
+            None => self.store.binlog().map(Queues::MySql),
+        }
+    }
+}
+
 /// Batches a partition worker has out at once (see [`Relay::partition`]).
 pub(super) const BATCHES_IN_FLIGHT: usize = 2;
 
@@ -218,16 +269,13 @@ impl Relay {
         mut lease: LeaseGuard,
         stop: CancellationToken,
     ) -> Result<()> {
-        let Some(pg) = self.store.logical() else {
-            bail!("not a logical source");
+        let Some(pg) = self.queues() else {
+            bail!("not a streaming source");
         };
         // This partition's parked queues as the database has them: every
-        // relay that owned the slot before wrote its parked events there.
+        // relay that owned the stream before wrote its parked events there.
         let mut w = Worker {
-            held: part.own(
-                pg.bounded("reading held aggregates", pg.held_aggregates())
-                    .await?,
-            ),
+            held: part.own(pg.held().await?),
             outage_backoff: Duration::from_millis(100),
             out: Default::default(),
             part,
@@ -249,10 +297,7 @@ impl Relay {
             // Operators' `failed retry|discard` and earlier owners' records
             // reach this partition's view of the parked queues.
             if last_parked.elapsed() >= PARKED_EVERY {
-                w.held = part.own(
-                    pg.bounded("reading held aggregates", pg.held_aggregates())
-                        .await?,
-                );
+                w.held = part.own(pg.held().await?);
                 last_parked = Instant::now();
                 parked_due |= !w.held.is_empty();
             }
@@ -274,10 +319,7 @@ impl Relay {
                 };
                 parked_moving = moved > 0;
                 if parked_moving {
-                    w.held = part.own(
-                        pg.bounded("reading held aggregates", pg.held_aggregates())
-                            .await?,
-                    );
+                    w.held = part.own(pg.held().await?);
                 }
             }
             let wait = if parked_moving {
@@ -394,7 +436,7 @@ impl Relay {
 
     /// Wait for the oldest batch out and take in what became of it. False:
     /// it stopped without finishing (shutdown or lease lost).
-    pub(super) async fn finish_oldest(&self, pg: &PgStore, w: &mut Worker) -> Result<bool> {
+    pub(super) async fn finish_oldest(&self, pg: Queues<'_>, w: &mut Worker) -> Result<bool> {
         let done = oldest(&mut w.out).await;
         self.take_in(pg, w, done).await
     }
@@ -403,7 +445,7 @@ impl Relay {
     /// [`oldest`]): the parked queues it added to, then its mark.
     pub(super) async fn take_in(
         &self,
-        pg: &PgStore,
+        pg: Queues<'_>,
         w: &mut Worker,
         done: Option<HandedOn>,
     ) -> Result<bool> {
@@ -413,10 +455,7 @@ impl Relay {
                 return Ok(false);
             };
             if report.failed + report.retried + report.held + report.deferred > 0 {
-                w.held = w.part.own(
-                    pg.bounded("reading held aggregates", pg.held_aggregates())
-                        .await?,
-                );
+                w.held = w.part.own(pg.held().await?);
             }
             for aggregate in queued {
                 w.held.insert(aggregate, vec!["*".to_string()]);

@@ -74,6 +74,7 @@ use crate::relay::{AbortOnDrop, BatchReport, Relay, sleep_or_cancel};
 use crate::store::postgres::{CAPTURE_LANE, CapturedRows, HeldAggregates, PgStore, SlotCheck};
 use crate::store::{Captured, Claim, Failure, FailureKind};
 
+mod binlog;
 mod connect;
 mod decode;
 mod dispatch;
@@ -103,10 +104,10 @@ impl Relay {
         mut leases: watch::Receiver<LeaseView>,
         shutdown: CancellationToken,
     ) {
-        let Some(pg) = self.store.logical() else {
-            tracing::error!("capture = \"logical\" on a store without a slot");
+        if self.queues().is_none() {
+            tracing::error!("a streaming source on a store that cannot stream");
             return;
-        };
+        }
         let mut standby_logged = false;
         while !shutdown.is_cancelled() {
             let view = leases.borrow_and_update().clone();
@@ -114,7 +115,7 @@ impl Relay {
             if !held {
                 if !standby_logged {
                     tracing::info!(
-                        "standby: waiting for the capture lease (another relay streams from the slot)"
+                        "standby: waiting for the capture lease (another relay streams)"
                     );
                     standby_logged = true;
                 }
@@ -127,12 +128,22 @@ impl Relay {
             }
             standby_logged = false;
             let span = tracing::info_span!("capture");
-            match self
-                .clone()
-                .stream(pg, &view, leases.clone(), &shutdown)
-                .instrument(span)
-                .await
-            {
+            let streamed = match self.queues() {
+                Some(Queues::Pg(pg)) => {
+                    self.clone()
+                        .stream(pg, &view, leases.clone(), &shutdown)
+                        .instrument(span)
+                        .await
+                }
+                Some(Queues::MySql(my)) => {
+                    self.clone()
+                        .stream_binlog(my, &view, leases.clone(), &shutdown)
+                        .instrument(span)
+                        .await
+                }
+                None => return,
+            };
+            match streamed {
                 Ok(()) => {}
                 Err(e) => {
                     self.health.store_failed(&e);
@@ -412,16 +423,11 @@ impl Relay {
     /// many left the queue.
     pub(crate) async fn retry_parked(
         &self,
-        pg: &PgStore,
+        queues: Queues<'_>,
         aggregates: &HeldAggregates,
         lease: &mut LeaseGuard,
     ) -> Result<u64> {
-        let mut claims = pg
-            .bounded(
-                "reading parked events",
-                pg.parked_heads(aggregates, self.config.batch_size),
-            )
-            .await?;
+        let mut claims = queues.heads(aggregates, self.config.batch_size).await?;
         if claims.is_empty() {
             return Ok(0);
         }

@@ -47,10 +47,12 @@ pub struct StoreConfig {
     #[serde(default)]
     pub tls: Option<PgTlsConfig>,
     /// How the relay reads events: `lease` (claim pending rows of the
-    /// table under lane leases; any PostgreSQL or SQLite) or `logical`
-    /// (stream committed inserts, or `pg_logical_emit_message` envelopes,
-    /// from a logical replication slot; PostgreSQL with `wal_level =
-    /// logical`). See `capture/mod.rs`.
+    /// table under lane leases; any database), `logical` (stream committed
+    /// inserts, or `pg_logical_emit_message` envelopes, from a logical
+    /// replication slot; PostgreSQL with `wal_level = logical`; see
+    /// `capture/mod.rs`) or `binlog` (stream the table's committed inserts
+    /// from the binary log; MariaDB with `binlog_format = ROW`; see
+    /// `capture/binlog.rs`).
     #[serde(default)]
     pub capture: CaptureMode,
     /// Settings of `capture = "logical"`.
@@ -68,6 +70,10 @@ pub enum CaptureMode {
     /// Stream from a logical replication slot (pgoutput); confirm the
     /// slot's position only past handled events.
     Logical,
+    /// Stream the table's inserts from the binary log (MariaDB, row
+    /// format); record the stream's GTID position only past handled events
+    /// and mark rows published as in lease mode.
+    Binlog,
 }
 
 /// Where a logical source's events come from.

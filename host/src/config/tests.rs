@@ -608,9 +608,10 @@ fn errors_name_file_key_and_reason() {
     );
 }
 
-/// A MySQL source loads in lease mode, on the canonical table or a mapped
-/// one; what it cannot do (log capture, `tls`, `queue` marking, constants
-/// that would need escaping) is refused by key.
+/// A MySQL source loads in lease or binlog mode, on the canonical table or
+/// a mapped one; what it cannot do (logical capture, `tls`, `queue`
+/// marking, constants that would need escaping) is refused by key, and so
+/// is binlog capture on PostgreSQL.
 #[test]
 fn a_mysql_source_is_checked_for_what_it_supports() {
     let d = tmp();
@@ -638,11 +639,19 @@ fn a_mysql_source_is_checked_for_what_it_supports() {
     let text = load(&write(&d, &bad)).unwrap_err().to_string();
     for needle in [
         "outroute.toml:store.table.marking: `queue` fills its list by an insert trigger, on PostgreSQL only",
-        "outroute.toml:store.capture: MySQL/MariaDB sources use `lease`",
+        "outroute.toml:store.capture: `logical` is PostgreSQL's replication slot; MySQL/MariaDB sources use `lease` or `binlog`",
         "outroute.toml:store.tls: is for PostgreSQL",
     ] {
         assert!(text.contains(needle), "missing `{needle}` in {text}");
     }
+    // Binlog capture: MySQL/MariaDB's, on either table shape; not PostgreSQL's.
+    let binlog = |cfg: &str| cfg.replace("[sinks.kafka]", "capture = \"binlog\"\n[sinks.kafka]");
+    assert!(load(&write(&d, &binlog(&good))).is_ok());
+    let text = load(&write(&d, &binlog(GOOD))).unwrap_err().to_string();
+    assert!(
+        text.contains("outroute.toml:store.capture: `binlog` reads MySQL/MariaDB's binary log"),
+        "{text}"
+    );
     let quoted = mapped.replace("\"SENT\"", "\"SENT' OR '1\"");
     let text = load(&write(&d, &quoted)).unwrap_err().to_string();
     assert!(

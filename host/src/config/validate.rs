@@ -75,10 +75,11 @@ impl Loaded {
                     );
                 }
             }
-            if sc.capture != CaptureMode::Lease {
+            if sc.capture == CaptureMode::Logical {
                 err(
                     format!("{key}.capture"),
-                    "MySQL/MariaDB sources use `lease` (binlog capture is not built yet)".into(),
+                    "`logical` is PostgreSQL's replication slot; MySQL/MariaDB sources use `lease` or `binlog`"
+                        .into(),
                 );
             }
             if sc.tls.is_some() {
@@ -156,6 +157,13 @@ impl Loaded {
             && (l == 0 || l > 4096)
         {
             err(format!("{key}.lanes"), "must be between 1 and 4096".into());
+        }
+        if sc.capture == CaptureMode::Binlog && !sc.is_mysql() {
+            err(
+                format!("{key}.capture"),
+                "`binlog` reads MySQL/MariaDB's binary log; PostgreSQL sources use `lease` or `logical`, SQLite `lease`"
+                    .into(),
+            );
         }
         if sc.capture != CaptureMode::Logical {
             if sc.logical.is_some() {

@@ -303,7 +303,7 @@ impl Relay {
         }
         if !failures.is_empty() {
             let recorded = self.store.record_failures(&failures).await?;
-            if self.capture.is_some() && (recorded as usize) < failures.len() {
+            if self.streams() && (recorded as usize) < failures.len() {
                 anyhow::bail!(
                     "capture lease lost while recording failed and waiting events; the slot is not confirmed"
                 );
@@ -655,6 +655,12 @@ impl Relay {
             &shadow.file,
             compared,
         );
+    }
+
+    /// Events come from a stream (a replication slot or the binlog), not
+    /// claims of lanes.
+    pub(crate) fn streams(&self) -> bool {
+        self.capture.is_some() || self.store.binlog().is_some()
     }
 
     async fn mark(&self, claims: &[&Claim]) -> Result<u64> {

@@ -398,7 +398,7 @@ impl Relay {
         shutdown: &CancellationToken,
     ) {
         if !self.is_asleep() {
-            if self.capture.is_none() && slow_every > every && self.slow() {
+            if !self.streams() && slow_every > every && self.slow() {
                 let hurry = self.hurry.notified();
                 tokio::select! {
                     _ = shutdown.cancelled() => {},

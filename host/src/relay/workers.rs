@@ -49,7 +49,7 @@ impl Relay {
         }
         channels.extend(self.config.notify_channel.clone());
         let (quiet_tx, quiet_rx) = tokio::sync::mpsc::channel(4);
-        let quiet_tx = (!channels.is_empty() && self.capture.is_none()).then_some(quiet_tx);
+        let quiet_tx = (!channels.is_empty() && !self.streams()).then_some(quiet_tx);
         let mut background = vec![
             spawn_here(self.clone().keep_leases(
                 lease_tx,
@@ -67,9 +67,16 @@ impl Relay {
                     .follow_quarantines(quiet_tx.clone(), shutdown.clone()),
             ),
         ];
-        if self.capture.is_some() {
-            // One stream from the slot instead of lane workers.
+        if self.streams() {
+            // One stream (slot or binlog) instead of lane workers.
             background.push(spawn_here(self.clone().watch_slot(shutdown.clone())));
+            // Binlog capture marks rows as lease mode does: published ones
+            // are kept until retention deletes them.
+            if self.store.binlog().is_some()
+                && let Some(retention) = self.config.retention
+            {
+                background.push(spawn_here(self.clone().purge(retention, shutdown.clone())));
+            }
             let capture = spawn_here(self.clone().run_capture(lease_rx, shutdown.clone()));
             shutdown.cancelled().await;
             tracing::info!(source = %self.source, "stopping: finishing the in-flight batch");

@@ -562,6 +562,14 @@ impl Store {
                 s.bounded_by(s.lease_ttl() / 4, "renewing lane leases", s.lease_round())
                     .await
             }
+            Store::MySql(s) if s.binlog() => {
+                s.bounded_by(
+                    s.lease_ttl() / 4,
+                    "renewing the capture lease",
+                    s.capture_lease(),
+                )
+                .await
+            }
             Store::MySql(s) => {
                 s.bounded_by(s.lease_ttl() / 4, "renewing lane leases", s.lease_round())
                     .await
@@ -746,6 +754,14 @@ impl Store {
     pub fn logical(&self) -> Option<&postgres::PgStore> {
         match self {
             Store::Postgres(s) if s.logical().is_some() => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The MySQL/MariaDB store of a `capture = "binlog"` source.
+    pub fn binlog(&self) -> Option<&mysql::MySqlStore> {
+        match self {
+            Store::MySql(s) if s.binlog() => Some(s),
             _ => None,
         }
     }

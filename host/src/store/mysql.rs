@@ -8,7 +8,9 @@
 //! `mysql/table.rs` the SQL of the table mapping; `mysql/claim.rs` the lease rounds and the
 //! claim, `mysql/mark.rs` marks and failure records, `mysql/operator.rs`
 //! what operators and the metrics read or change (status, backlog,
-//! quarantine records, failed events, replay pages, retention).
+//! quarantine records, failed events, replay pages, retention);
+//! `mysql/binlog.rs` what binlog capture (`capture = "binlog"`) needs of
+//! the store.
 //!
 //! ## The same contract as PostgreSQL
 //! Lanes, leases, epochs, fencing and failure state mean exactly what they
@@ -66,11 +68,13 @@ use super::{Claim, Claimed, Failure, FailureKind, Leases};
 use crate::config::{Config, Ordering, StoreConfig};
 use crate::event::RawRow;
 
+mod binlog;
 mod claim;
 mod mark;
 mod operator;
 mod table;
 
+pub use binlog::{BinlogPosition, valid_gtid_position};
 use claim::to_claim;
 use table::{RowKey, TableSql};
 
@@ -113,6 +117,8 @@ pub struct MySqlStore {
     /// The lanes whose last walk came back short (fewer rows than asked):
     /// a claim of only such lanes is shallow (see `MySqlStore::claim`).
     empty: std::sync::Mutex<std::collections::HashSet<i32>>,
+    /// `capture = "binlog"`: the replication connection's options.
+    binlog: Option<mysql_async::Opts>,
 }
 
 /// The lane column and its index for `lanes` lanes.
@@ -122,6 +128,57 @@ fn lane_column(lanes: u32) -> String {
 
 fn lane_index_name(lanes: u32) -> String {
     format!("outbox_outroute_lanes{lanes}")
+}
+
+/// The replication connection's options for binlog capture: the
+/// source's URL (host, port, user, password, database; `ssl-mode` and
+/// `ssl-ca` as sqlx reads them) and its `password`.
+fn replication_opts(key: &str, sc: &StoreConfig) -> Result<mysql_async::Opts> {
+    let url = url::Url::parse(&sc.url).map_err(|e| anyhow!("{key}.url: {e}"))?;
+    let decode = percent_decode;
+    let mut b = mysql_async::OptsBuilder::default()
+        .ip_or_hostname(url.host_str().unwrap_or("localhost"))
+        .tcp_port(url.port().unwrap_or(3306))
+        .user((!url.username().is_empty()).then(|| decode(url.username())))
+        .pass(
+            sc.password
+                .as_ref()
+                .map(|p| p.expose().to_string())
+                .or_else(|| url.password().map(decode)),
+        )
+        .db_name(Some(url.path().trim_start_matches('/').to_string()).filter(|d| !d.is_empty()))
+        .prefer_socket(false)
+        .tcp_keepalive(Some(Duration::from_secs(10)))
+        .stmt_cache_size(0);
+    let param = |k: &str| {
+        url.query_pairs()
+            .find(|(n, _)| n.eq_ignore_ascii_case(k))
+            .map(|(_, v)| v.to_string())
+    };
+    let mode = param("ssl-mode")
+        .or_else(|| param("sslmode"))
+        .unwrap_or_default();
+    let mode = mode.to_ascii_lowercase().replace('-', "_");
+    if matches!(mode.as_str(), "required" | "verify_ca" | "verify_identity") {
+        let mut ssl = mysql_async::SslOpts::default();
+        if let Some(ca) = param("ssl-ca").or_else(|| param("sslrootcert")) {
+            ssl = ssl.with_root_certs(vec![std::path::PathBuf::from(ca).into()]);
+        }
+        ssl = match mode.as_str() {
+            "required" => ssl.with_danger_accept_invalid_certs(true),
+            "verify_ca" => ssl.with_danger_skip_domain_validation(true),
+            _ => ssl,
+        };
+        b = b.ssl_opts(ssl);
+    }
+    Ok(b.into())
+}
+
+/// A URL part with its `%XX` escapes decoded.
+fn percent_decode(s: &str) -> String {
+    percent_encoding::percent_decode_str(s)
+        .decode_utf8_lossy()
+        .into_owned()
 }
 
 /// A first connection that failed, said so an operator knows which
@@ -225,6 +282,9 @@ impl MySqlStore {
             lane_index: false,
             missing_index: None,
             empty: std::sync::Mutex::new(std::collections::HashSet::new()),
+            binlog: (sc.capture == crate::config::CaptureMode::Binlog)
+                .then(|| replication_opts(key, sc))
+                .transpose()?,
         })
     }
 
@@ -334,6 +394,9 @@ impl MySqlStore {
             b.push_bind(&self.source).push_bind(lane);
         });
         qb.build().execute(&self.pool).await?;
+        if self.binlog() {
+            self.check_binlog().await?;
+        }
         Ok(())
     }
 

@@ -54,7 +54,7 @@ impl MySqlStore {
         .await?;
         sqlx::query(
             "UPDATE outroute_lanes SET lease_until = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND \
-             WHERE source = ? AND owner = ? AND lease_until > UTC_TIMESTAMP(6) AND lane < ?",
+             WHERE source = ? AND owner = ? AND lease_until > UTC_TIMESTAMP(6) AND lane >= 0 AND lane < ?",
         )
         .bind(ttl)
         .bind(&self.source)
@@ -64,7 +64,7 @@ impl MySqlStore {
         .await?;
         let mut held: Vec<(i32, i64)> = sqlx::query_as(
             "SELECT lane, epoch FROM outroute_lanes WHERE source = ? AND owner = ? \
-             AND lease_until > UTC_TIMESTAMP(6) AND lane < ? ORDER BY lane",
+             AND lease_until > UTC_TIMESTAMP(6) AND lane >= 0 AND lane < ? ORDER BY lane",
         )
         .bind(&self.source)
         .bind(&self.relay_id)
@@ -77,7 +77,7 @@ impl MySqlStore {
         let mut acquired = 0;
         if want > 0 {
             let free: Vec<i32> = sqlx::query_scalar(
-                "SELECT lane FROM outroute_lanes WHERE source = ? AND lane < ? \
+                "SELECT lane FROM outroute_lanes WHERE source = ? AND lane >= 0 AND lane < ? \
                  AND (owner IS NULL OR lease_until <= UTC_TIMESTAMP(6)) ORDER BY lane LIMIT ? \
                  FOR UPDATE SKIP LOCKED",
             )
