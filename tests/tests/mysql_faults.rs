@@ -1,7 +1,8 @@
 //! Faults between the relay and MariaDB, and behind it (issue 44): random
 //! network faults on the relay's database connections (cuts, delays, black
 //! holes, refusals) and on the broker's, while producers keep committing;
-//! and the database server crashing (`kill -9`) under a running relay.
+//! and the database server crashing (`kill -9`) under a running relay. Each
+//! in lease mode and in binlog mode (on the own server, which has a binlog).
 //! Afterwards every committed event has arrived, none out of per-aggregate
 //! order, and the relay is still running.
 //!
@@ -14,6 +15,54 @@ use std::time::Duration;
 
 use outroute_e2e::proxy::{FaultProxy, Rng, inject};
 use outroute_e2e::*;
+
+/// Tests on the own server (`scripts/mariadb-own`, the one with a binlog)
+/// run beside each other; the one that crashes it runs alone.
+static OWN_SERVER: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
+/// How the relay reads the outbox, and the server that allows it.
+#[derive(Clone, Copy)]
+enum Capture {
+    /// Claims, on the machine's shared MariaDB.
+    Lease,
+    /// The binlog, on the own server.
+    Binlog,
+}
+
+impl Capture {
+    async fn db(self) -> anyhow::Result<MyDb> {
+        match self {
+            Capture::Lease => MyDb::new().await,
+            Capture::Binlog => MyDb::new_at(&mariadb_own_admin_url()?).await,
+        }
+    }
+
+    /// The server's `host:port`.
+    fn server(self) -> anyhow::Result<String> {
+        Ok(match self {
+            Capture::Lease => "127.0.0.1:3306".to_string(),
+            Capture::Binlog => {
+                let url = mariadb_own_admin_url()?;
+                let host = url.rsplit('@').next().unwrap_or_default();
+                host.split('/').next().unwrap_or_default().to_string()
+            }
+        })
+    }
+
+    fn store(self) -> &'static str {
+        match self {
+            Capture::Lease => "",
+            Capture::Binlog => "capture = \"binlog\"",
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Capture::Lease => "",
+            Capture::Binlog => " (binlog)",
+        }
+    }
+}
 
 const PENDING: &str = "SELECT count(*) FROM outbox WHERE published_at = '1000-01-01 00:00:00'";
 
@@ -95,10 +144,25 @@ async fn nats_route(t: &str) -> anyhow::Result<(async_nats::jetstream::Context, 
 /// whose answer was lost may re-send (same id), never lose.
 #[tokio::test(flavor = "multi_thread")]
 async fn mariadb_connections_through_random_network_faults_lose_nothing() -> anyhow::Result<()> {
+    db_faults(Capture::Lease).await
+}
+
+/// [`mariadb_connections_through_random_network_faults_lose_nothing`] in
+/// binlog mode: the replication connection goes through the proxy too; a
+/// stream cut or hung resumes from the recorded position.
+#[tokio::test(flavor = "multi_thread")]
+async fn mariadb_connections_through_random_network_faults_lose_nothing_in_binlog_mode()
+-> anyhow::Result<()> {
+    let _beside = OWN_SERVER.read().await;
+    db_faults(Capture::Binlog).await
+}
+
+async fn db_faults(capture: Capture) -> anyhow::Result<()> {
     let mut rng = Rng::from_env();
-    let db = MyDb::new().await?;
-    let proxy = FaultProxy::start("127.0.0.1:0", "127.0.0.1:3306").await?;
-    let url = db.url.replacen("127.0.0.1:3306", &proxy.addr, 1);
+    let db = capture.db().await?;
+    let server = capture.server()?;
+    let proxy = FaultProxy::start("127.0.0.1:0", &server).await?;
+    let url = db.url.replacen(&server, &proxy.addr, 1);
     let t = tag();
     let (js, stream, route) = nats_route(&t).await?;
     let dir = test_dir("mysql-net-db");
@@ -106,7 +170,7 @@ async fn mariadb_connections_through_random_network_faults_lose_nothing() -> any
     let config = write_config_with(
         &dir,
         &url,
-        "statement_timeout = \"2s\"",
+        &format!("statement_timeout = \"2s\"\n{}", capture.store()),
         "lanes = 8\nbatch_size = 100\npoll_max = \"20ms\"\nlease_ttl = \"6s\"",
         &relay_body(&http, &[TestSink::Nats], "order-router", "orders", &route),
     )?;
@@ -116,13 +180,19 @@ async fn mariadb_connections_through_random_network_faults_lose_nothing() -> any
     let (w, kinds) = faults_while_producing(&db, &proxy, &mut rng, &relay).await?;
     let delivered = consume_nats(&js, &stream, w.committed.len(), Duration::from_secs(30)).await?;
     let report = check(&w, &delivered);
-    println!("mariadb connections: {}: {report}", describe(kinds));
+    println!(
+        "mariadb connections{}: {}: {report}",
+        capture.label(),
+        describe(kinds)
+    );
     report.assert_clean();
     // The relay met the faults (its store statements failed or were given
-    // up) and rode them out.
+    // up, its stream stopped) and rode them out.
     let log = relay.log_text();
     assert!(
-        log.contains("claim failed") || log.contains("statement_timeout"),
+        log.contains("claim failed")
+            || log.contains("statement_timeout")
+            || log.contains("capture stopped"),
         "the relay met none of the faults:\n{log}"
     );
     assert!(
@@ -141,6 +211,19 @@ async fn mariadb_connections_through_random_network_faults_lose_nothing() -> any
 /// acks, so nothing unacknowledged is marked and nothing is lost.
 #[tokio::test(flavor = "multi_thread")]
 async fn kafka_through_random_network_faults_from_mariadb_loses_nothing() -> anyhow::Result<()> {
+    kafka_faults(Capture::Lease).await
+}
+
+/// [`kafka_through_random_network_faults_from_mariadb_loses_nothing`] in
+/// binlog mode: the recorded position waits for the acks as marks do.
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_through_random_network_faults_from_mariadb_loses_nothing_in_binlog_mode()
+-> anyhow::Result<()> {
+    let _beside = OWN_SERVER.read().await;
+    kafka_faults(Capture::Binlog).await
+}
+
+async fn kafka_faults(capture: Capture) -> anyhow::Result<()> {
     let mut rng = Rng::from_env();
     let broker = free_addr();
     let proxy = FaultProxy::start("127.0.0.1:0", &broker).await?;
@@ -148,7 +231,7 @@ async fn kafka_through_random_network_faults_from_mariadb_loses_nothing() -> any
     let t = tag();
     let topic = format!("myk{t}.order-updated");
     create_topic_at(&proxy.addr, &topic, 3).await?;
-    let db = MyDb::new().await?;
+    let db = capture.db().await?;
     let dir = test_dir("mysql-net-kafka");
     let route = format!(
         "config = {{ sink = \"kafka\", topic = \"myk{t}.{{event_type}}\" }}\nallow = {{ kafka = [\"myk{t}.*\"] }}"
@@ -156,9 +239,10 @@ async fn kafka_through_random_network_faults_from_mariadb_loses_nothing() -> any
     let http = free_addr();
     let body = relay_body(&http, &[TestSink::Kafka], "order-router", "orders", &route)
         .replace(KAFKA, &proxy.addr);
-    let config = write_config(
+    let config = write_config_with(
         &dir,
         &db.url,
+        capture.store(),
         "lanes = 8\nbatch_size = 100\npublish_timeout = \"3s\"\npoll_max = \"20ms\"",
         &body,
     )?;
@@ -173,7 +257,11 @@ async fn kafka_through_random_network_faults_from_mariadb_loses_nothing() -> any
         Duration::from_secs(60),
     )?;
     let report = check(&w, &delivered);
-    println!("kafka from mariadb: {}: {report}", describe(kinds));
+    println!(
+        "kafka from mariadb{}: {}: {report}",
+        capture.label(),
+        describe(kinds)
+    );
     report.assert_clean();
     let (_, metrics) = http_get(&http, "/metrics").await?;
     let errors: f64 = metrics
@@ -197,6 +285,21 @@ async fn kafka_through_random_network_faults_from_mariadb_loses_nothing() -> any
 /// acknowledged rows are marked, in per-aggregate order.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_mariadb_crash_under_a_running_relay_loses_nothing() -> anyhow::Result<()> {
+    let _alone = OWN_SERVER.write().await;
+    server_crash(Capture::Lease).await
+}
+
+/// [`a_mariadb_crash_under_a_running_relay_loses_nothing`] in binlog mode:
+/// the stream breaks with the server and resumes from the recorded position
+/// once InnoDB recovered (the binlog and the table agree after recovery).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_mariadb_crash_under_a_running_relay_loses_nothing_in_binlog_mode() -> anyhow::Result<()>
+{
+    let _alone = OWN_SERVER.write().await;
+    server_crash(Capture::Binlog).await
+}
+
+async fn server_crash(capture: Capture) -> anyhow::Result<()> {
     let admin = mariadb_own_admin_url()?;
     let db = MyDb::new_at(&admin).await?;
     let t = tag();
@@ -205,7 +308,7 @@ async fn a_mariadb_crash_under_a_running_relay_loses_nothing() -> anyhow::Result
     let config = write_config_with(
         &dir,
         &db.url,
-        "statement_timeout = \"2s\"",
+        &format!("statement_timeout = \"2s\"\n{}", capture.store()),
         "lanes = 8\nbatch_size = 50\npoll_max = \"50ms\"\nlease_ttl = \"3s\"",
         &relay_body("", &[TestSink::Nats], "order-router", "orders", &route),
     )?;
@@ -238,7 +341,10 @@ async fn a_mariadb_crash_under_a_running_relay_loses_nothing() -> anyhow::Result
     let delivered =
         consume_nats(&js, &stream, work.committed.len(), Duration::from_secs(30)).await?;
     let report = check(&work, &delivered);
-    println!("mariadb kill -9 under a running relay: {report}");
+    println!(
+        "mariadb kill -9 under a running relay{}: {report}",
+        capture.label()
+    );
     report.assert_clean();
     assert!(
         relay.child.try_wait()?.is_none(),

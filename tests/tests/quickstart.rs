@@ -160,6 +160,7 @@ fn shipped_example_configs_pass_config_check() -> anyhow::Result<()> {
         "outbox-published-at.toml",
         "mysql.toml",
         "mysql-t_outbox.toml",
+        "mysql-binlog.toml",
     ] {
         let path = workspace().join("examples").join(name);
         let (code, out, err) = cli(&["config", "check", "-c", path.to_str().unwrap_or_default()])?;

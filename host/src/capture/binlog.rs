@@ -58,23 +58,27 @@ impl Relay {
         let Some((opts, server_id)) = my.replication() else {
             bail!("not a binlog source");
         };
-        let mut position = match my
+        let (mut position, bound) = match my
             .bounded("reading the binlog position", my.binlog_position())
             .await?
         {
-            Some(p) => p,
+            Some(p) => (p, None),
             None => {
                 tracing::info!(
-                    "no binlog position recorded yet: starting at a snapshot's position, after the table's pending rows"
+                    "no binlog position recorded: starting at a snapshot's position, after the table's pending rows"
                 );
                 self.fresh_position(my, epoch).await?
             }
         };
+        // Rows the drain published that the stream will bring again: it
+        // passes them over.
+        let mut drained = HashSet::new();
         if !position.backfilled {
             let guard = LeaseGuard::new(leases.clone(), view, vec![CAPTURE_LANE]);
-            if !self.drain_table(my, guard, shutdown).await? {
+            let Some(above) = self.drain_table(my, guard, shutdown, bound).await? else {
                 return Ok(());
-            }
+            };
+            drained = above;
             position.backfilled = true;
             if !my.save_position(&position, epoch).await? {
                 return Ok(());
@@ -186,6 +190,9 @@ impl Relay {
                     };
                     match got {
                         Got::Event(c, room) => {
+                            if !drained.is_empty() && drained.remove(c.id()) {
+                                continue;
+                            }
                             let w = Partition::of_aggregate(&aggregate_key(&c), k);
                             // A worker that ended: join_next says why.
                             let _ = feeds[w].send(Feed::Event(c, Some(room))).await;
@@ -209,7 +216,8 @@ impl Relay {
                             );
                             stop.cancel();
                             while workers.join_next().await.is_some() {}
-                            self.fresh_position(my, epoch).await?;
+                            my.bounded("forgetting the binlog position", my.forget_position(epoch))
+                                .await?;
                             return Ok(());
                         }
                     }
@@ -237,9 +245,14 @@ impl Relay {
     }
 
     /// A snapshot's position, recorded as not backfilled yet (the table's
-    /// pending rows come first).
-    async fn fresh_position(&self, my: &MySqlStore, epoch: i64) -> Result<BinlogPosition> {
-        let gtid = my
+    /// pending rows come first), and the snapshot's highest sequence
+    /// number.
+    async fn fresh_position(
+        &self,
+        my: &MySqlStore,
+        epoch: i64,
+    ) -> Result<(BinlogPosition, Option<i64>)> {
+        let (gtid, bound) = my
             .bounded(
                 "reading a snapshot's binlog position",
                 my.snapshot_position(),
@@ -252,26 +265,30 @@ impl Relay {
         if !my.save_position(&p, epoch).await? {
             bail!("capture lease lost while recording the start position");
         }
-        Ok(p)
+        Ok((p, bound))
     }
 
     /// Publish the table's pending rows, batch after batch as lease mode
     /// claims them (each aggregate in order, rows that wait skipped),
-    /// until a claim finds all there is. False: stopped (shutdown or lease
-    /// lost) before the end.
+    /// until a claim finds all there is. Returns the ids of the rows it
+    /// published above `bound` (the snapshot's highest sequence number):
+    /// committed after the stream's start, the stream brings them again.
+    /// `None`: stopped (shutdown or lease lost) before the end.
     async fn drain_table(
         &self,
         my: &MySqlStore,
         mut lease: LeaseGuard,
         stop: &CancellationToken,
-    ) -> Result<bool> {
+        bound: Option<i64>,
+    ) -> Result<Option<HashSet<String>>> {
+        let mut above = HashSet::new();
         let lanes: Vec<i32> = (0..my.lane_count() as i32).collect();
         let mut backoff = Duration::from_millis(100);
         let mut published = 0usize;
         let none = HeldAggregates::new();
         loop {
             if stop.is_cancelled() || !lease.still_valid() {
-                return Ok(false);
+                return Ok(None);
             }
             let claimed = my
                 .bounded(
@@ -285,12 +302,15 @@ impl Relay {
             let mut claims = claimed.claims;
             for c in &mut claims {
                 c.lane = CAPTURE_LANE;
+                if bound.is_some_and(|b| c.sequence() > b) {
+                    above.insert(c.id().to_string());
+                }
             }
             let Some((report, _)) = self
                 .hand_on(claims, &none, &mut lease, stop, &mut backoff)
                 .await?
             else {
-                return Ok(false);
+                return Ok(None);
             };
             published += report.published;
             if claimed.drained {
@@ -303,7 +323,7 @@ impl Relay {
                 "published the table's pending rows; streaming from the binary log"
             );
         }
-        Ok(true)
+        Ok(Some(above))
     }
 }
 

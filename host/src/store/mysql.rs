@@ -245,6 +245,21 @@ impl MySqlStore {
                     // rows; no gap locks on updates (see the module header).
                     conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
                         .await?;
+                    // The relay's own writes (marks, records) log only the
+                    // row's key and the columns they change: a full image
+                    // of a marked 1 KB row is ~2 KB of binlog per event,
+                    // written, shipped to replicas and read back by binlog
+                    // capture (measured, 100,000 1 KB events drained:
+                    // mariadbd's CPU per event 56.6 → 44.9 µs in lease
+                    // mode, 26.4 → 20.8 µs with binlog capture). Needs
+                    // BINLOG ADMIN (or SUPER); without it the server's
+                    // setting stays, which is only slower.
+                    if let Err(e) = conn
+                        .execute("SET SESSION binlog_row_image = 'MINIMAL'")
+                        .await
+                    {
+                        tracing::debug!("keeping the server's binlog_row_image: {e}");
+                    }
                     Ok(())
                 })
             })

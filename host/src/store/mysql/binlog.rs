@@ -129,7 +129,7 @@ impl MySqlStore {
             );
         }
         let (log_bin, format, image, compress): (i64, String, String, i64) = sqlx::query_as(
-            "SELECT @@log_bin, CAST(@@binlog_format AS CHAR), CAST(@@binlog_row_image AS CHAR), @@log_bin_compress",
+            "SELECT @@log_bin, CAST(@@GLOBAL.binlog_format AS CHAR), CAST(@@GLOBAL.binlog_row_image AS CHAR), @@log_bin_compress",
         )
         .fetch_one(&self.pool)
         .await?;
@@ -228,7 +228,11 @@ impl MySqlStore {
     /// (MariaDB names it with the snapshot, so no transaction can be in
     /// the binlog before it yet invisible to the table read that follows),
     /// as a GTID position.
-    pub async fn snapshot_position(&self) -> Result<String> {
+    ///
+    /// With it, the highest sequence number the snapshot holds (tables
+    /// with a sequence): every row above it committed after the position,
+    /// so the stream brings it.
+    pub async fn snapshot_position(&self) -> Result<(String, Option<i64>)> {
         // Text protocol: these statements are not all preparable.
         let mut conn = self.pool.acquire().await?;
         (&mut *conn)
@@ -237,6 +241,15 @@ impl MySqlStore {
         let rows = (&mut *conn)
             .fetch_all("SHOW STATUS LIKE 'binlog_snapshot_%'")
             .await?;
+        let bound: Option<i64> = if self.sql.by_seq {
+            let sql = format!(
+                "SELECT CAST(MAX({}) AS SIGNED) FROM {} o",
+                self.sql.seq, self.sql.table
+            );
+            (&mut *conn).fetch_one(sql.as_str()).await?.try_get(0)?
+        } else {
+            None
+        };
         (&mut *conn).execute("COMMIT").await?;
         let mut status: Vec<(String, String)> = Vec::new();
         for r in &rows {
@@ -267,7 +280,33 @@ impl MySqlStore {
         if !valid_gtid_position(&gtid) {
             bail!("the server's GTID position `{gtid}` is not `domain-server-sequence`");
         }
-        Ok(gtid)
+        Ok((gtid, bound))
+    }
+
+    /// Forget the recorded position (the server no longer has it), fenced
+    /// like [`MySqlStore::save_position`]: the next stream starts afresh.
+    pub async fn forget_position(&self, epoch: i64) -> Result<bool> {
+        let mut tx = self.pool.begin().await?;
+        let mine: Option<i64> = sqlx::query_scalar(
+            "SELECT epoch FROM outroute_lanes WHERE source = ? AND lane = ? AND owner = ? \
+             AND lease_until > UTC_TIMESTAMP(6) LOCK IN SHARE MODE",
+        )
+        .bind(&self.source)
+        .bind(CAPTURE_LANE)
+        .bind(&self.relay_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if mine != Some(epoch) {
+            return Ok(false);
+        }
+        sqlx::query("DELETE FROM outroute_binlog WHERE source = ?")
+            .bind(&self.source)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit()
+            .await
+            .context("forgetting the binlog position")?;
+        Ok(true)
     }
 
     /// Record the stream's position, fenced by the capture lease at
