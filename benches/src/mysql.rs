@@ -201,19 +201,33 @@ async fn mysql_writers(pool: &MySqlPool, secs: u64, pace: Option<u64>) -> Result
 
 /// What a relay draining a MySQL outbox costs its producers: 8 writers'
 /// commits/s with no relay and with one draining what they write (to a
-/// file sink: the database's side only), flat out and paced at `paced`/s,
-/// `reps` interleaved runs of 8 s each; medians.
+/// file sink: the database's side only), flat out and paced at `paced`/s
+/// in lease mode, flat out with binlog capture; `reps` interleaved runs of
+/// 8 s each; medians.
 pub(crate) async fn mysql_producers(reps: usize, paced: u64) -> Result<Value> {
     let secs = 8;
     let mut out = serde_json::Map::new();
-    for pace in [None, Some(paced)] {
+    for (pace, capture) in [
+        (None, Capture::Lease),
+        (Some(paced), Capture::Lease),
+        (None, Capture::Binlog),
+    ] {
         let mut rates = [Vec::new(), Vec::new()];
         let mut lat = [Vec::new(), Vec::new()];
         for _ in 0..reps.max(1) {
             for (i, with_relay) in [false, true].into_iter().enumerate() {
                 let db = MyDb::new_at(&outroute_e2e::mariadb_own_admin_url()?).await?;
                 let dir = test_dir("mysql-producers");
-                let config = write_config(&dir, &db.url, "", &file_sink_body(&dir))?;
+                let config = outroute_e2e::write_config_with(
+                    &dir,
+                    &db.url,
+                    match capture {
+                        Capture::Lease => "",
+                        Capture::Binlog => "capture = \"binlog\"",
+                    },
+                    "",
+                    &file_sink_body(&dir),
+                )?;
                 db.migrate(&config)?;
                 let relay = match with_relay {
                     true => Some(Relay::start(&config, &[("RUST_LOG", "warn")])?),
@@ -237,10 +251,14 @@ pub(crate) async fn mysql_producers(reps: usize, paced: u64) -> Result<Value> {
         for l in lat.iter_mut() {
             l.sort_by(f64::total_cmp);
         }
+        let mode = match capture {
+            Capture::Lease => "",
+            Capture::Binlog => "binlog_",
+        };
         out.insert(
             match pace {
-                None => "saturated".to_string(),
-                Some(p) => format!("paced_{p}"),
+                None => format!("{mode}saturated"),
+                Some(p) => format!("{mode}paced_{p}"),
             },
             json!({
                 "commits_per_s_without_relay": without,

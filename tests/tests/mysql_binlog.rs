@@ -5,7 +5,14 @@
 //! recorded GTID position, a purged binlog, the four crash points, three
 //! relays (one streams, two wait) with kills, a failing event that holds
 //! back only its aggregate, a kill in the middle of a 50,000-row producer
-//! transaction, and a server without a row-based binlog refused by name.
+//! transaction, a streaming relay frozen past its lease, a late-committing
+//! AUTO_INCREMENT row, the seed's `t_outbox`, and a server without a
+//! row-based binlog refused by name.
+//!
+//! One concern, one file: the end-to-end tests of binlog capture on its
+//! own server, which share its binlog files (the purge test runs alone);
+//! faults with the network or the server in the way are in
+//! `mysql_faults.rs`, with the lease-mode ones.
 
 use std::time::Duration;
 
@@ -590,6 +597,187 @@ async fn the_seed_t_outbox_is_relayed_from_the_binlog_as_it_is() -> anyhow::Resu
     })
     .await;
     assert!(failed, "{:?}", cli(&["failed", "list", "--json", "-c", &c]));
+    relay.terminate(Duration::from_secs(15));
+    db.drop_db().await;
+    Ok(())
+}
+
+/// Lease loss mid-batch in binlog mode: the streaming relay frozen
+/// (SIGSTOP at a failpoint) after taking a batch, while publishing, or
+/// after the broker's ack loses the capture lease to a standby, which
+/// streams from the recorded position and publishes everything; thawed,
+/// the first publishes nothing more (at most the message it was sending),
+/// marks and records nothing (`outroute_mark_fenced_total`), and keeps
+/// running as a standby.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_streaming_relay_frozen_past_its_lease_publishes_nothing_more() -> anyhow::Result<()> {
+    let _beside = BINLOG_FILES.read().await;
+    // Thawed, the batch in flight notices the lapsed lease itself, or the
+    // partition worker does first and drops the batch: either is fine.
+    let dropped = "capture lease lost: stopping the stream";
+    for (point, may_duplicate, noticed) in [
+        ("after-claim", 0usize, "lease expired before publishing"),
+        ("mid-publish", 1, "lease lapsed while publishing"),
+        (
+            "after-ack",
+            usize::MAX,
+            "lease lost: rows were published but not marked",
+        ),
+    ] {
+        let db = own_db().await?;
+        let t = tag();
+        let topic = format!("t{t}.order-updated");
+        create_topic(&topic, 3).await?;
+        let dir = test_dir(&format!("binlog-frozen-{point}"));
+        let route = format!(
+            "config = {{ sink = \"kafka\", topic = \"t{t}.{{event_type}}\" }}\nallow = {{ kafka = [\"t{t}.*\"] }}"
+        );
+        let (frozen_http, other_http) = (free_addr(), free_addr());
+        let settings = "lease_ttl = \"2s\"\nbatch_size = 400\nconcurrency = 1";
+        let config_at = |dir: &std::path::Path, http: &str| {
+            write_config_with(
+                dir,
+                &db.url,
+                "capture = \"binlog\"",
+                settings,
+                &relay_body(http, &[TestSink::Kafka], "order-router", "orders", &route),
+            )
+        };
+        let config = config_at(&dir, &frozen_http)?;
+        let other_config = config_at(&dir.join("other"), &other_http)?;
+        db.migrate(&config)?;
+        // A first run records a position, so the events below are streamed.
+        let mut first = Relay::start(&config, &[])?;
+        let recorded = eventually(Duration::from_secs(20), || async {
+            db.count("SELECT count(*) FROM outroute_binlog WHERE backfilled = 1")
+                .await
+                == 1
+        })
+        .await;
+        assert!(recorded, "{}", first.log_text());
+        first.terminate(Duration::from_secs(15));
+        let w = produce_mysql(&db.pool, &format!("frozen-{point}"), 40, 5, 0).await?;
+        let mut frozen = Relay::start(
+            &config,
+            &[
+                ("OUTROUTE_FAILPOINT", point),
+                ("OUTROUTE_FAILPOINT_ACTION", "stop"),
+            ],
+        )?;
+        let pid = frozen.child.id();
+        assert!(
+            eventually(Duration::from_secs(30), || async { stopped(pid) }).await,
+            "{point}: the relay never stopped at the failpoint:\n{}",
+            frozen.log_text()
+        );
+        let mut other = Relay::start(&other_config, &[])?;
+        assert!(
+            eventually(Duration::from_secs(60), || async {
+                db.count(PENDING).await == 0
+            })
+            .await,
+            "{point}: the standby did not take over and publish:\n{}",
+            other.log_text()
+        );
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(pid as i32, libc::SIGCONT);
+        }
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        let delivered = consume_kafka(&topic, 3, usize::MAX, Duration::from_secs(5))?;
+        let report = check(&w, &delivered);
+        println!("binlog, frozen at {point}: {report}");
+        assert_eq!(report.lost, 0, "{point}: {report}");
+        assert_eq!(report.order_violations, 0, "{point}: {report}");
+        assert!(
+            report.duplicates <= may_duplicate,
+            "{point}: the thawed relay published after losing the lease: {report}\n{}",
+            frozen.log_text()
+        );
+        let log = frozen.log_text();
+        assert!(
+            (log.contains(noticed) || log.contains(dropped)) && frozen.child.try_wait()?.is_none(),
+            "{point}: the thawed relay should notice its lease lapsed and keep running:\n{log}"
+        );
+        if log.contains(noticed) && point == "after-ack" {
+            let (_, metrics) = http_get(&frozen_http, "/metrics").await?;
+            let fenced = metric(&metrics, "outroute_mark_fenced_total{source=\"default\"}");
+            assert!(
+                fenced.is_some_and(|n| n >= 1.0),
+                "{point}: outroute_mark_fenced_total: {fenced:?}"
+            );
+        }
+        frozen.terminate(Duration::from_secs(15));
+        other.terminate(Duration::from_secs(15));
+        db.drop_db().await;
+    }
+    Ok(())
+}
+
+/// A producer transaction that took its AUTO_INCREMENT number first and
+/// commits after a later one: the binlog holds transactions in commit
+/// order, so it is simply streamed after the other (lease mode finds it
+/// by walking each lane from its oldest pending row).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_late_committing_auto_increment_row_is_streamed() -> anyhow::Result<()> {
+    let _beside = BINLOG_FILES.read().await;
+    let db = own_db().await?;
+    let dir = test_dir("binlog-late");
+    let out = dir.join("out.jsonl");
+    let config = write_config_with(
+        &dir,
+        &db.url,
+        "capture = \"binlog\"",
+        "",
+        &relay_body(
+            "",
+            &[TestSink::File(&out)],
+            "order-router",
+            "orders",
+            FILE_ROUTE,
+        ),
+    )?;
+    db.migrate(&config)?;
+    let mut relay = Relay::start(&config, &[])?;
+    let streaming = eventually(Duration::from_secs(20), || async {
+        relay.log_text().contains("streaming from the binary log")
+    })
+    .await;
+    assert!(streaming, "{}", relay.log_text());
+    let insert = |id: &'static str, agg: &'static str| {
+        sqlx::query(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES (?, 'order', ?, 'order-created', '{}')",
+        )
+        .bind(id)
+        .bind(agg)
+    };
+    let mut late = db.pool.begin().await?;
+    insert("late", "a").execute(&mut *late).await?;
+    insert("early", "b").execute(&db.pool).await?;
+    let early = eventually(Duration::from_secs(20), || async {
+        file_sink_deliveries(&out).iter().any(|d| d.id() == "early")
+    })
+    .await;
+    assert!(early, "{}", relay.log_text());
+    late.commit().await?;
+    let both = eventually(Duration::from_secs(20), || async {
+        file_sink_deliveries(&out).iter().any(|d| d.id() == "late")
+    })
+    .await;
+    assert!(
+        both,
+        "the late committer was never published\n{}",
+        relay.log_text()
+    );
+    let seqs: Vec<(String, i64)> =
+        sqlx::query_as("SELECT CAST(id AS CHAR), seq FROM outbox ORDER BY seq")
+            .fetch_all(&db.pool)
+            .await?;
+    assert_eq!(
+        seqs.iter().map(|(id, _)| id.as_str()).collect::<Vec<_>>(),
+        ["late", "early"],
+        "the late row holds the lower number"
+    );
     relay.terminate(Duration::from_secs(15));
     db.drop_db().await;
     Ok(())
