@@ -62,6 +62,29 @@ async fn drained(db: &MyDb, relay: &Relay, within: Duration) {
     );
 }
 
+/// Start a relay and stop it once it recorded a position: what is written
+/// after comes from the binlog.
+async fn record_a_position(db: &MyDb, config: &std::path::Path) {
+    let mut first = Relay::start(config, &[]).expect("starting the relay");
+    let recorded = eventually(Duration::from_secs(20), || async {
+        db.count("SELECT count(*) FROM outroute_binlog WHERE backfilled = 1")
+            .await
+            == 1
+    })
+    .await;
+    assert!(recorded, "no position recorded\n{}", first.log_text());
+    first.terminate(Duration::from_secs(15));
+}
+
+/// Wait until `relay` streams from the binlog.
+async fn streaming(relay: &Relay) {
+    let streaming = eventually(Duration::from_secs(30), || async {
+        relay.log_text().contains("streaming from the binary log")
+    })
+    .await;
+    assert!(streaming, "not streaming\n{}", relay.log_text());
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn binlog_capture_publishes_in_order_through_restarts_and_a_purged_binlog()
 -> anyhow::Result<()> {
@@ -201,15 +224,7 @@ async fn crash_at_every_point_in_binlog_mode_loses_nothing_and_keeps_order() -> 
     db.migrate(&config)?;
     // A first run records a position; each crash run then starts from it
     // with a backlog in the binlog (full batches: every point is reached).
-    let mut relay = Relay::start(&config, &[])?;
-    let recorded = eventually(Duration::from_secs(20), || async {
-        db.count("SELECT count(*) FROM outroute_binlog WHERE backfilled = 1")
-            .await
-            == 1
-    })
-    .await;
-    assert!(recorded, "{}", relay.log_text());
-    relay.terminate(Duration::from_secs(15));
+    record_a_position(&db, &config).await;
     let mut all = Workload::default();
     let mut duplicates = 0;
     for point in POINTS {
@@ -320,11 +335,7 @@ async fn a_failing_event_in_binlog_mode_holds_back_only_its_aggregate() -> anyho
     )?;
     db.migrate(&config)?;
     let mut relay = Relay::start(&config, &[])?;
-    let streaming = eventually(Duration::from_secs(20), || async {
-        relay.log_text().contains("streaming from the binary log")
-    })
-    .await;
-    assert!(streaming, "{}", relay.log_text());
+    streaming(&relay).await;
     let insert = |id: &'static str, agg: &'static str, ty: &'static str| {
         sqlx::query(
             "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES (?, 'order', ?, ?, '{}')",
@@ -422,11 +433,7 @@ async fn a_kill_in_the_middle_of_a_50000_row_transaction_loses_nothing() -> anyh
     let config = binlog_config(&db, &dir, &t, "batch_size = 500")?;
     db.migrate(&config)?;
     let mut relay = Relay::start(&config, &[])?;
-    let streaming = eventually(Duration::from_secs(20), || async {
-        relay.log_text().contains("streaming from the binary log")
-    })
-    .await;
-    assert!(streaming, "{}", relay.log_text());
+    streaming(&relay).await;
     let n = 50_000usize;
     let mut work = Workload::default();
     let mut tx = db.pool.begin().await?;
@@ -557,11 +564,7 @@ async fn the_seed_t_outbox_is_relayed_from_the_binlog_as_it_is() -> anyhow::Resu
     bad("bad-before").execute(&db.pool).await?;
     let mut work = produce_t_outbox(&db.pool, "before", 10, 4, 7).await?;
     let mut relay = Relay::start(&config, &[])?;
-    let streaming = eventually(Duration::from_secs(30), || async {
-        relay.log_text().contains("streaming from the binary log")
-    })
-    .await;
-    assert!(streaming, "{}", relay.log_text());
+    streaming(&relay).await;
     let w = produce_t_outbox(&db.pool, "streamed", 20, 6, 7).await?;
     work.committed.extend(w.committed);
     work.rolled_back.extend(w.rolled_back);
@@ -647,15 +650,7 @@ async fn a_streaming_relay_frozen_past_its_lease_publishes_nothing_more() -> any
         let other_config = config_at(&dir.join("other"), &other_http)?;
         db.migrate(&config)?;
         // A first run records a position, so the events below are streamed.
-        let mut first = Relay::start(&config, &[])?;
-        let recorded = eventually(Duration::from_secs(20), || async {
-            db.count("SELECT count(*) FROM outroute_binlog WHERE backfilled = 1")
-                .await
-                == 1
-        })
-        .await;
-        assert!(recorded, "{}", first.log_text());
-        first.terminate(Duration::from_secs(15));
+        record_a_position(&db, &config).await;
         let w = produce_mysql(&db.pool, &format!("frozen-{point}"), 40, 5, 0).await?;
         let mut frozen = Relay::start(
             &config,
@@ -739,11 +734,7 @@ async fn a_late_committing_auto_increment_row_is_streamed() -> anyhow::Result<()
     )?;
     db.migrate(&config)?;
     let mut relay = Relay::start(&config, &[])?;
-    let streaming = eventually(Duration::from_secs(20), || async {
-        relay.log_text().contains("streaming from the binary log")
-    })
-    .await;
-    assert!(streaming, "{}", relay.log_text());
+    streaming(&relay).await;
     let insert = |id: &'static str, agg: &'static str| {
         sqlx::query(
             "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES (?, 'order', ?, 'order-created', '{}')",

@@ -101,24 +101,14 @@ impl Relay {
         let _stop_reader = AbortOnDrop(reader);
         metrics::counter!(m::LEASE_HANDOVERS, "source" => self.source.clone()).increment(1);
 
-        let k = self.config.concurrency.max(1) as usize;
-        let (reached_tx, mut reached_rx) = mpsc::unbounded_channel::<(usize, u64)>();
-        let stop = shutdown.child_token();
+        let Partitions {
+            k,
+            feeds,
+            mut workers,
+            mut reached_rx,
+            stop,
+        } = self.clone().start_partitions(view, &leases, shutdown);
         let _stop_workers = stop.clone().drop_guard();
-        let mut feeds = Vec::with_capacity(k);
-        let mut workers = tokio::task::JoinSet::new();
-        for w in 0..k {
-            let (feed_tx, feed_rx) = mpsc::channel::<Feed>(4 * batch);
-            feeds.push(feed_tx);
-            let worker = self.clone().partition(
-                Partition { index: w, of: k },
-                feed_rx,
-                reached_tx.clone(),
-                LeaseGuard::new(leases.clone(), view, vec![CAPTURE_LANE]),
-                stop.clone(),
-            );
-            workers.spawn(worker.in_current_span());
-        }
         // Marks not yet handled by every worker (number, the position after
         // them), how far each worker got, and the last position recorded.
         let mut marks: std::collections::VecDeque<(u64, String, bool)> = Default::default();

@@ -132,6 +132,53 @@ impl Relay {
     }
 }
 
+/// The partition workers of a stream: the feed of each, the tasks, the
+/// marks they report (worker, mark), and the token that stops them.
+pub(super) struct Partitions {
+    pub(super) k: usize,
+    pub(super) feeds: Vec<mpsc::Sender<Feed>>,
+    pub(super) workers: tokio::task::JoinSet<Result<()>>,
+    pub(super) reached_rx: mpsc::UnboundedReceiver<(usize, u64)>,
+    pub(super) stop: CancellationToken,
+}
+
+impl Relay {
+    /// Start `relay.concurrency` partition workers for a stream held under
+    /// the capture lease of `view`.
+    pub(super) fn start_partitions(
+        self: Arc<Self>,
+        view: &LeaseView,
+        leases: &watch::Receiver<LeaseView>,
+        shutdown: &CancellationToken,
+    ) -> Partitions {
+        let k = self.config.concurrency.max(1) as usize;
+        let batch = self.config.batch_size as usize;
+        let (reached_tx, reached_rx) = mpsc::unbounded_channel::<(usize, u64)>();
+        let stop = shutdown.child_token();
+        let mut feeds = Vec::with_capacity(k);
+        let mut workers = tokio::task::JoinSet::new();
+        for w in 0..k {
+            let (feed_tx, feed_rx) = mpsc::channel::<Feed>(4 * batch);
+            feeds.push(feed_tx);
+            let worker = self.clone().partition(
+                Partition { index: w, of: k },
+                feed_rx,
+                reached_tx.clone(),
+                LeaseGuard::new(leases.clone(), view, vec![CAPTURE_LANE]),
+                stop.clone(),
+            );
+            workers.spawn(worker.in_current_span());
+        }
+        Partitions {
+            k,
+            feeds,
+            workers,
+            reached_rx,
+            stop,
+        }
+    }
+}
+
 /// Batches a partition worker has out at once (see [`Relay::partition`]).
 pub(super) const BATCHES_IN_FLIGHT: usize = 2;
 

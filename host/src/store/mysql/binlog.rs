@@ -58,17 +58,7 @@ impl MySqlStore {
     pub async fn capture_lease(&self) -> Result<Leases> {
         let ttl = micros(self.lease_ttl);
         let mut tx = self.pool.begin().await?;
-        sqlx::query(
-            "INSERT INTO outroute_relays (source, relay_id, hostname, pid, started_at, heartbeat_at) \
-             VALUES (?, ?, ?, ?, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6)) \
-             ON DUPLICATE KEY UPDATE heartbeat_at = UTC_TIMESTAMP(6)",
-        )
-        .bind(&self.source)
-        .bind(&self.relay_id)
-        .bind(this_host())
-        .bind(std::process::id() as i32)
-        .execute(&mut *tx)
-        .await?;
+        self.heartbeat(&mut tx).await?;
         let relays: i64 = sqlx::query_scalar(
             "SELECT 1 + count(*) FROM outroute_relays WHERE source = ? AND relay_id <> ? \
              AND heartbeat_at > UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND",
@@ -287,16 +277,7 @@ impl MySqlStore {
     /// like [`MySqlStore::save_position`]: the next stream starts afresh.
     pub async fn forget_position(&self, epoch: i64) -> Result<bool> {
         let mut tx = self.pool.begin().await?;
-        let mine: Option<i64> = sqlx::query_scalar(
-            "SELECT epoch FROM outroute_lanes WHERE source = ? AND lane = ? AND owner = ? \
-             AND lease_until > UTC_TIMESTAMP(6) LOCK IN SHARE MODE",
-        )
-        .bind(&self.source)
-        .bind(CAPTURE_LANE)
-        .bind(&self.relay_id)
-        .fetch_optional(&mut *tx)
-        .await?;
-        if mine != Some(epoch) {
+        if !self.holds_capture(&mut tx, epoch).await? {
             return Ok(false);
         }
         sqlx::query("DELETE FROM outroute_binlog WHERE source = ?")
@@ -309,11 +290,14 @@ impl MySqlStore {
         Ok(true)
     }
 
-    /// Record the stream's position, fenced by the capture lease at
-    /// `epoch` (a shared lock on the lease row: no take-over can slip in
-    /// between). False: the lease is lost; nothing was written.
-    pub async fn save_position(&self, position: &BinlogPosition, epoch: i64) -> Result<bool> {
-        let mut tx = self.pool.begin().await?;
+    /// Does this relay hold the capture lease at `epoch`? Read with a
+    /// shared lock on the lease row, so no take-over slips in before `tx`
+    /// ends.
+    async fn holds_capture(
+        &self,
+        tx: &mut sqlx::Transaction<'_, MySql>,
+        epoch: i64,
+    ) -> Result<bool> {
         let mine: Option<i64> = sqlx::query_scalar(
             "SELECT epoch FROM outroute_lanes WHERE source = ? AND lane = ? AND owner = ? \
              AND lease_until > UTC_TIMESTAMP(6) LOCK IN SHARE MODE",
@@ -321,9 +305,17 @@ impl MySqlStore {
         .bind(&self.source)
         .bind(CAPTURE_LANE)
         .bind(&self.relay_id)
-        .fetch_optional(&mut *tx)
+        .fetch_optional(&mut **tx)
         .await?;
-        if mine != Some(epoch) {
+        Ok(mine == Some(epoch))
+    }
+
+    /// Record the stream's position, fenced by the capture lease at
+    /// `epoch` (a shared lock on the lease row: no take-over can slip in
+    /// between). False: the lease is lost; nothing was written.
+    pub async fn save_position(&self, position: &BinlogPosition, epoch: i64) -> Result<bool> {
+        let mut tx = self.pool.begin().await?;
+        if !self.holds_capture(&mut tx, epoch).await? {
             return Ok(false);
         }
         sqlx::query(

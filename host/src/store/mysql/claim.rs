@@ -23,17 +23,7 @@ impl MySqlStore {
     pub async fn lease_round(&self) -> Result<Leases> {
         let ttl = micros(self.lease_ttl);
         let mut tx = self.pool.begin().await?;
-        sqlx::query(
-            "INSERT INTO outroute_relays (source, relay_id, hostname, pid, started_at, heartbeat_at) \
-             VALUES (?, ?, ?, ?, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6)) \
-             ON DUPLICATE KEY UPDATE heartbeat_at = UTC_TIMESTAMP(6)",
-        )
-        .bind(&self.source)
-        .bind(&self.relay_id)
-        .bind(this_host())
-        .bind(std::process::id() as i32)
-        .execute(&mut *tx)
-        .await?;
+        self.heartbeat(&mut tx).await?;
         sqlx::query(
             "DELETE FROM outroute_relays WHERE source = ? AND relay_id <> ? \
              AND heartbeat_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND",
@@ -156,6 +146,23 @@ impl MySqlStore {
             acquired,
             relays,
         })
+    }
+
+    /// Say this relay is alive (`outroute_relays`), in a lease round's
+    /// transaction.
+    pub(super) async fn heartbeat(&self, tx: &mut sqlx::Transaction<'_, MySql>) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO outroute_relays (source, relay_id, hostname, pid, started_at, heartbeat_at) \
+             VALUES (?, ?, ?, ?, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6)) \
+             ON DUPLICATE KEY UPDATE heartbeat_at = UTC_TIMESTAMP(6)",
+        )
+        .bind(&self.source)
+        .bind(&self.relay_id)
+        .bind(this_host())
+        .bind(std::process::id() as i32)
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
     }
 
     /// Give every lane back and leave the relay list (graceful shutdown).
