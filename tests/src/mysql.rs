@@ -298,3 +298,117 @@ pub fn mariadb_own_crash(admin_url: &str) -> Result<()> {
     }
     Ok(())
 }
+
+/// Start a relay on `config` and stop it once it recorded a binlog
+/// position (`capture = "binlog"`): what is written after comes from the
+/// binlog.
+pub async fn record_a_position(db: &MyDb, config: &Path) -> Result<()> {
+    let mut first = Relay::start(config, &[])?;
+    let recorded = eventually(Duration::from_secs(20), || async {
+        db.count("SELECT count(*) FROM outroute_binlog WHERE backfilled = 1")
+            .await
+            == 1
+    })
+    .await;
+    let log = first.log_text();
+    first.terminate(Duration::from_secs(15));
+    if !recorded {
+        bail!("no binlog position recorded\n{log}");
+    }
+    Ok(())
+}
+
+/// Lease loss mid-batch on MySQL/MariaDB, end to end, for one failpoint:
+/// a relay frozen there (SIGSTOP) loses its lease to a second relay, which
+/// publishes everything; thawed, the first publishes at most
+/// `may_duplicate` events again, says one of `noticed`, keeps running, and
+/// after an ack counts its refused mark (`outroute_mark_fenced_total`).
+/// `store`: more `[store]` lines (`capture = "binlog"`: a position is
+/// recorded first, so the events are streamed).
+pub async fn frozen_past_its_lease(
+    db: &MyDb,
+    point: &str,
+    (store, relay): (&str, &str),
+    may_duplicate: usize,
+    noticed: &[&str],
+) -> Result<()> {
+    let t = tag();
+    let topic = format!("t{t}.order-updated");
+    create_topic(&topic, 3).await?;
+    let dir = test_dir(&format!("mysql-frozen-{point}"));
+    let route = format!(
+        "config = {{ sink = \"kafka\", topic = \"t{t}.{{event_type}}\" }}\nallow = {{ kafka = [\"t{t}.*\"] }}"
+    );
+    let (frozen_http, other_http) = (free_addr(), free_addr());
+    let config_at = |dir: &Path, http: &str| {
+        write_config_with(
+            dir,
+            &db.url,
+            store,
+            relay,
+            &relay_body(http, &[TestSink::Kafka], "order-router", "orders", &route),
+        )
+    };
+    let config = config_at(&dir, &frozen_http)?;
+    let other_config = config_at(&dir.join("other"), &other_http)?;
+    db.migrate(&config)?;
+    if store.contains("binlog") {
+        record_a_position(db, &config).await?;
+    }
+    let w = produce_mysql(&db.pool, &format!("frozen-{point}"), 40, 5, 0).await?;
+    let mut frozen = Relay::start(
+        &config,
+        &[
+            ("OUTROUTE_FAILPOINT", point),
+            ("OUTROUTE_FAILPOINT_ACTION", "stop"),
+        ],
+    )?;
+    let pid = frozen.child.id();
+    if !eventually(Duration::from_secs(30), || async { stopped(pid) }).await {
+        bail!(
+            "{point}: the relay never stopped at the failpoint:\n{}",
+            frozen.log_text()
+        );
+    }
+    let pending = "SELECT count(*) FROM outbox WHERE published_at = '1000-01-01 00:00:00'";
+    let mut other = Relay::start(&other_config, &[])?;
+    if !eventually(Duration::from_secs(60), || async {
+        db.count(pending).await == 0
+    })
+    .await
+    {
+        bail!(
+            "{point}: the second relay did not publish the backlog:\n{}",
+            other.log_text()
+        );
+    }
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe {
+        libc::kill(pid as i32, libc::SIGCONT);
+    }
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let delivered = consume_kafka(&topic, 3, usize::MAX, Duration::from_secs(5))?;
+    let report = check(&w, &delivered);
+    println!("frozen at {point}: {report}");
+    let log = frozen.log_text();
+    let said = noticed.iter().find(|n| log.contains(**n));
+    let running = frozen.child.try_wait()?.is_none();
+    let fenced = if said == noticed.first() && point == "after-ack" {
+        let (_, metrics) = http_get(&frozen_http, "/metrics").await?;
+        metric(&metrics, "outroute_mark_fenced_total{source=\"default\"}")
+    } else {
+        Some(1.0)
+    };
+    frozen.terminate(Duration::from_secs(15));
+    other.terminate(Duration::from_secs(15));
+    if report.lost > 0 || report.order_violations > 0 || report.duplicates > may_duplicate {
+        bail!("{point}: {report} (at most {may_duplicate} duplicates)\n{log}");
+    }
+    if said.is_none() || !running {
+        bail!("{point}: the thawed relay should notice its lease lapsed and keep running:\n{log}");
+    }
+    if !fenced.is_some_and(|n| n >= 1.0) {
+        bail!("{point}: outroute_mark_fenced_total: {fenced:?}");
+    }
+    Ok(())
+}

@@ -485,6 +485,7 @@ async fn a_failing_event_on_mysql_holds_back_only_its_aggregate() -> anyhow::Res
 #[tokio::test(flavor = "multi_thread")]
 async fn a_relay_frozen_past_its_lease_on_mysql_publishes_nothing_for_lost_lanes()
 -> anyhow::Result<()> {
+    let settings = "lease_ttl = \"2s\"\nlanes = 8\nbatch_size = 400\nconcurrency = 1";
     for (point, may_duplicate, noticed) in [
         (
             "after-claim",
@@ -499,73 +500,7 @@ async fn a_relay_frozen_past_its_lease_on_mysql_publishes_nothing_for_lost_lanes
         ),
     ] {
         let db = MyDb::new().await?;
-        let t = tag();
-        let topic = format!("t{t}.order-updated");
-        create_topic(&topic, 3).await?;
-        let dir = test_dir(&format!("mysql-frozen-{point}"));
-        let route = format!(
-            "config = {{ sink = \"kafka\", topic = \"t{t}.{{event_type}}\" }}\nallow = {{ kafka = [\"t{t}.*\"] }}"
-        );
-        let (frozen_http, other_http) = (free_addr(), free_addr());
-        let settings = "lease_ttl = \"2s\"\nlanes = 8\nbatch_size = 400\nconcurrency = 1";
-        let body =
-            |http: &str| relay_body(http, &[TestSink::Kafka], "order-router", "orders", &route);
-        let config = write_config(&dir, &db.url, settings, &body(&frozen_http))?;
-        let other_config = write_config(&dir.join("other"), &db.url, settings, &body(&other_http))?;
-        db.migrate(&config)?;
-        let w = produce_mysql(&db.pool, &format!("frozen-{point}"), 40, 5, 0).await?;
-        let mut frozen = Relay::start(
-            &config,
-            &[
-                ("OUTROUTE_FAILPOINT", point),
-                ("OUTROUTE_FAILPOINT_ACTION", "stop"),
-            ],
-        )?;
-        let pid = frozen.child.id();
-        assert!(
-            eventually(Duration::from_secs(30), || async { stopped(pid) }).await,
-            "{point}: the relay never stopped at the failpoint:\n{}",
-            frozen.log_text()
-        );
-        let mut other = Relay::start(&other_config, &[])?;
-        assert!(
-            eventually(Duration::from_secs(60), || async {
-                db.count(PENDING).await == 0
-            })
-            .await,
-            "{point}: the second relay did not publish the backlog:\n{}",
-            other.log_text()
-        );
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe {
-            libc::kill(pid as i32, libc::SIGCONT);
-        }
-        tokio::time::sleep(Duration::from_secs(4)).await;
-        let delivered = consume_kafka(&topic, 3, usize::MAX, Duration::from_secs(5))?;
-        let report = check(&w, &delivered);
-        println!("mysql, frozen at {point}: {report}");
-        assert_eq!(report.lost, 0, "{point}: {report}");
-        assert_eq!(report.order_violations, 0, "{point}: {report}");
-        assert!(
-            report.duplicates <= may_duplicate,
-            "{point}: the thawed relay published for lanes it lost: {report}\n{}",
-            frozen.log_text()
-        );
-        let log = frozen.log_text();
-        assert!(
-            log.contains(noticed) && frozen.child.try_wait()?.is_none(),
-            "{point}: the thawed relay should notice its lease lapsed and keep running:\n{log}"
-        );
-        if point == "after-ack" {
-            let (_, metrics) = http_get(&frozen_http, "/metrics").await?;
-            let fenced = metric(&metrics, "outroute_mark_fenced_total{source=\"default\"}");
-            assert!(
-                fenced.is_some_and(|n| n >= 1.0),
-                "{point}: outroute_mark_fenced_total: {fenced:?}"
-            );
-        }
-        frozen.terminate(Duration::from_secs(15));
-        other.terminate(Duration::from_secs(15));
+        frozen_past_its_lease(&db, point, ("", settings), may_duplicate, &[noticed]).await?;
         db.drop_db().await;
     }
     Ok(())
