@@ -58,16 +58,7 @@ impl MySqlStore {
     pub async fn capture_lease(&self) -> Result<Leases> {
         let ttl = micros(self.lease_ttl);
         let mut tx = self.pool.begin().await?;
-        self.heartbeat(&mut tx).await?;
-        let relays: i64 = sqlx::query_scalar(
-            "SELECT 1 + count(*) FROM outroute_relays WHERE source = ? AND relay_id <> ? \
-             AND heartbeat_at > UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND",
-        )
-        .bind(&self.source)
-        .bind(&self.relay_id)
-        .bind(ttl)
-        .fetch_one(&mut *tx)
-        .await?;
+        let relays = self.heartbeat(&mut tx).await?;
         let taken = sqlx::query(
             "UPDATE outroute_lanes SET epoch = epoch + IF(owner <=> ? AND lease_until > UTC_TIMESTAMP(6), 0, 1), \
                owner = ?, lease_until = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND \

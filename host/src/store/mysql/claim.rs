@@ -16,32 +16,15 @@ const QUIET: &str = "(NOT EXISTS (SELECT 1 FROM outroute_event_state q FORCE IND
 
 impl MySqlStore {
     /// One lease round, in one transaction: heartbeat this relay, forget
-    /// relays silent for ten TTLs, count the live ones, renew the lanes
+    /// relays silent for ten TTLs, count the live ones (all three
+    /// [`MySqlStore::heartbeat`]), renew the lanes
     /// this relay holds, take free or lapsed ones up to its fair share
     /// (`SKIP LOCKED`: never waits for another relay's round). A relay
     /// over its share lets the extra leases lapse soon.
     pub async fn lease_round(&self) -> Result<Leases> {
         let ttl = micros(self.lease_ttl);
         let mut tx = self.pool.begin().await?;
-        self.heartbeat(&mut tx).await?;
-        sqlx::query(
-            "DELETE FROM outroute_relays WHERE source = ? AND relay_id <> ? \
-             AND heartbeat_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND",
-        )
-        .bind(&self.source)
-        .bind(&self.relay_id)
-        .bind(ttl.saturating_mul(10))
-        .execute(&mut *tx)
-        .await?;
-        let relays: i64 = sqlx::query_scalar(
-            "SELECT 1 + count(*) FROM outroute_relays WHERE source = ? AND relay_id <> ? \
-             AND heartbeat_at > UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND",
-        )
-        .bind(&self.source)
-        .bind(&self.relay_id)
-        .bind(ttl)
-        .fetch_one(&mut *tx)
-        .await?;
+        let relays = self.heartbeat(&mut tx).await?;
         sqlx::query(
             "UPDATE outroute_lanes SET lease_until = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND \
              WHERE source = ? AND owner = ? AND lease_until > UTC_TIMESTAMP(6) AND lane >= 0 AND lane < ?",
@@ -149,8 +132,10 @@ impl MySqlStore {
     }
 
     /// Say this relay is alive (`outroute_relays`), in a lease round's
-    /// transaction.
-    pub(super) async fn heartbeat(&self, tx: &mut sqlx::Transaction<'_, MySql>) -> Result<()> {
+    /// transaction; forget relays silent for ten TTLs. Returns the live
+    /// relays of the source, this one included.
+    pub(super) async fn heartbeat(&self, tx: &mut sqlx::Transaction<'_, MySql>) -> Result<i64> {
+        let ttl = micros(self.lease_ttl);
         sqlx::query(
             "INSERT INTO outroute_relays (source, relay_id, hostname, pid, started_at, heartbeat_at) \
              VALUES (?, ?, ?, ?, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6)) \
@@ -162,7 +147,25 @@ impl MySqlStore {
         .bind(std::process::id() as i32)
         .execute(&mut **tx)
         .await?;
-        Ok(())
+        sqlx::query(
+            "DELETE FROM outroute_relays WHERE source = ? AND relay_id <> ? \
+             AND heartbeat_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND",
+        )
+        .bind(&self.source)
+        .bind(&self.relay_id)
+        .bind(ttl.saturating_mul(10))
+        .execute(&mut **tx)
+        .await?;
+        let relays: i64 = sqlx::query_scalar(
+            "SELECT 1 + count(*) FROM outroute_relays WHERE source = ? AND relay_id <> ? \
+             AND heartbeat_at > UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND",
+        )
+        .bind(&self.source)
+        .bind(&self.relay_id)
+        .bind(ttl)
+        .fetch_one(&mut **tx)
+        .await?;
+        Ok(relays)
     }
 
     /// Give every lane back and leave the relay list (graceful shutdown).
