@@ -237,6 +237,11 @@ pub(crate) async fn mysql_producers(reps: usize, paced: u64) -> Result<Value> {
                 let (r, l) = mysql_writers(&db.pool, secs, pace).await?;
                 if let Some(mut relay) = relay {
                     relay.terminate(Duration::from_secs(15));
+                    anyhow::ensure!(
+                        file_sink_messages(&dir) > 0,
+                        "producers bench: the relay published nothing\n{}",
+                        relay.log_text()
+                    );
                 }
                 db.drop_db().await;
                 rates[i].push(r);

@@ -112,10 +112,20 @@ pub(crate) async fn fill(pool: &PgPool, n: usize) -> Result<()> {
 
 pub(crate) fn file_sink_body(dir: &Path) -> String {
     format!(
-        "[http]\nlisten = \"\"\n[sinks.file]\nkind = \"file\"\npath = \"{}\"\n[plugins.p]\npath = \"{}\"\n[[routes]]\nname = \"r\"\nplugin = \"p\"\nallow = {{ file = [\"**\"] }}\n",
+        "[http]\nlisten = \"\"\n[sinks.file]\nkind = \"file\"\npath = \"{}\"\n[plugins.p]\npath = \"{}\"\n[[routes]]\nname = \"r\"\nplugin = \"p\"\nconfig = {{ sink = \"file\", topic = \"bench.{{event_type}}\" }}\nallow = {{ file = [\"**\"] }}\n",
         dir.join("out.jsonl").display(),
         plugin("order-router").display()
     )
+}
+
+/// Messages the file sink of [`file_sink_body`] in `dir` holds. A run
+/// whose relay should have published checks it is not 0: a relay whose
+/// every event failed (a route that may not use its sink) costs its
+/// producers something else entirely.
+pub(crate) fn file_sink_messages(dir: &Path) -> usize {
+    std::fs::read_to_string(dir.join("out.jsonl"))
+        .map(|t| t.lines().count())
+        .unwrap_or(0)
 }
 
 pub(crate) fn relay_body(sink: &str, t: &str, http: &str) -> String {

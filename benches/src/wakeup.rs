@@ -182,6 +182,11 @@ async fn run(case: &Case, secs: u64, pace: Option<u64>) -> Result<Written> {
     let written = writers(&db.pool, case.relay == Some(true), case.outbox, secs, pace).await;
     if let Some(mut r) = relay {
         r.terminate(Duration::from_secs(15));
+        anyhow::ensure!(
+            !case.outbox || file_sink_messages(&dir) > 0,
+            "wake-up bench: the relay published nothing\n{}",
+            r.log_text()
+        );
     }
     db.drop_db().await;
     written

@@ -3,7 +3,8 @@
 //! PostgreSQL suites — rolled-back transactions never published, every
 //! committed event delivered in per-aggregate order through the four crash
 //! points, three relays with kills, a relay that lost its lanes marking
-//! nothing, a late-committing AUTO_INCREMENT row, a failing event that
+//! nothing, a late-committing AUTO_INCREMENT row (also under a deep drain,
+//! past the claim floors), a failing event that
 //! holds back only its own aggregate. (Mapped tables and one plugin across
 //! databases: `mysql_tables.rs`; network faults and a server crash:
 //! `mysql_faults.rs`.)
@@ -392,6 +393,128 @@ async fn a_late_committing_auto_increment_row_on_mysql_is_published() -> anyhow:
         relay.log_text()
     );
     relay.terminate(Duration::from_secs(15));
+    db.drop_db().await;
+    Ok(())
+}
+
+/// Claim floors (`store/mysql/floor.rs`) under a deep drain: producers
+/// keep 10,000–12,000 rows pending while a transaction holds a row with an
+/// early AUTO_INCREMENT number open for 3 s; the floors rise meanwhile (the
+/// relay publishes tens of thousands of later rows), yet never past the
+/// open row, so the next claim after its commit finds it (a floor that
+/// passed it would leave it to the sweep below the floors, 30 s later).
+/// Then everything drains: no loss, each aggregate in order.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_late_committing_row_under_a_deep_drain_on_mysql_is_published_at_once()
+-> anyhow::Result<()> {
+    let db = MyDb::new().await?;
+    let dir = test_dir("mysql-floors");
+    let out = dir.join("out.jsonl");
+    let config = write_config(
+        &dir,
+        &db.url,
+        "lanes = 1",
+        &relay_body(
+            "",
+            &[TestSink::File(&out)],
+            "order-router",
+            "orders",
+            FILE_ROUTE,
+        ),
+    )?;
+    db.migrate(&config)?;
+    let mut relay = Relay::start(&config, &[])?;
+    // Producers: 2,000 rows per transaction while fewer than 10,000 wait
+    // (the relay passes the open row within a second of its insert).
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let producer = {
+        let (pool, stop) = (db.pool.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut batch = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let pending: i64 = sqlx::query_scalar(PENDING).fetch_one(&pool).await?;
+                if pending >= 10_000 {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                }
+                batch += 1;
+                sqlx::query(
+                    "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+                     SELECT CONCAT('p', ?, '-', seq), 'order', CONCAT('a-', seq % 50), 'order-updated', '{}' \
+                     FROM seq_1_to_2000",
+                )
+                .bind(batch)
+                .execute(&pool)
+                .await?;
+            }
+            anyhow::Ok(batch)
+        })
+    };
+    let published = "SELECT count(*) FROM outbox WHERE published_at > '1000-01-01 00:00:00'";
+    let started = eventually(Duration::from_secs(60), || async {
+        db.count(published).await >= 20_000
+    })
+    .await;
+    assert!(started, "the drain did not get going\n{}", relay.log_text());
+    let mut late = db.pool.begin().await?;
+    sqlx::query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ('late', 'order', 'late-1', 'order-updated', '{}')",
+    )
+    .execute(&mut *late)
+    .await?;
+    let before = db.count(published).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let during = db.count(published).await - before;
+    late.commit().await?;
+    let committed = std::time::Instant::now();
+    let late_published = eventually(Duration::from_secs(30), || async {
+        db.count(
+            "SELECT count(*) FROM outbox WHERE id = 'late' AND published_at > '1000-01-01 00:00:00'",
+        )
+        .await
+            == 1
+    })
+    .await;
+    let waited = committed.elapsed();
+    let pending_then = db.count(PENDING).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    producer.await??;
+    assert!(
+        during > 5_000,
+        "the relay published only {during} rows while the row was open: no floor could rise"
+    );
+    assert!(
+        late_published && waited < Duration::from_secs(8),
+        "the late row was published {waited:?} after its commit (still pending: {late_published}), \
+         with {pending_then} rows pending\n{}",
+        relay.log_text()
+    );
+    let drained = eventually(Duration::from_secs(180), || async {
+        db.count(PENDING).await == 0
+    })
+    .await;
+    assert!(drained, "the backlog did not drain\n{}", relay.log_text());
+    relay.terminate(Duration::from_secs(15));
+    let rows: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT CAST(id AS CHAR), CAST(aggregate_id AS CHAR), seq FROM outbox ORDER BY seq",
+    )
+    .fetch_all(&db.pool)
+    .await?;
+    let w = Workload {
+        committed: rows
+            .into_iter()
+            .map(|(id, aggregate_id, seq)| Expected {
+                id,
+                aggregate_id,
+                seq,
+            })
+            .collect(),
+        rolled_back: Vec::new(),
+    };
+    let report = check(&w, &file_sink_deliveries(&out));
+    println!("late row after {waited:?}, {during} published while it was open; {report}");
+    report.assert_clean();
     db.drop_db().await;
     Ok(())
 }

@@ -117,7 +117,7 @@ impl Relay {
             let workers = self.config.concurrency as usize;
             tokio::task::spawn_blocking(move || plugin.warm(workers));
         }
-        if matches!(*self.store, Store::Postgres(_)) {
+        if matches!(*self.store, Store::Postgres(_) | Store::MySql(_)) {
             background.push(spawn_here(self.clone().raise_floors(
                 lease_rx.clone(),
                 quiet_tx.clone(),

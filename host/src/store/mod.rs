@@ -597,18 +597,25 @@ impl Store {
         bounded!(self, "claiming events", s => s.claim(lanes, limit))
     }
 
-    /// Move the lanes' claim floors up past what they published (PostgreSQL
-    /// tables with a sequence column; see `postgres/floor.rs`).
+    /// Move the lanes' claim floors up past what they published (tables
+    /// with a sequence column; see `postgres/floor.rs`, `mysql/floor.rs`).
     /// Returns whether a floor was lowered (a row turned up below it).
     pub async fn raise_floors(&self, lanes: &[i32]) -> bool {
-        if let Store::Postgres(s) = self {
-            let raise = async { Ok(s.raise_floors(lanes).await) };
-            match s.bounded("raising claim floors", raise).await {
-                Ok(lowered) => return lowered,
-                Err(e) => tracing::warn!("{e:#}"),
+        let raised = match self {
+            Store::Postgres(s) => {
+                let raise = async { Ok(s.raise_floors(lanes).await) };
+                s.bounded("raising claim floors", raise).await
             }
-        }
-        false
+            Store::MySql(s) => {
+                s.bounded("raising claim floors", s.raise_floors(lanes))
+                    .await
+            }
+            _ => return false,
+        };
+        raised.unwrap_or_else(|e| {
+            tracing::warn!("{e:#}");
+            false
+        })
     }
 
     /// Delete queue entries whose row is gone or failed by hand, walking

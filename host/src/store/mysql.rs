@@ -6,7 +6,7 @@
 //! This file holds the connection, the design and the schema (migrations,
 //! the lane column and index, the mapped table's checks);
 //! `mysql/table.rs` the SQL of the table mapping; `mysql/claim.rs` the lease rounds and the
-//! claim, `mysql/mark.rs` marks and failure records, `mysql/operator.rs`
+//! claim, `mysql/floor.rs` where each lane's claim starts, `mysql/mark.rs` marks and failure records, `mysql/operator.rs`
 //! what operators and the metrics read or change (status, backlog,
 //! quarantine records, failed events, replay pages, retention);
 //! `mysql/binlog.rs` what binlog capture (`capture = "binlog"`) needs of
@@ -33,14 +33,11 @@
 //!   number at insert and may commit after a later one). The claim never
 //!   skips ahead of anything: each lane is walked from its oldest pending
 //!   row on every claim (pending rows only, through the lane index), so a
-//!   late-committing row is simply found by the next claim. The price: a
-//!   marked row's old index entry stays in the pending range, delete-marked,
-//!   until InnoDB's purge removes it, and every walk from the bottom steps
-//!   over those not purged yet. At steady load purge keeps up; under a deep
-//!   drain it lags, and the claim grows slower (measured over a 1,000,000
-//!   backlog: the last tenth drained at 14,200 events/s against 21,100 for
-//!   the first). PostgreSQL's claim floors answer the same problem; MySQL
-//!   has none yet.
+//!   late-committing row is simply found by the next claim. A marked row's
+//!   old index entry stays in the pending range, delete-marked, until
+//!   InnoDB's purge removes it; under a deep drain purge lags, so a deep
+//!   walk starts at its lane's *claim floor* (`mysql/floor.rs`), which only
+//!   rises past rows no running transaction can still commit below.
 //!
 //! ## Cost: per batch, never per backlog
 //! The lane index `outbox_outroute_lanes<N> (outroute_lane<N>,
@@ -70,6 +67,7 @@ use crate::event::RawRow;
 
 mod binlog;
 mod claim;
+mod floor;
 mod mark;
 mod operator;
 mod table;
@@ -117,6 +115,8 @@ pub struct MySqlStore {
     /// The lanes whose last walk came back short (fewer rows than asked):
     /// a claim of only such lanes is shallow (see `MySqlStore::claim`).
     empty: std::sync::Mutex<std::collections::HashSet<i32>>,
+    /// Where each lane's deep walk starts (`mysql/floor.rs`).
+    floors: std::sync::Mutex<floor::Floors>,
     /// `capture = "binlog"`: the replication connection's options.
     binlog: Option<mysql_async::Opts>,
 }
@@ -297,6 +297,7 @@ impl MySqlStore {
             lane_index: false,
             missing_index: None,
             empty: std::sync::Mutex::new(std::collections::HashSet::new()),
+            floors: std::sync::Mutex::new(floor::Floors::default()),
             binlog: (sc.capture == crate::config::CaptureMode::Binlog)
                 .then(|| replication_opts(key, sc))
                 .transpose()?,

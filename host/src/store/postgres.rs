@@ -224,7 +224,7 @@ pub struct PgStore {
 
 /// The source's name from its config key (`store` → `default`,
 /// `sources.<name>` → `<name>`): the `source` label of its metrics.
-fn source_name(key: &str) -> &str {
+pub(super) fn source_name(key: &str) -> &str {
     key.strip_prefix("sources.")
         .unwrap_or(crate::config::DEFAULT_SOURCE)
 }

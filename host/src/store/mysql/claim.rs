@@ -369,7 +369,13 @@ impl MySqlStore {
             }
         } else {
             let mut order: Vec<i32> = lanes.to_vec();
-            let mut after: HashMap<i32, Last> = HashMap::new();
+            // Each lane from its floor (`mysql/floor.rs`), past the
+            // entries of rows it published.
+            let mut after: HashMap<i32, Last> = self
+                .floors_of(lanes)
+                .into_iter()
+                .map(|(l, f)| (l, Last::Seq(f.saturating_sub(1))))
+                .collect();
             let mut bytes = 0u64;
             let alone = order.len() > 1;
             for round in 0..CLAIM_ROUNDS {
@@ -439,6 +445,7 @@ impl MySqlStore {
                 .copied()
                 .collect()
         };
+        self.floors_saw(out.iter().map(|c| (c.lane, c.sequence())));
         let claimed = Claimed {
             drained: !more && !cut && kept_bytes < self.max_batch_bytes,
             claims: out,

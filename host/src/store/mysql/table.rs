@@ -221,6 +221,15 @@ impl TableSql {
         }
     }
 
+    /// The sequence column over `o`, as the lane index holds it (`None`:
+    /// the table is ordered by `created_at`).
+    pub fn seq_column(&self) -> Option<String> {
+        self.cfg
+            .sequence
+            .as_deref()
+            .map(|s| format!("o.{}", quote(s)))
+    }
+
     /// After the last row a lane walk returned (continuing the walk):
     /// parameters seq, or created_at, created_at, id.
     pub fn after(&self) -> String {
