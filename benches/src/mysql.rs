@@ -396,7 +396,11 @@ pub(crate) async fn mysql_latency(secs: u64, rate: u64) -> Result<Value> {
 /// (one aggregate each), drained to JetStream; the relay's claim histogram
 /// and the drain rate over the first and the last tenth of the events
 /// (`outroute_claim_seconds` deltas between published counts).
-pub(crate) async fn mysql_deep_backlog(n: usize) -> Result<Value> {
+///
+/// `reader`: a `REPEATABLE READ` snapshot is held open on the database for
+/// the whole drain (a report, a backup): InnoDB's purge can remove no
+/// marked row's old index entry meanwhile, the case claim floors exist for.
+pub(crate) async fn mysql_deep_backlog(n: usize, reader: bool) -> Result<Value> {
     let db = MyDb::new_at(&outroute_e2e::mariadb_own_admin_url()?).await?;
     let t = tag();
     nats_stream(&format!("B{t}"), vec![format!("b{t}.>")]).await?;
@@ -415,10 +419,26 @@ pub(crate) async fn mysql_deep_backlog(n: usize) -> Result<Value> {
         "   {n} events written in {:.0} s",
         filled.elapsed().as_secs_f64()
     );
+    let mut snapshot = None;
+    if reader {
+        let mut conn = db.pool.acquire().await?;
+        sqlx::raw_sql(
+            "SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ; \
+             START TRANSACTION WITH CONSISTENT SNAPSHOT",
+        )
+        .execute(&mut *conn)
+        .await?;
+        sqlx::query("SELECT count(*) FROM outbox WHERE seq < 10")
+            .execute(&mut *conn)
+            .await?;
+        snapshot = Some(conn);
+    }
     let mut relay = Relay::start(&config, &[("RUST_LOG", "warn")])?;
     let tenth = (n / 10).max(1);
-    // (published at least, metrics text, instant) at 0, n/10, 9n/10, n.
-    let marks = [0, tenth, n - tenth, n];
+    // (published at least, metrics text, instant) at 0, n/10, 8n/10,
+    // 9n/10, n: the ninth tenth is deep into the drain, the last one also
+    // holds its tail (lanes running dry one after the other).
+    let marks = [0, tenth, n - 2 * tenth, n - tenth, n];
     let mut seen: Vec<(String, Instant)> = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(3600);
     let published = |m: &str| {
@@ -445,6 +465,9 @@ pub(crate) async fn mysql_deep_backlog(n: usize) -> Result<Value> {
         }
     }
     relay.terminate(Duration::from_secs(15));
+    if let Some(mut conn) = snapshot {
+        sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await?;
+    }
     db.drop_db().await;
     outroute_e2e::drop_nats_stream(&format!("B{t}")).await;
     let window = |a: usize, b: usize| {
@@ -452,9 +475,14 @@ pub(crate) async fn mysql_deep_backlog(n: usize) -> Result<Value> {
         let (mb, tb) = &seen[b];
         let d = buckets_since(ma, mb);
         let events = published(mb).saturating_sub(published(ma));
+        let claims = |m: &str| {
+            outroute_e2e::metric(m, "outroute_claim_seconds_count{source=\"default\"}")
+                .unwrap_or(0.0)
+        };
         json!({
             "events": events,
             "events_per_s": events as f64 / tb.duration_since(*ta).as_secs_f64().max(1e-3),
+            "claim_statements_per_1000_events": (claims(mb) - claims(ma)) * 1000.0 / events.max(1) as f64,
             "claim_ms_p50": bucket_quantile(&d, "outroute_claim_seconds", 0.5),
             "claim_ms_p99": bucket_quantile(&d, "outroute_claim_seconds", 0.99),
         })
@@ -462,7 +490,8 @@ pub(crate) async fn mysql_deep_backlog(n: usize) -> Result<Value> {
     Ok(json!({
         "backlog": n,
         "first_tenth": window(0, 1),
-        "last_tenth": window(2, 3),
+        "ninth_tenth": window(2, 3),
+        "last_tenth": window(3, 4),
     }))
 }
 
@@ -500,21 +529,35 @@ pub(crate) async fn mysql_section(
         ));
         results.push(("mysql_latency".into(), l));
     }
-    if backlog > 0 {
-        eprintln!("== claim cost against a {backlog}-event MariaDB backlog");
-        let b = mysql_deep_backlog(backlog).await?;
-        for (k, label) in [("first_tenth", "first"), ("last_tenth", "last")] {
+    for reader in [false, true].into_iter().filter(|_| backlog > 0) {
+        let (with, key) = match reader {
+            false => ("", "mysql_deep_backlog"),
+            true => (
+                ", a reader holding purge back",
+                "mysql_deep_backlog_purge_held",
+            ),
+        };
+        eprintln!("== claim cost against a {backlog}-event MariaDB backlog{with}");
+        let b = mysql_deep_backlog(backlog, reader).await?;
+        for (k, label) in [
+            ("first_tenth", "first"),
+            ("ninth_tenth", "ninth"),
+            ("last_tenth", "last"),
+        ] {
             table.push((
-                format!("MariaDB {backlog} backlog, {label} tenth: drain, claim p50 / p99"),
                 format!(
-                    "{:.0} events/s, {:.2} / {:.2} ms",
+                    "MariaDB {backlog} backlog{with}, {label} tenth: drain, claim p50 / p99, claims per 1000 events"
+                ),
+                format!(
+                    "{:.0} events/s, {:.2} / {:.2} ms, {:.1}",
                     b[k]["events_per_s"].as_f64().unwrap_or(0.0),
                     b[k]["claim_ms_p50"].as_f64().unwrap_or(f64::NAN),
-                    b[k]["claim_ms_p99"].as_f64().unwrap_or(f64::NAN)
+                    b[k]["claim_ms_p99"].as_f64().unwrap_or(f64::NAN),
+                    b[k]["claim_statements_per_1000_events"].as_f64().unwrap_or(f64::NAN)
                 ),
             ));
         }
-        results.push(("mysql_deep_backlog".into(), b));
+        results.push((key.into(), b));
     }
     // `--events 0` skips the drains.
     let drains = [

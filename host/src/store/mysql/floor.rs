@@ -19,7 +19,10 @@
 //!   at a later round that finds none of them running any more: a row
 //!   numbered below `M` (a sequence number a claim saw before the
 //!   candidate's round) was inserted by then, by a transaction that round
-//!   saw, so once they all ended it is visible or gone. The new floor is
+//!   saw, so once they all ended it is visible or gone. Only transactions
+//!   that have written a row count (`trx_rows_modified > 0`): a long
+//!   read-only one (a report, a backup) cannot hold a number below `M` —
+//!   and it is what holds purge back, when floors matter most. The new floor is
 //!   `min(lowest pending seq now, M + 1)`. InnoDB refreshes that table at
 //!   most every 100 ms, so `M` is the one seen a round *earlier* (rounds are
 //!   [`ROUND_INTERVAL`] apart): a transaction that inserted before `M` was
@@ -296,12 +299,14 @@ impl MySqlStore {
     /// one that ended since is seen) each lane's lowest pending row from
     /// its floor, below it where it sweeps, and the state rows' lowest.
     async fn floor_round(&self, asked: &[Ask]) -> Result<Round> {
-        let running: HashSet<String> =
-            sqlx::query_scalar("SELECT CAST(trx_id AS CHAR) FROM information_schema.INNODB_TRX")
-                .fetch_all(&self.pool)
-                .await?
-                .into_iter()
-                .collect();
+        let running: HashSet<String> = sqlx::query_scalar(
+            "SELECT CAST(trx_id AS CHAR) FROM information_schema.INNODB_TRX \
+                 WHERE trx_rows_modified > 0",
+        )
+        .fetch_all(&self.pool)
+        .await?
+        .into_iter()
+        .collect();
         let s = &self.sql;
         let (lane_col, index) = (
             format!("o.{}", super::lane_column(self.lanes)),
