@@ -117,6 +117,8 @@ pub struct MySqlStore {
     empty: std::sync::Mutex<std::collections::HashSet<i32>>,
     /// Where each lane's deep walk starts (`mysql/floor.rs`).
     floors: std::sync::Mutex<floor::Floors>,
+    /// Binlog capture's marks, grouped (`mysql/mark.rs`).
+    marks: mark::MarkGroup,
     /// `capture = "binlog"`: the replication connection's options.
     binlog: Option<mysql_async::Opts>,
 }
@@ -298,6 +300,7 @@ impl MySqlStore {
             missing_index: None,
             empty: std::sync::Mutex::new(std::collections::HashSet::new()),
             floors: std::sync::Mutex::new(floor::Floors::default()),
+            marks: mark::MarkGroup::default(),
             binlog: (sc.capture == crate::config::CaptureMode::Binlog)
                 .then(|| replication_opts(key, sc))
                 .transpose()?,
