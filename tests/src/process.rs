@@ -14,6 +14,18 @@ pub fn write_config(dir: &Path, db_url: &str, relay: &str, body: &str) -> Result
 /// `orders.{event_type}`.
 pub const FILE_ROUTE: &str = "config = { sink = \"file\", topic = \"orders.{event_type}\" }\nallow = { file = [\"orders.*\"] }";
 
+/// The usual file-sink relay: `order-router` routing `orders` through
+/// [`FILE_ROUTE`] to a file sink writing `out`.
+pub fn file_route_body(out: &Path) -> String {
+    relay_body(
+        "",
+        &[TestSink::File(out)],
+        "order-router",
+        "orders",
+        FILE_ROUTE,
+    )
+}
+
 /// A relay publishing to a file, set up and migrated: in test folder
 /// `name`, `[relay]` keys `relay`, one route `route_name` through plugin
 /// `plugin` with keys `route` (often [`FILE_ROUTE`]). Returns the config and

@@ -853,13 +853,7 @@ async fn a_huge_transaction_is_cleaned_up_in_chunks() -> anyhow::Result<()> {
         &db.url,
         &format!("{LOGICAL}\nstatement_timeout = \"200ms\""),
         "batch_size = 1000",
-        &relay_body(
-            "",
-            &[TestSink::File(&out)],
-            "order-router",
-            "orders",
-            FILE_ROUTE,
-        ),
+        &file_route_body(&out),
     )?;
     db.migrate(&config)?;
     let relay = Relay::start(&config, &[])?;

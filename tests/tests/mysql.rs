@@ -247,13 +247,7 @@ async fn a_relay_that_lost_its_lanes_on_mysql_marks_nothing() -> anyhow::Result<
         &dir,
         &db.url,
         "lanes = 4\nlease_ttl = \"2s\"",
-        &relay_body(
-            "",
-            &[TestSink::File(&out)],
-            "order-router",
-            "orders",
-            FILE_ROUTE,
-        ),
+        &file_route_body(&out),
     )?;
     db.migrate(&config)?;
     let work = produce_mysql(&db.pool, "f", 8, 2, 0).await?;
@@ -330,13 +324,7 @@ async fn a_late_committing_auto_increment_row_on_mysql_is_published() -> anyhow:
         &dir,
         &db.url,
         "lanes = 1\npoll_max = \"100ms\"",
-        &relay_body(
-            "",
-            &[TestSink::File(&out)],
-            "order-router",
-            "orders",
-            FILE_ROUTE,
-        ),
+        &file_route_body(&out),
     )?;
     db.migrate(&config)?;
     let mut relay = Relay::start(&config, &[])?;
@@ -410,18 +398,7 @@ async fn a_late_committing_row_under_a_deep_drain_on_mysql_is_published_at_once(
     let db = MyDb::new().await?;
     let dir = test_dir("mysql-floors");
     let out = dir.join("out.jsonl");
-    let config = write_config(
-        &dir,
-        &db.url,
-        "lanes = 1",
-        &relay_body(
-            "",
-            &[TestSink::File(&out)],
-            "order-router",
-            "orders",
-            FILE_ROUTE,
-        ),
-    )?;
+    let config = write_config(&dir, &db.url, "lanes = 1", &file_route_body(&out))?;
     db.migrate(&config)?;
     let mut relay = Relay::start(&config, &[])?;
     // Producers: 2,000 rows per transaction while fewer than 10,000 wait

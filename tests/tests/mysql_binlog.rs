@@ -528,13 +528,7 @@ async fn the_seed_t_outbox_is_relayed_from_the_binlog_as_it_is() -> anyhow::Resu
         &db.url,
         &format!("capture = \"binlog\"\n{T_OUTBOX_MAPPING}"),
         "lanes = 4",
-        &relay_body(
-            "",
-            &[TestSink::File(&out)],
-            "order-router",
-            "orders",
-            FILE_ROUTE,
-        ),
+        &file_route_body(&out),
     )?;
     let c = config.to_string_lossy().to_string();
     let (code, o, e) = cli(&["migrate", "--table", "-c", &c])?;
@@ -646,13 +640,7 @@ async fn a_late_committing_auto_increment_row_is_streamed() -> anyhow::Result<()
         &db.url,
         "capture = \"binlog\"",
         "",
-        &relay_body(
-            "",
-            &[TestSink::File(&out)],
-            "order-router",
-            "orders",
-            FILE_ROUTE,
-        ),
+        &file_route_body(&out),
     )?;
     db.migrate(&config)?;
     let mut relay = Relay::start(&config, &[])?;

@@ -29,13 +29,7 @@ async fn the_seed_t_outbox_on_mysql_is_relayed_as_it_is() -> anyhow::Result<()> 
         &db.url,
         T_OUTBOX_MAPPING,
         "lanes = 4\npoll_max = \"100ms\"",
-        &relay_body(
-            "",
-            &[TestSink::File(&out)],
-            "order-router",
-            "orders",
-            FILE_ROUTE,
-        ),
+        &file_route_body(&out),
     )?;
     let c = config.to_string_lossy().to_string();
     let (code, o, e) = cli(&["migrate", "--table", "-c", &c])?;
@@ -158,19 +152,7 @@ async fn the_seed_t_outbox_on_mysql_is_relayed_as_it_is() -> anyhow::Result<()> 
         ),
     ] {
         let d = test_dir("mysql-t-outbox-refused");
-        let cfg = write_config_with(
-            &d,
-            &db.url,
-            &mapping,
-            "lanes = 4",
-            &relay_body(
-                "",
-                &[TestSink::File(&out)],
-                "order-router",
-                "orders",
-                FILE_ROUTE,
-            ),
-        )?;
+        let cfg = write_config_with(&d, &db.url, &mapping, "lanes = 4", &file_route_body(&out))?;
         let (code, o, e) = cli(&["migrate", "--table", "-c", &cfg.to_string_lossy()])?;
         assert_ne!(code, 0, "{o}{e}");
         assert!(format!("{o}{e}").contains(want), "wanted `{want}`:\n{o}{e}");
@@ -338,13 +320,7 @@ async fn mapped_mysql_tables_marked_by_delete_or_published_at() -> anyhow::Resul
             &db.url,
             &mapping,
             "lanes = 4\npoll_max = \"100ms\"",
-            &relay_body(
-                "",
-                &[TestSink::File(&out)],
-                "order-router",
-                "orders",
-                FILE_ROUTE,
-            ),
+            &file_route_body(&out),
         )?;
         let c = config.to_string_lossy().to_string();
         let (code, o, e) = cli(&["migrate", "--table", "-c", &c])?;
