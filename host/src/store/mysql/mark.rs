@@ -64,14 +64,14 @@ impl MySqlStore {
         Ok(rows.into_iter().collect())
     }
 
-    /// Of these claims (or failures), those whose lane this relay still
-    /// holds at the epoch it claimed them under (`None`: owner and lease
-    /// only).
-    async fn fenced<'a, T>(
+    /// For each of these claims (or failures): does this relay still hold
+    /// its lane at the epoch it claimed it under (`None`: owner and lease
+    /// only)? One read of the lanes.
+    async fn fence<T>(
         &self,
-        items: &'a [T],
+        items: &[T],
         lane_epoch: impl Fn(&T) -> (i32, Option<i64>),
-    ) -> Result<Vec<&'a T>> {
+    ) -> Result<Vec<bool>> {
         let mut lanes: Vec<i32> = items.iter().map(|t| lane_epoch(t).0).collect();
         lanes.sort_unstable();
         lanes.dedup();
@@ -81,11 +81,26 @@ impl MySqlStore {
         let held = self.held_lanes(&lanes).await?;
         Ok(items
             .iter()
-            .filter(|t| {
+            .map(|t| {
                 let (lane, epoch) = lane_epoch(t);
                 held.get(&lane)
                     .is_some_and(|e| epoch.is_none_or(|want| want == *e))
             })
+            .collect())
+    }
+
+    /// Of these claims (or failures), those [`Self::fence`] lets through.
+    async fn fenced<'a, T>(
+        &self,
+        items: &'a [T],
+        lane_epoch: impl Fn(&T) -> (i32, Option<i64>),
+    ) -> Result<Vec<&'a T>> {
+        let mine = self.fence(items, lane_epoch).await?;
+        Ok(items
+            .iter()
+            .zip(mine)
+            .filter(|(_, m)| *m)
+            .map(|(t, _)| t)
             .collect())
     }
 
@@ -118,20 +133,7 @@ impl MySqlStore {
     /// One mark statement (and the state rows' delete) for `rows`: which
     /// of them the fence let through, and how many rows it marked.
     async fn mark_rows(&self, rows: &[Marked]) -> Result<(Vec<bool>, u64)> {
-        let mut lanes: Vec<i32> = rows.iter().map(|r| r.lane).collect();
-        lanes.sort_unstable();
-        lanes.dedup();
-        if lanes.is_empty() {
-            return Ok((Vec::new(), 0));
-        }
-        let held = self.held_lanes(&lanes).await?;
-        let mine: Vec<bool> = rows
-            .iter()
-            .map(|r| {
-                held.get(&r.lane)
-                    .is_some_and(|e| r.epoch.is_none_or(|want| want == *e))
-            })
-            .collect();
+        let mine = self.fence(rows, |r| (r.lane, r.epoch)).await?;
         let marked: Vec<&Marked> = rows
             .iter()
             .zip(&mine)
