@@ -214,6 +214,8 @@ pub(crate) async fn mysql_producers(reps: usize, paced: u64) -> Result<Value> {
     ] {
         let mut rates = [Vec::new(), Vec::new()];
         let mut lat = [Vec::new(), Vec::new()];
+        // Cores used while the writers ran: [writers (this process), MariaDB, relay].
+        let mut cores: [[Vec<f64>; 3]; 2] = Default::default();
         for _ in 0..reps.max(1) {
             for (i, with_relay) in [false, true].into_iter().enumerate() {
                 let db = MyDb::new_at(&outroute_e2e::mariadb_own_admin_url()?).await?;
@@ -234,7 +236,21 @@ pub(crate) async fn mysql_producers(reps: usize, paced: u64) -> Result<Value> {
                     false => None,
                 };
                 tokio::time::sleep(Duration::from_millis(500)).await;
+                let relay_pid = relay.as_ref().map(|r| r.child.id());
+                let cpu0 = [
+                    proc_stats(std::process::id()).0,
+                    group_cpu(OWN_SERVER),
+                    relay_pid.map_or(0.0, |p| proc_stats(p).0),
+                ];
                 let (r, l) = mysql_writers(&db.pool, secs, pace).await?;
+                let cpu1 = [
+                    proc_stats(std::process::id()).0,
+                    group_cpu(OWN_SERVER),
+                    relay_pid.map_or(0.0, |p| proc_stats(p).0),
+                ];
+                for k in 0..3 {
+                    cores[i][k].push((cpu1[k] - cpu0[k]) / secs as f64);
+                }
                 if let Some(mut relay) = relay {
                     relay.terminate(Duration::from_secs(15));
                     anyhow::ensure!(
@@ -271,6 +287,9 @@ pub(crate) async fn mysql_producers(reps: usize, paced: u64) -> Result<Value> {
                 "ratio": with / without.max(f64::MIN_POSITIVE),
                 "commit_ms_p99_without": percentile(&lat[0], 0.99),
                 "commit_ms_p99_with": percentile(&lat[1], 0.99),
+                "cores_without": cores[0].iter_mut().map(median).collect::<Vec<_>>(),
+                "cores_with": cores[1].iter_mut().map(median).collect::<Vec<_>>(),
+                "cores_are": "writers (the bench process), MariaDB, relay",
                 "runs": rates,
             }),
         );
@@ -603,6 +622,18 @@ pub(crate) async fn mysql_section(
                 v["ratio"].as_f64().unwrap_or(0.0),
                 v["commit_ms_p99_with"].as_f64().unwrap_or(0.0),
                 v["commit_ms_p99_without"].as_f64().unwrap_or(0.0),
+            ),
+        ));
+        let c = |k: &str, i: usize| v[k][i].as_f64().unwrap_or(0.0);
+        table.push((
+            format!("MariaDB producers, 8 writers, {case}: cores with relay / without"),
+            format!(
+                "writers {:.2} / {:.2}, MariaDB {:.2} / {:.2}, relay {:.2}",
+                c("cores_with", 0),
+                c("cores_without", 0),
+                c("cores_with", 1),
+                c("cores_without", 1),
+                c("cores_with", 2),
             ),
         ));
     }

@@ -219,6 +219,24 @@ fn micros(d: Duration) -> i64 {
     i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 
+/// Most values one `IN (…)` list of the event path binds; longer lists
+/// go in several statements.
+const MAX_IN_LIST: usize = 4096;
+
+/// An `IN (…)` list's values padded with its last one to the next power
+/// of two. sqlx prepares each statement text once per connection and
+/// keeps it (a cache of 100); a list of every length from 1 to 500 made
+/// most marks and claims a new text, prepared (parsed) then run: two
+/// round trips and a parse each time. Padded, a kind of statement has a
+/// dozen texts; repeating a value in `IN` changes nothing it matches.
+fn padded<T: Clone>(values: &[T]) -> Vec<T> {
+    let mut v = values.to_vec();
+    if let Some(last) = values.last() {
+        v.resize(values.len().next_power_of_two(), last.clone());
+    }
+    v
+}
+
 impl MySqlStore {
     /// Connect to the source `sc` (`key`: its config key, for errors).
     pub async fn connect(
@@ -547,5 +565,26 @@ impl MySqlStore {
     /// Connections this source's pool holds now.
     pub fn pool_connections(&self) -> u32 {
         self.pool.size()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::padded;
+
+    #[test]
+    fn in_lists_are_padded_to_a_power_of_two_with_their_last_value() {
+        assert!(padded::<i64>(&[]).is_empty());
+        assert_eq!(padded(&[7]), vec![7]);
+        assert_eq!(padded(&[1, 2, 3]), vec![1, 2, 3, 3]);
+        let many: Vec<i64> = (0..300).collect();
+        let p = padded(&many);
+        assert_eq!(p.len(), 512);
+        assert_eq!(&p[..300], &many[..]);
+        assert!(p[300..].iter().all(|v| *v == 299));
+        // Every length from 1 to 4096 gives one of 13 statement texts.
+        let lengths: std::collections::BTreeSet<usize> =
+            (1..=4096).map(|n| padded(&vec![0u8; n]).len()).collect();
+        assert_eq!(lengths.len(), 13);
     }
 }

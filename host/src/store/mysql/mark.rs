@@ -56,8 +56,8 @@ impl MySqlStore {
             .push_bind(&self.relay_id)
             .push(" AND lease_until > UTC_TIMESTAMP(6) AND lane IN (");
         let mut sep = qb.separated(", ");
-        for lane in lanes {
-            sep.push_bind(*lane);
+        for lane in padded(lanes) {
+            sep.push_bind(lane);
         }
         qb.push(")");
         let rows: Vec<(i32, i64)> = qb.build_query_as().fetch_all(&self.pool).await?;
@@ -143,35 +143,45 @@ impl MySqlStore {
         if marked.is_empty() {
             return Ok((mine, 0));
         }
-        let mut qb = self.mark_statement();
-        let mut sep = qb.separated(", ");
-        for r in &marked {
-            match &r.key {
-                MarkKey::Seq(seq) => sep.push_bind(*seq),
-                MarkKey::Id(id) => sep.push_bind(id.clone()),
-            };
-        }
-        qb.push(")");
+        let keys: Vec<MarkKey> = marked.iter().map(|r| r.key.clone()).collect();
         let with_state: Vec<&str> = marked
             .iter()
             .filter_map(|r| r.state_id.as_deref())
             .collect();
+        let mut n = 0;
         if with_state.is_empty() {
             // The usual batch: one statement, committed by itself.
-            let n = qb.build().execute(&self.pool).await;
-            return Ok((mine, n.context("marking events published")?.rows_affected()));
+            for chunk in keys.chunks(MAX_IN_LIST) {
+                n += self
+                    .mark_statement(chunk)
+                    .build()
+                    .execute(&self.pool)
+                    .await
+                    .context("marking events published")?
+                    .rows_affected();
+            }
+            return Ok((mine, n));
         }
         let mut tx = self.pool.begin().await?;
-        let n = qb.build().execute(&mut *tx).await?.rows_affected();
-        let mut qb: QueryBuilder<MySql> =
-            QueryBuilder::new("DELETE FROM outroute_event_state WHERE source = ");
-        qb.push_bind(&self.source).push(" AND event_id IN (");
-        let mut sep = qb.separated(", ");
-        for id in with_state {
-            sep.push_bind(id);
+        for chunk in keys.chunks(MAX_IN_LIST) {
+            n += self
+                .mark_statement(chunk)
+                .build()
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
         }
-        qb.push(")");
-        qb.build().execute(&mut *tx).await?;
+        for chunk in with_state.chunks(MAX_IN_LIST) {
+            let mut qb: QueryBuilder<MySql> =
+                QueryBuilder::new("DELETE FROM outroute_event_state WHERE source = ");
+            qb.push_bind(&self.source).push(" AND event_id IN (");
+            let mut sep = qb.separated(", ");
+            for id in padded(chunk) {
+                sep.push_bind(id);
+            }
+            qb.push(")");
+            qb.build().execute(&mut *tx).await?;
+        }
         tx.commit().await.context("marking events published")?;
         Ok((mine, n))
     }
@@ -305,10 +315,23 @@ impl MySqlStore {
         Ok(mine.len() as u64)
     }
 
-    /// `UPDATE`/`DELETE … WHERE <unpublished> AND <key> IN (`: the mark,
-    /// as the table's marking style has it (the caller binds the keys and
-    /// closes the list).
-    fn mark_statement(&self) -> QueryBuilder<'static, MySql> {
+    /// `UPDATE`/`DELETE … WHERE <unpublished> AND <key> IN (…)`: the
+    /// mark of these rows, as the table's marking style has it.
+    fn mark_statement(&self, keys: &[MarkKey]) -> QueryBuilder<'static, MySql> {
+        let mut qb = self.mark_head();
+        let mut sep = qb.separated(", ");
+        for key in padded(keys) {
+            match key {
+                MarkKey::Seq(seq) => sep.push_bind(seq),
+                MarkKey::Id(id) => sep.push_bind(id),
+            };
+        }
+        qb.push(")");
+        qb
+    }
+
+    /// `UPDATE`/`DELETE … WHERE <unpublished> AND <key> IN (`.
+    fn mark_head(&self) -> QueryBuilder<'static, MySql> {
         let s = &self.sql;
         let set = match &s.cfg.marking {
             crate::config::Marking::PublishedAt { column } => {
