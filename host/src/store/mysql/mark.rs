@@ -143,7 +143,6 @@ impl MySqlStore {
         if marked.is_empty() {
             return Ok((mine, 0));
         }
-        let keys: Vec<MarkKey> = marked.iter().map(|r| r.key.clone()).collect();
         let with_state: Vec<&str> = marked
             .iter()
             .filter_map(|r| r.state_id.as_deref())
@@ -151,7 +150,7 @@ impl MySqlStore {
         let mut n = 0;
         if with_state.is_empty() {
             // The usual batch: one statement, committed by itself.
-            for chunk in keys.chunks(MAX_IN_LIST) {
+            for chunk in marked.chunks(MAX_IN_LIST) {
                 n += self
                     .mark_statement(chunk)
                     .build()
@@ -163,7 +162,7 @@ impl MySqlStore {
             return Ok((mine, n));
         }
         let mut tx = self.pool.begin().await?;
-        for chunk in keys.chunks(MAX_IN_LIST) {
+        for chunk in marked.chunks(MAX_IN_LIST) {
             n += self
                 .mark_statement(chunk)
                 .build()
@@ -317,13 +316,13 @@ impl MySqlStore {
 
     /// `UPDATE`/`DELETE … WHERE <unpublished> AND <key> IN (…)`: the
     /// mark of these rows, as the table's marking style has it.
-    fn mark_statement(&self, keys: &[MarkKey]) -> QueryBuilder<'static, MySql> {
+    fn mark_statement(&self, rows: &[&Marked]) -> QueryBuilder<'static, MySql> {
         let mut qb = self.mark_head();
         let mut sep = qb.separated(", ");
-        for key in padded(keys) {
-            match key {
-                MarkKey::Seq(seq) => sep.push_bind(seq),
-                MarkKey::Id(id) => sep.push_bind(id),
+        for row in padded(rows) {
+            match &row.key {
+                MarkKey::Seq(seq) => sep.push_bind(*seq),
+                MarkKey::Id(id) => sep.push_bind(id.clone()),
             };
         }
         qb.push(")");
