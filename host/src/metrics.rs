@@ -91,6 +91,13 @@ series! {
     /// Deliveries that failed for good (kept with their reason:
     /// `outroute failed list`).
     EVENTS_FAILED = "outroute_events_failed_total", Counter ["route", "source"];
+    /// Events in the failed state now (not discarded), per route and its
+    /// owner (the team that answers for them): what someone must act on.
+    /// Read from the database once a minute and after each failure.
+    FAILED_EVENTS = "outroute_failed_events", Gauge ["source", "route", "owner"];
+    /// Dead letters acknowledged by their sink (`result`: `sent`), or not
+    /// (`result`: `unsent`; the event is retried until one is).
+    DEAD_LETTERS = "outroute_dead_letters_total", Counter ["route", "result"];
     /// Messages a sink failed to publish (`kind`: `permanent`, the event
     /// fails; `retryable`, tried again; `unavailable`, the broker is down and
     /// the event waits, no attempt counted).

@@ -201,6 +201,7 @@ impl Route {
             "aggregate_types": aggregate_types,
             "event_types": event_types,
             "exclusive": exclusive,
+            "owner": team,
         }))
         .map_err(|e| format!("team `{team}`'s stand-in route: {e}"))?;
         Ok(Route {
@@ -336,14 +337,22 @@ impl Routes {
             .find(|r| r.selects(aggregate_type, event_type))
     }
 
-    /// Topic/subject patterns allowed on a sink by any route (used to check
-    /// that a JetStream stream captures them at start-up).
+    /// Topic/subject patterns allowed on a sink by any route, and the
+    /// routes' dead-letter topics on it (used to check that a JetStream
+    /// stream captures them at start-up).
     pub fn patterns_for_sink(&self, sink: &str) -> Vec<String> {
+        let dead_letters = self
+            .0
+            .iter()
+            .filter_map(|r| r.config.dead_letter.as_ref())
+            .filter(|d| d.sink == sink)
+            .map(|d| d.topic.clone());
         self.0
             .iter()
             .flat_map(|r| r.allowed.iter())
             .filter(|a| a.sink == sink)
             .flat_map(|a| a.patterns.iter().map(|(p, _)| p.clone()))
+            .chain(dead_letters)
             .collect()
     }
 }

@@ -67,6 +67,27 @@ pub struct RouteConfig {
     /// exclusive only over aggregate types its grant `owns`.
     #[serde(default)]
     pub exclusive: bool,
+    /// The team that answers for this route's failed events: shown by
+    /// `failed list`/`show` and `status`, on the failed-events gauge and in
+    /// every dead letter. A team route's owner is its team (the file's
+    /// name says which; a team file may not name another); a route of the
+    /// main file names one, or is the platform team's (`platform`).
+    #[serde(default)]
+    pub owner: Option<String>,
+    /// How to reach the owner when its events fail: a channel, an on-call
+    /// alias (free text, at most 256 characters, one line).
+    #[serde(default)]
+    pub owner_contact: Option<String>,
+    /// Where a failed event of this route is told about: one message on
+    /// this sink and topic/subject when the event enters the failed state —
+    /// its payload and headers, the reason, attempts, route, plugin,
+    /// owner and first error time (`outroute-failure-*` headers; see the
+    /// operations guide). Acknowledged like any message: until the dead
+    /// letter is, the event is not recorded failed but retried (holding its
+    /// aggregate). A team route's dead-letter topic must lie within its
+    /// grant. Unset: failed events are only recorded.
+    #[serde(default)]
+    pub dead_letter: Option<DeadLetter>,
     /// Name of a plugin in `[plugins]`.
     pub plugin: String,
     /// Static configuration handed to the plugin's `init` (any JSON).
@@ -141,6 +162,27 @@ pub struct RouteConfig {
     /// order) or `none` (spread over partitions; no per-aggregate order).
     #[serde(default)]
     pub default_key: DefaultKey,
+}
+
+/// A route's dead-letter destination (`dead_letter = { sink, topic }`).
+#[derive(PartialEq, Eq, Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DeadLetter {
+    /// A sink in `[sinks]`.
+    pub sink: String,
+    /// The Kafka topic or NATS subject (a name, no wildcards).
+    pub topic: String,
+}
+
+/// The owner of a main-file route that names none: the platform team,
+/// which owns the main file.
+pub const PLATFORM_OWNER: &str = "platform";
+
+impl RouteConfig {
+    /// Who answers for this route's failed events (see [`RouteConfig::owner`]).
+    pub fn owner(&self) -> &str {
+        self.owner.as_deref().unwrap_or(PLATFORM_OWNER)
+    }
 }
 
 /// The Kafka key a route gives messages the plugin left without one.

@@ -592,6 +592,35 @@ fn merge_one(state: &mut State, file: &Path, text: &str) -> Vec<ConfigError> {
                 }
             }
         }
+        // A dead letter is a message like any other: only where the grant
+        // lets the team publish.
+        if let Some(dl) = &route.dead_letter {
+            let granted = grant.allow.get(&dl.sink);
+            if !granted.is_some_and(|g| g.iter().any(|g| within(&dl.topic, g))) {
+                bad(
+                    key("dead_letter"),
+                    format!(
+                        "`{}` on sink `{}` is outside team `{}`'s grant ({})",
+                        dl.topic,
+                        dl.sink,
+                        team.team,
+                        granted.map_or("no patterns on that sink".to_string(), |g| g.join(", "))
+                    ),
+                );
+            }
+        }
+        // Who answers for the route's failures is the team the file is
+        // named after, never what the file says.
+        match &route.owner {
+            Some(owner) if owner != &team.team => bad(
+                key("owner"),
+                format!(
+                    "owner `{owner}` is not team `{}`: a team's routes are owned by the team",
+                    team.team
+                ),
+            ),
+            _ => route.owner = Some(team.team.clone()),
+        }
         state.route_files.insert(route.name.clone(), shown.clone());
         state.origins.routes.push(Some((file.to_path_buf(), i)));
         state.config.routes.push(route);

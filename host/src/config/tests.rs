@@ -855,3 +855,100 @@ fn the_relay_wide_connection_ceiling_is_shared_and_checked() {
         assert_eq!(sc.pool_size(&unset.relay, 2), 8);
     }
 }
+
+#[test]
+fn owners_and_dead_letters_are_the_teams_own() {
+    let d = tmp();
+    let f = write(&d, PLATFORM);
+    let team = d.join("teams/payments.toml").display().to_string();
+    // A team route is owned by its team, whatever it leaves out; it may
+    // say how to reach it, and send dead letters where its grant allows.
+    team_file(
+        &d,
+        "payments.toml",
+        &format!(
+            "{PAYMENTS}owner_contact = \"#payments-oncall\"\n\
+             dead_letter = {{ sink = \"kafka\", topic = \"payments.dead\" }}\n"
+        ),
+    );
+    let l = load(&f).unwrap();
+    assert!(l.refused.is_empty(), "{:?}", l.refused);
+    let r = &l.config.routes[0];
+    assert_eq!(r.owner(), "payments");
+    assert_eq!(r.owner_contact.as_deref(), Some("#payments-oncall"));
+    assert_eq!(
+        r.dead_letter.as_ref().map(|d| d.topic.as_str()),
+        Some("payments.dead")
+    );
+    // A file cannot name another owner (the self-declared team name), nor
+    // send its dead letters to another team's topic.
+    team_file(
+        &d,
+        "payments.toml",
+        &format!(
+            "{PAYMENTS}owner = \"billing\"\n\
+             dead_letter = {{ sink = \"kafka\", topic = \"billing.dead\" }}\n"
+        ),
+    );
+    let p = problems(&f);
+    for (key, needle) in [
+        ("routes[0].owner", "owner `billing` is not team `payments`"),
+        (
+            "routes[0].dead_letter",
+            "`billing.dead` on sink `kafka` is outside team `payments`'s grant (payments.*)",
+        ),
+    ] {
+        assert!(
+            p.iter()
+                .any(|e| e.file == team && e.key == key && e.reason.contains(needle)),
+            "{key}: {p:?}"
+        );
+    }
+    // A main-file route is the platform's unless it names an owner.
+    let l = load(&write(&d, GOOD)).unwrap();
+    assert_eq!(l.config.routes[0].owner(), "platform");
+    let named = GOOD.replace(
+        "plugin = \"p\"\n",
+        "plugin = \"p\"\nowner = \"orders-team\"\n",
+    );
+    assert_eq!(
+        load(&write(&d, &named)).unwrap().config.routes[0].owner(),
+        "orders-team"
+    );
+}
+
+#[test]
+fn bad_owners_and_dead_letters_are_named() {
+    let d = tmp();
+    let body = GOOD.replace(
+        "plugin = \"p\"\n",
+        "plugin = \"p\"\nowner = \"orders team\"\nowner_contact = \"a\\nb\"\n\
+         dead_letter = { sink = \"kafka\", topic = \"orders.*\" }\n",
+    );
+    let text = load(&write(&d, &body)).unwrap_err().to_string();
+    for expected in [
+        "outroute.toml:routes[0].owner: owner \"orders team\" must be 1–128 letters",
+        "outroute.toml:routes[0].owner_contact: must be one line of at most 256 characters",
+        "outroute.toml:routes[0].dead_letter.topic: `orders.*` is not a topic/subject name",
+    ] {
+        assert!(text.contains(expected), "{expected}\n---\n{text}");
+    }
+    let body = GOOD.replace(
+        "plugin = \"p\"\n",
+        "plugin = \"p\"\ndead_letter = { sink = \"nowhere\", topic = \"orders/dead\" }\n",
+    );
+    let text = load(&write(&d, &body)).unwrap_err().to_string();
+    assert!(
+        text.contains("routes[0].dead_letter.sink: no sink named `nowhere` in [sinks]"),
+        "{text}"
+    );
+    let body = GOOD.replace(
+        "plugin = \"p\"\n",
+        "plugin = \"p\"\ndead_letter = { sink = \"kafka\", topic = \"orders/dead\" }\n",
+    );
+    let text = load(&write(&d, &body)).unwrap_err().to_string();
+    assert!(
+        text.contains("routes[0].dead_letter.topic: pattern `orders/dead` can never match: Kafka topics have no `/`"),
+        "{text}"
+    );
+}

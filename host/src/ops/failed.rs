@@ -18,6 +18,26 @@ pub struct FilterArgs {
     pub aggregate_id: Option<String>,
 }
 
+/// Who answers for the failed events of `route` (its config's owner; a
+/// refused team's stand-in route `team:<team>`, that team) and how to reach
+/// them; `-` for a route no longer configured.
+pub(super) fn owner_of(loaded: &Loaded, route: Option<&str>) -> (String, Option<String>) {
+    let Some(route) = route else {
+        return ("-".into(), None);
+    };
+    if let Some(team) = route.strip_prefix("team:") {
+        return (team.to_string(), None);
+    }
+    loaded
+        .config
+        .routes
+        .iter()
+        .find(|r| r.name == route)
+        .map_or(("-".into(), None), |r| {
+            (r.owner().to_string(), r.owner_contact.clone())
+        })
+}
+
 impl FilterArgs {
     fn filter(&self) -> Filter {
         Filter {
@@ -33,12 +53,15 @@ impl FilterArgs {
 
 #[derive(Subcommand)]
 pub enum FailedAction {
-    /// List failed events.
+    /// List failed events, with the team that owns each one's route.
     List {
         #[command(flatten)]
         config: ConfigArg,
         #[command(flatten)]
         filter: FilterArgs,
+        /// Only events of routes this team owns.
+        #[arg(long)]
+        owner: Option<String>,
         /// Include discarded events.
         #[arg(long)]
         all: bool,
@@ -96,6 +119,7 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
         FailedAction::List {
             config,
             filter,
+            owner,
             all,
             json,
         } => {
@@ -112,17 +136,21 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
                     Err(e) => failures.add(&source, e)?,
                 }
             }
+            let mut list: Vec<(String, crate::store::FailedEvent, (String, Option<String>))> = list
+                .into_iter()
+                .map(|(source, e)| {
+                    let who = owner_of(&loaded, e.route.as_deref());
+                    (source, e, who)
+                })
+                .collect();
+            if let Some(owner) = &owner {
+                list.retain(|(_, _, (o, _))| o == owner);
+            }
             let many = loaded.config.sources.len() > 1;
             if json {
                 let rows: Vec<serde_json::Value> = list
                     .iter()
-                    .map(|(source, e)| {
-                        let mut v = serde_json::to_value(e).unwrap_or_default();
-                        if let Some(o) = v.as_object_mut() {
-                            o.insert("source".into(), source.clone().into());
-                        }
-                        v
-                    })
+                    .map(|(source, e, who)| with_owner(source, e, who))
                     .collect();
                 println!("{}", serde_json::to_string_pretty(&rows)?);
             } else if list.is_empty() {
@@ -136,24 +164,26 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
                     }
                 };
                 println!(
-                    "{}{:<38} {:<12} {:<16} {:<20} {:<16} {:>3}  reason",
+                    "{}{:<38} {:<12} {:<16} {:<20} {:<16} {:<12} {:>3}  reason",
                     src("source"),
                     "id",
                     "aggregate",
                     "aggregate id",
                     "event type",
                     "route",
+                    "owner",
                     "att"
                 );
-                for (source, e) in &list {
+                for (source, e, (owner, _)) in &list {
                     println!(
-                        "{}{:<38} {:<12} {:<16} {:<20} {:<16} {:>3}  {}{}",
+                        "{}{:<38} {:<12} {:<16} {:<20} {:<16} {:<12} {:>3}  {}{}",
                         src(source),
                         e.id,
                         e.aggregate_type,
                         e.aggregate_id,
                         e.event_type,
                         e.route.as_deref().unwrap_or("-"),
+                        owner,
                         e.attempts,
                         e.reason.as_deref().unwrap_or("-"),
                         if e.discarded_at.is_some() {
@@ -196,12 +226,32 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
                 return Ok(ExitCode::FAILURE);
             };
             heading(&loaded, &source);
-            println!("{}", serde_json::to_string_pretty(&e)?);
+            let who = owner_of(&loaded, e.route.as_deref());
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&with_owner(&source, &e, &who))?
+            );
             Ok(ExitCode::SUCCESS)
         }
         FailedAction::Retry { config, filter } => change_failed(&config, &filter, true).await,
         FailedAction::Discard { config, filter } => change_failed(&config, &filter, false).await,
     }
+}
+
+/// A failed event as `failed list --json` and `failed show` print it: the
+/// store's record, its source, its route's owner and how to reach them.
+fn with_owner(
+    source: &str,
+    e: &crate::store::FailedEvent,
+    (owner, contact): &(String, Option<String>),
+) -> serde_json::Value {
+    let mut v = serde_json::to_value(e).unwrap_or_default();
+    if let Some(o) = v.as_object_mut() {
+        o.insert("source".into(), source.into());
+        o.insert("owner".into(), owner.as_str().into());
+        o.insert("owner_contact".into(), contact.clone().into());
+    }
+    v
 }
 
 /// The failed event `id` (discarded ones too) and its source: the first
@@ -243,30 +293,96 @@ pub(super) async fn failed_of(
         .await
 }
 
-/// `failed retry` (`retry`) or `failed discard`, over every source.
+/// `failed retry` (`retry`) or `failed discard`, over every source. The
+/// events of routes with a `dead_letter` get a resolution record there
+/// (`relay/dead_letter.rs`); one that cannot be published is reported and
+/// the command exits non-zero (the change itself stands).
 pub(super) async fn change_failed(
     config: &ConfigArg,
     filter: &FilterArgs,
     retry: bool,
 ) -> Result<ExitCode> {
+    use crate::relay::dead_letter::{Resolution, ResolutionRecord, send_resolution};
     require_filter(filter)?;
     let loaded = config.load()?;
     let f = filter.filter();
-    let mut n = 0;
+    let resolution = if retry {
+        Resolution::Retried
+    } else {
+        Resolution::Discarded
+    };
+    let route_of = |name: Option<&str>| {
+        loaded
+            .config
+            .routes
+            .iter()
+            .find(|r| Some(r.name.as_str()) == name && r.dead_letter.is_some())
+    };
+    let tells = loaded.config.routes.iter().any(|r| r.dead_letter.is_some());
+    let mut sinks: Option<crate::sink::Sinks> = None;
+    let (mut n, mut told, mut untold) = (0, 0usize, Vec::new());
     let mut failures = Failures::new(&loaded);
     for source in sources(&loaded) {
         let done = async {
             let store = open_for_command(&loaded, &source, "failed").await?;
-            if retry {
-                store.failed_retry(&f).await
+            // The events about to change, for their resolution records.
+            let listed = if tells {
+                let all = Filter {
+                    limit: Some(1_000_000),
+                    ..f.clone()
+                };
+                store.failed_list(&all).await?
             } else {
-                store.failed_discard(&f).await
-            }
+                Vec::new()
+            };
+            let k = if retry {
+                store.failed_retry(&f).await?
+            } else {
+                store.failed_discard(&f).await?
+            };
+            anyhow::Ok((k, listed))
         }
         .await;
-        match done {
-            Ok(k) => n += k,
-            Err(e) => failures.add(&source, e)?,
+        let listed = match done {
+            Ok((k, listed)) => {
+                n += k;
+                listed
+            }
+            Err(e) => {
+                failures.add(&source, e)?;
+                continue;
+            }
+        };
+        let to_tell: Vec<_> = listed
+            .iter()
+            .filter_map(|e| route_of(e.route.as_deref()).map(|r| (e, r)))
+            .collect();
+        if to_tell.is_empty() {
+            continue;
+        }
+        if sinks.is_none() {
+            sinks = Some(crate::relay::build_sinks(&loaded).await?);
+        }
+        let Some(sinks) = &sinks else { continue };
+        let table = loaded.config.source(&source)?.table().name;
+        let ce_source = crate::relay::ce_source(&loaded.config, &source, &table);
+        for (e, route) in to_tell {
+            let record = ResolutionRecord {
+                event: e,
+                resolution,
+                route,
+                source: &source,
+                ce_source: &ce_source,
+            };
+            match send_resolution(sinks, record, loaded.config.relay.publish_timeout).await {
+                Ok(()) => told += 1,
+                Err(err) => untold.push((e.id.clone(), err.to_string())),
+            }
+        }
+    }
+    if let Some(sinks) = &sinks {
+        for sink in sinks.values() {
+            sink.flush().await;
         }
     }
     let done = if retry {
@@ -275,6 +391,19 @@ pub(super) async fn change_failed(
         "discarded"
     };
     println!("{n} event(s) {done}");
+    if told > 0 {
+        println!("{told} resolution record(s) published to dead-letter topics");
+    }
     failures.finish()?;
+    if !untold.is_empty() {
+        eprintln!(
+            "{} resolution record(s) could not be published (the events are {done} all the same):",
+            untold.len()
+        );
+        for (id, why) in untold.iter().take(20) {
+            eprintln!("  {id}: {why}");
+        }
+        return Ok(ExitCode::FAILURE);
+    }
     Ok(ExitCode::SUCCESS)
 }

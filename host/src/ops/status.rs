@@ -13,11 +13,27 @@ pub async fn status(arg: &ConfigArg, json: bool) -> Result<ExitCode> {
     for source in sources(&loaded) {
         let status = async {
             let store = open_for_command(&loaded, &source, "status").await?;
-            store.status().await
+            let s = store.status().await?;
+            // The failed events by route, each with who answers for them.
+            let failed: Vec<FailedByRoute> = store
+                .failed_by_route()
+                .await?
+                .into_iter()
+                .map(|(route, failed)| {
+                    let (owner, owner_contact) = super::failed::owner_of(&loaded, Some(&route));
+                    FailedByRoute {
+                        route,
+                        owner,
+                        owner_contact,
+                        failed,
+                    }
+                })
+                .collect();
+            anyhow::Ok((s, failed))
         }
         .await
         .with_context(|| format!("source `{source}`"));
-        let s = match status {
+        let (s, failed) = match status {
             Ok(s) => s,
             Err(e) => {
                 if json {
@@ -31,11 +47,15 @@ pub async fn status(arg: &ConfigArg, json: bool) -> Result<ExitCode> {
             }
         };
         if json {
-            all.insert(source.clone(), serde_json::to_value(&s)?);
+            let mut v = serde_json::to_value(&s)?;
+            if let Some(o) = v.as_object_mut() {
+                o.insert("failed_by_route".into(), serde_json::to_value(&failed)?);
+            }
+            all.insert(source.clone(), v);
             continue;
         }
         heading(&loaded, &source);
-        print_status(&s);
+        print_status(&s, &failed);
     }
     if json {
         let out = if all.len() == 1 {
@@ -70,7 +90,16 @@ pub(super) async fn print_relay_parts(loaded: &Loaded) {
     }
 }
 
-pub(super) fn print_status(s: &crate::store::Status) {
+/// A route's failed events and who answers for them (`status`).
+#[derive(serde::Serialize)]
+pub(super) struct FailedByRoute {
+    route: String,
+    owner: String,
+    owner_contact: Option<String>,
+    failed: i64,
+}
+
+pub(super) fn print_status(s: &crate::store::Status, failed: &[FailedByRoute]) {
     println!("table            {}", s.table);
     println!("backlog          {} events", s.backlog);
     match s.oldest_pending_age_seconds {
@@ -79,6 +108,17 @@ pub(super) fn print_status(s: &crate::store::Status) {
     }
     println!("retrying         {}", s.retrying);
     println!("failed           {}", s.failed);
+    for f in failed {
+        println!(
+            "  route {:<20} {:>6}  owner {}{}",
+            f.route,
+            f.failed,
+            f.owner,
+            f.owner_contact
+                .as_deref()
+                .map_or(String::new(), |c| format!(" ({c})"))
+        );
+    }
     if !s.backlog_by_aggregate_type.is_empty() {
         println!("backlog by aggregate type:");
         for (t, n) in &s.backlog_by_aggregate_type {

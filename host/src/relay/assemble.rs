@@ -16,6 +16,16 @@ pub async fn build_sinks(loaded: &Loaded) -> Result<Sinks> {
     .await
 }
 
+/// The CloudEvents `source` of a source's messages: the table, and the
+/// source's name when the relay serves named sources.
+pub fn ce_source(config: &crate::config::Config, source: &str, table: &str) -> String {
+    if config.store_shorthand {
+        format!("/outroute/{table}")
+    } else {
+        format!("/outroute/{source}/{table}")
+    }
+}
+
 /// The routes that read one source with their plugins loaded: the part of
 /// a relay that needs no store or sink, so it is loaded while those connect.
 pub struct RoutePlugins {
@@ -215,13 +225,7 @@ impl Relay {
             sinks: sinks.clone(),
             ordering: config.relay.ordering,
             publish_timeout: config.relay.publish_timeout,
-            // CloudEvents `source`: the table, and the source's name when
-            // the relay serves named sources.
-            source: if config.store_shorthand {
-                format!("/outroute/{table}")
-            } else {
-                format!("/outroute/{source}/{table}")
-            },
+            source: ce_source(config, source, &table),
         };
         Ok(Relay {
             source: source.to_string(),
@@ -242,6 +246,7 @@ impl Relay {
             recording: tokio::sync::Mutex::new(()),
             pace: Default::default(),
             hurry: Notify::new(),
+            failed_changed: Notify::new(),
             listening: std::sync::atomic::AtomicBool::new(false),
             capture: store_config.logical(source),
             store_key: config.source_key(source),

@@ -5,7 +5,7 @@
 //! (`store/postgres/floor.rs`) and the LISTEN task (wake-ups, and a sleeping
 //! source's lease rounds on the same connection). Each runs until shutdown.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -320,6 +320,43 @@ impl Relay {
                 Err(e) => tracing::debug!("slot query failed: {e:#}"),
             }
             sleep_or_cancel(Duration::from_secs(1), &shutdown).await;
+        }
+    }
+
+    /// The failed-events gauge (`outroute_failed_events{source,route,owner}`):
+    /// read once a minute while the source is awake, and right after a
+    /// batch recorded events failed (a sleeping source fails none, and its
+    /// database is left alone).
+    pub(super) async fn watch_failed(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut shown: BTreeSet<String> = BTreeSet::new();
+        while !shutdown.is_cancelled() {
+            if !self.is_asleep() {
+                match self.store.failed_by_route().await {
+                    Ok(counts) => {
+                        let now: BTreeSet<String> = counts.iter().map(|(r, _)| r.clone()).collect();
+                        // Routes whose failed events were all retried or
+                        // discarded since: 0, not their last count.
+                        let gone = shown.difference(&now).map(|r| (r.clone(), 0));
+                        for (route, n) in counts.iter().cloned().chain(gone.collect::<Vec<_>>()) {
+                            let owner = self
+                                .routes
+                                .0
+                                .iter()
+                                .find(|r| r.name() == route)
+                                .map_or("-".to_string(), |r| r.config.owner().to_string());
+                            metrics::gauge!(m::FAILED_EVENTS, "source" => self.source.clone(), "route" => route, "owner" => owner)
+                                .set(n as f64);
+                        }
+                        shown = now;
+                    }
+                    Err(e) => tracing::debug!("could not count failed events: {e:#}"),
+                }
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => {},
+                _ = self.failed_changed.notified() => {},
+                _ = tokio::time::sleep(Duration::from_secs(60)) => {},
+            }
         }
     }
 

@@ -20,7 +20,8 @@
 //! `assemble.rs` (building a source's relay: its plugins and sinks),
 //! `workers.rs` (the run loop: workers claiming batches), `lanes.rs` (which
 //! lanes have a batch in flight), `settle.rs` (recording what a batch left:
-//! retries, deferrals, failures), `sleep.rs` (an idle source stops polling
+//! retries, deferrals, failures), `dead_letter.rs` (telling a route's
+//! dead-letter topic about an event that failed for good), `sleep.rs` (an idle source stops polling
 //! until its next insert), `background.rs` (leases, plugin reload,
 //! retention, backlog gauge, LISTEN).
 //!
@@ -53,6 +54,7 @@ use crate::store::{Claim, Failure, FailureKind, Store};
 
 mod assemble;
 mod background;
+pub mod dead_letter;
 mod lanes;
 mod settle;
 mod sleep;
@@ -121,6 +123,9 @@ pub struct Relay {
     /// trickle): the other workers, waiting while they came slowly, poll
     /// again.
     pub hurry: Notify,
+    /// A batch recorded events failed for good: the failed-events gauge
+    /// is read again now, not at its next minute.
+    pub failed_changed: Notify,
     /// The LISTEN task holds its connection (`outroute_source_connections`).
     pub listening: std::sync::atomic::AtomicBool,
 }
@@ -234,6 +239,7 @@ impl Relay {
         //    routes that went through so they are not run again.
         let mut to_mark: Vec<&Claim> = Vec::new();
         let mut failures: Vec<Failure> = Vec::new();
+        let mut letters: Vec<dead_letter::Letter<'_>> = Vec::new();
         let mut without_messages: HashMap<String, u64> = HashMap::new();
         let now = Utc::now();
         // Metric handles once per batch, counts added up per route/sink.
@@ -264,6 +270,7 @@ impl Relay {
                     commit_to_ack.record(seconds_since(at, now));
                 }
             } else if let Some(f) = self.left_over(event, fates, &mut report) {
+                letters.extend(self.letters_of(failures.len(), &f, event, fates));
                 failures.push(f);
             }
         }
@@ -302,7 +309,15 @@ impl Relay {
             }
         }
         if !failures.is_empty() {
+            // 8. An event failed for good on a route with a dead-letter
+            //    topic is told about there first; until that is
+            //    acknowledged it is retried, not recorded failed.
+            self.send_dead_letters(&letters, &mut failures, &mut report)
+                .await;
             let recorded = self.store.record_failures(&failures).await?;
+            if report.failed > 0 {
+                self.failed_changed.notify_one();
+            }
             if self.streams() && (recorded as usize) < failures.len() {
                 anyhow::bail!(
                     "capture lease lost while recording failed and waiting events; the slot is not confirmed"

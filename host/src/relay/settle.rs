@@ -211,11 +211,9 @@ impl Relay {
                 tracing::warn!(event_id = %claim.id(), route = %route_name, attempts, reason = %rejection.reason(), "event failed");
             }
         }
-        let reason = match (&kind, rejection) {
-            (FailureKind::Failed { .. }, Rejection::Retryable(r)) => {
-                format!("gave up after {attempts} attempts: {r}")
-            }
-            _ => rejection.reason().to_string(),
+        let reason = match kind {
+            FailureKind::Failed { .. } => super::dead_letter::failed_reason(rejection, attempts),
+            FailureKind::Retry { .. } => rejection.reason().to_string(),
         };
         self.record(claim, route, attempts, reason, kind)
     }

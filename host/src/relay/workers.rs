@@ -66,6 +66,7 @@ impl Relay {
                 self.clone()
                     .follow_quarantines(quiet_tx.clone(), shutdown.clone()),
             ),
+            spawn_here(self.clone().watch_failed(shutdown.clone())),
         ];
         if self.streams() {
             // One stream (slot or binlog) instead of lane workers.

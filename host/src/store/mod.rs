@@ -676,6 +676,21 @@ impl Store {
         bounded!(self, "recording failed and retried events", s => s.record_failures(failures))
     }
 
+    /// Failed events now (not discarded), per route (`-`: none took it):
+    /// the failed-events gauge and `status`.
+    pub async fn failed_by_route(&self) -> anyhow::Result<Vec<(String, i64)>> {
+        bounded!(self, "counting failed events", s => s.failed_by_route())
+    }
+
+    /// When each of `ids` first failed (those never failed are left out):
+    /// a dead letter's `outroute-failure-first-error-at`.
+    pub async fn first_errors(
+        &self,
+        ids: &[String],
+    ) -> anyhow::Result<Vec<(String, DateTime<Utc>)>> {
+        bounded!(self, "reading when events first failed", s => s.first_errors(ids))
+    }
+
     pub async fn status(&self) -> anyhow::Result<Status> {
         dispatch!(self, s => s.status().await)
     }

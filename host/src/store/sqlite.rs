@@ -217,6 +217,43 @@ impl SqliteStore {
         Ok((row.try_get(0)?, row.try_get(1)?))
     }
 
+    /// Failed events now (not discarded), per route (`-`: none took it).
+    pub async fn failed_by_route(&self) -> Result<Vec<(String, i64)>> {
+        Ok(sqlx::query_as(
+            "SELECT COALESCE(route, '-'), count(*) FROM outroute_event_state \
+             WHERE source = ?1 AND failed_at IS NOT NULL AND discarded_at IS NULL GROUP BY 1 ORDER BY 1",
+        )
+        .bind(SOURCE)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    /// When each of `ids` first failed (those never failed are left out).
+    pub async fn first_errors(&self, ids: &[String]) -> Result<Vec<(String, DateTime<Utc>)>> {
+        let mut out = Vec::new();
+        for chunk in ids.chunks(500) {
+            let mut qb: QueryBuilder<Sqlite> = QueryBuilder::new(
+                "SELECT event_id, first_error_at FROM outroute_event_state WHERE source = ",
+            );
+            qb.push_bind(SOURCE).push(" AND event_id IN (");
+            let mut sep = qb.separated(", ");
+            for id in chunk {
+                sep.push_bind(id);
+            }
+            qb.push(")");
+            for (id, ms) in qb
+                .build_query_as::<(String, i64)>()
+                .fetch_all(&self.pool)
+                .await?
+            {
+                if let Some(at) = DateTime::<Utc>::from_timestamp_millis(ms) {
+                    out.push((id, at));
+                }
+            }
+        }
+        Ok(out)
+    }
+
     pub async fn status(&self) -> Result<Status> {
         let (backlog, oldest) = self.backlog().await?;
         let row = sqlx::query(

@@ -104,6 +104,39 @@ impl MySqlStore {
         ))
     }
 
+    /// Failed events now (not discarded), per route (`-`: none took it).
+    pub async fn failed_by_route(&self) -> Result<Vec<(String, i64)>> {
+        Ok(sqlx::query_as(
+            "SELECT CAST(COALESCE(route, '-') AS CHAR), CAST(count(*) AS SIGNED) FROM outroute_event_state \
+             WHERE source = ? AND failed_at IS NOT NULL AND discarded_at IS NULL GROUP BY 1 ORDER BY 1",
+        )
+        .bind(&self.source)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    /// When each of `ids` first failed (those never failed are left out).
+    pub async fn first_errors(&self, ids: &[String]) -> Result<Vec<(String, DateTime<Utc>)>> {
+        let mut out = Vec::new();
+        for chunk in ids.chunks(MAX_IN_LIST) {
+            let mut qb: QueryBuilder<MySql> = QueryBuilder::new(
+                "SELECT CAST(event_id AS CHAR), first_error_at FROM outroute_event_state WHERE source = ",
+            );
+            qb.push_bind(&self.source).push(" AND event_id IN (");
+            let mut sep = qb.separated(", ");
+            for id in chunk {
+                sep.push_bind(id);
+            }
+            qb.push(")");
+            out.extend(
+                qb.build_query_as::<(String, DateTime<Utc>)>()
+                    .fetch_all(&self.pool)
+                    .await?,
+            );
+        }
+        Ok(out)
+    }
+
     pub async fn status(&self) -> Result<Status> {
         let (_, oldest) = self.backlog().await?;
         let (retrying, failed): (i64, i64) = sqlx::query_as(

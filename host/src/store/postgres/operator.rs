@@ -5,6 +5,28 @@
 use super::*;
 
 impl PgStore {
+    /// Failed events now (not discarded), per route (`-`: none took it).
+    pub async fn failed_by_route(&self) -> Result<Vec<(String, i64)>> {
+        Ok(sqlx::query_as(
+            "SELECT COALESCE(route, '-'), count(*) FROM outroute_event_state \
+             WHERE source = $1 AND failed_at IS NOT NULL AND discarded_at IS NULL GROUP BY 1 ORDER BY 1",
+        )
+        .bind(&self.source)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    /// When each of `ids` first failed (those never failed are left out).
+    pub async fn first_errors(&self, ids: &[String]) -> Result<Vec<(String, DateTime<Utc>)>> {
+        Ok(sqlx::query_as(
+            "SELECT event_id, first_error_at FROM outroute_event_state WHERE source = $1 AND event_id = ANY($2)",
+        )
+        .bind(&self.source)
+        .bind(ids)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
     pub async fn status(&self) -> Result<Status> {
         if self.logical.is_some() {
             return self.logical_status().await;
