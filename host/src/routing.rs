@@ -124,7 +124,7 @@ fn check_name(kind: SinkKind, topic: &str) -> Result<(), String> {
 }
 
 /// Headers a plugin may not set, or could not send.
-fn check_headers(headers: &[(String, String)]) -> Result<(), String> {
+pub(crate) fn check_headers(headers: &[(String, String)]) -> Result<(), String> {
     for (k, v) in headers {
         if k.is_empty() {
             return Err("a header has an empty name".into());

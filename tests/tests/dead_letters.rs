@@ -211,6 +211,16 @@ async fn a_dead_letter_waits_for_its_sink_and_loses_nothing() -> anyhow::Result<
     create_topic(&topic, 1).await?;
     let stream = format!("DW{t}");
     let js = nats_stream(&stream, vec![dead.clone()]).await?;
+    // A second route fails the poisoned event too; its dead-letter sink
+    // (Kafka) is up, so its dead letter goes out at the first failure and
+    // must not be sent again while the event is retried for the other's.
+    let audit_dead = format!("dw{t}.audit-dead");
+    let audit = format!(
+        "[[routes]]\nname = \"audit\"\nplugin = \"p\"\nevent_types = [\"poison\"]\n\
+         config = {{ sink = \"kafka\", topic = \"dw{t}.audit.{{event_type}}\" }}\n\
+         allow = {{ kafka = [\"dw{t}.audit.ok\"] }}\n\
+         dead_letter = {{ sink = \"kafka\", topic = \"{audit_dead}\" }}\n"
+    );
     // The dead-letter sink is down from the start.
     let proxy = FaultProxy::start("127.0.0.1:0", NATS.trim_start_matches("nats://")).await?;
     proxy.set(Fault::Refuse);
@@ -220,7 +230,7 @@ async fn a_dead_letter_waits_for_its_sink_and_loses_nothing() -> anyhow::Result<
         &db.url,
         "",
         &format!(
-            "{}[sinks.dlq]\nkind = \"nats\"\nurl = \"nats://{}\"\n",
+            "{}[sinks.dlq]\nkind = \"nats\"\nurl = \"nats://{}\"\n{audit}",
             relay_body(
                 "",
                 &[TestSink::Kafka],
@@ -237,6 +247,7 @@ async fn a_dead_letter_waits_for_its_sink_and_loses_nothing() -> anyhow::Result<
         ),
     )?;
     db.migrate(&config)?;
+    create_topic(&audit_dead, 1).await?;
     let poisoned = poison(&db, 1).await?;
     let id = poisoned[0].0.clone();
     let work = produce(&db.pool, "good", 2, 2, 0).await?;
@@ -285,6 +296,17 @@ async fn a_dead_letter_waits_for_its_sink_and_loses_nothing() -> anyhow::Result<
     assert_eq!(letters_again.len(), 1, "{letters_again:?}");
     let l = &letters[0];
     assert_eq!(l.id(), id);
+    // The other route's dead letter went out once, though the event was
+    // retried several times while the first one's sink was down.
+    let audit_letters = consume_kafka(&audit_dead, 1, 1, Duration::from_secs(10))?;
+    assert_eq!(audit_letters.len(), 1, "{audit_letters:?}");
+    assert_eq!(
+        audit_letters[0]
+            .headers
+            .get("outroute-failure-route")
+            .map(String::as_str),
+        Some("audit")
+    );
     assert_eq!(
         l.headers.get("outroute-failure-owner").map(String::as_str),
         Some("platform")

@@ -247,3 +247,55 @@ fn default_backoff_min() -> Duration {
 fn default_backoff_max() -> Duration {
     Duration::from_secs(300)
 }
+
+/// What is wrong with a route's `owner`, `owner_contact` and
+/// `dead_letter`: (field, reason).
+pub(super) fn owner_problems(
+    r: &RouteConfig,
+    sinks: &BTreeMap<String, SinkConfig>,
+) -> Vec<(&'static str, String)> {
+    let mut out = Vec::new();
+    if let Some(owner) = &r.owner
+        && (owner.trim().is_empty()
+            || owner.chars().count() > 128
+            || owner.chars().any(char::is_control))
+    {
+        // A metric label and a message header (a team's name is its
+        // owner, so no stricter than a team name).
+        out.push((
+            "owner",
+            format!("owner {owner:?} must be one line of 1–128 characters"),
+        ));
+    }
+    if let Some(contact) = &r.owner_contact
+        && (contact.chars().count() > 256 || contact.chars().any(char::is_control))
+    {
+        out.push((
+            "owner_contact",
+            "must be one line of at most 256 characters".into(),
+        ));
+    }
+    if let Some(dl) = &r.dead_letter {
+        match sinks.get(&dl.sink) {
+            None => out.push((
+                "dead_letter.sink",
+                format!("no sink named `{}` in [sinks]", dl.sink),
+            )),
+            Some(sink) => {
+                let wild = dl.topic.contains(['*', '?', '[', ']', '{', '}', '>']);
+                if dl.topic.is_empty() || wild {
+                    out.push((
+                        "dead_letter.topic",
+                        format!(
+                            "`{}` is not a topic/subject name (one name, no wildcards)",
+                            dl.topic
+                        ),
+                    ));
+                } else if let Err(e) = super::validate::check_pattern_for(sink, &dl.topic) {
+                    out.push(("dead_letter.topic", e));
+                }
+            }
+        }
+    }
+    out
+}

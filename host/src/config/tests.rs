@@ -922,12 +922,12 @@ fn bad_owners_and_dead_letters_are_named() {
     let d = tmp();
     let body = GOOD.replace(
         "plugin = \"p\"\n",
-        "plugin = \"p\"\nowner = \"orders team\"\nowner_contact = \"a\\nb\"\n\
+        "plugin = \"p\"\nowner = \" \"\nowner_contact = \"a\\nb\"\n\
          dead_letter = { sink = \"kafka\", topic = \"orders.*\" }\n",
     );
     let text = load(&write(&d, &body)).unwrap_err().to_string();
     for expected in [
-        "outroute.toml:routes[0].owner: owner \"orders team\" must be 1–128 letters",
+        "outroute.toml:routes[0].owner: owner \" \" must be one line of 1–128 characters",
         "outroute.toml:routes[0].owner_contact: must be one line of at most 256 characters",
         "outroute.toml:routes[0].dead_letter.topic: `orders.*` is not a topic/subject name",
     ] {

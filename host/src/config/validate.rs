@@ -510,48 +510,8 @@ impl Loaded {
             if r.backoff_min > r.backoff_max {
                 err(key("backoff_min"), "must not exceed backoff_max".into());
             }
-            if let Some(owner) = &r.owner
-                && (owner.is_empty()
-                    || owner.len() > 128
-                    || !owner
-                        .chars()
-                        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')))
-            {
-                // A metric label and a message header.
-                err(
-                    key("owner"),
-                    format!("owner {owner:?} must be 1–128 letters, digits, `-`, `_` or `.`"),
-                );
-            }
-            if let Some(contact) = &r.owner_contact
-                && (contact.chars().count() > 256 || contact.chars().any(char::is_control))
-            {
-                err(
-                    key("owner_contact"),
-                    "must be one line of at most 256 characters".into(),
-                );
-            }
-            if let Some(dl) = &r.dead_letter {
-                match c.sinks.get(&dl.sink) {
-                    None => err(
-                        key("dead_letter.sink"),
-                        format!("no sink named `{}` in [sinks]", dl.sink),
-                    ),
-                    Some(sink) => {
-                        let wild = dl.topic.contains(['*', '?', '[', ']', '{', '}', '>']);
-                        if dl.topic.is_empty() || wild {
-                            err(
-                                key("dead_letter.topic"),
-                                format!(
-                                    "`{}` is not a topic/subject name (one name, no wildcards)",
-                                    dl.topic
-                                ),
-                            );
-                        } else if let Err(e) = check_pattern_for(sink, &dl.topic) {
-                            err(key("dead_letter.topic"), e);
-                        }
-                    }
-                }
+            for (field, reason) in super::route::owner_problems(r, &c.sinks) {
+                err(key(field), reason);
             }
         }
         p
@@ -606,7 +566,7 @@ pub(super) fn check_nats_url(urls: &str) -> Result<(), String> {
 /// An allow-list pattern that no name the sink accepts could match: a
 /// Kafka pattern with a character topics cannot have, a NATS pattern with
 /// whitespace or a NATS wildcard (`>`; patterns use `*` and `**`).
-fn check_pattern_for(sink: &SinkConfig, pattern: &str) -> Result<(), String> {
+pub(super) fn check_pattern_for(sink: &SinkConfig, pattern: &str) -> Result<(), String> {
     match sink {
         SinkConfig::Kafka(_) => {
             if let Some(ch) = pattern

@@ -126,6 +126,8 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
             let loaded = config.load()?;
             let f = Filter {
                 include_discarded: all,
+                // One team's events may be anywhere in the list.
+                limit: owner.as_ref().map(|_| 1_000_000),
                 ..filter.filter()
             };
             let mut list = Vec::new();
@@ -325,12 +327,14 @@ pub(super) async fn change_failed(
     for source in sources(&loaded) {
         let done = async {
             let store = open_for_command(&loaded, &source, "failed").await?;
-            // The events about to change, for their resolution records.
-            let listed = if tells {
-                let all = Filter {
-                    limit: Some(1_000_000),
-                    ..f.clone()
-                };
+            // The events that changed, for their resolution records: those
+            // failed (and not discarded) before and no longer after. A
+            // retry or discard is one transaction: on an error, none.
+            let all = Filter {
+                limit: Some(1_000_000),
+                ..f.clone()
+            };
+            let before = if tells {
                 store.failed_list(&all).await?
             } else {
                 Vec::new()
@@ -340,20 +344,30 @@ pub(super) async fn change_failed(
             } else {
                 store.failed_discard(&f).await?
             };
-            anyhow::Ok((k, listed))
+            let mut changed = before;
+            if !changed.is_empty() {
+                let still: std::collections::HashSet<String> = store
+                    .failed_list(&all)
+                    .await?
+                    .into_iter()
+                    .map(|e| e.id)
+                    .collect();
+                changed.retain(|e| !still.contains(&e.id));
+            }
+            anyhow::Ok((k, changed))
         }
         .await;
-        let listed = match done {
-            Ok((k, listed)) => {
+        let changed = match done {
+            Ok((k, changed)) => {
                 n += k;
-                listed
+                changed
             }
             Err(e) => {
                 failures.add(&source, e)?;
                 continue;
             }
         };
-        let to_tell: Vec<_> = listed
+        let to_tell: Vec<_> = changed
             .iter()
             .filter_map(|e| route_of(e.route.as_deref()).map(|r| (e, r)))
             .collect();
@@ -361,10 +375,26 @@ pub(super) async fn change_failed(
             continue;
         }
         if sinks.is_none() {
-            sinks = Some(crate::relay::build_sinks(&loaded).await?);
+            match crate::relay::build_sinks(&loaded).await {
+                Ok(s) => sinks = Some(s),
+                Err(e) => {
+                    untold.extend(
+                        to_tell
+                            .iter()
+                            .map(|(ev, _)| (ev.id.clone(), format!("{e:#}"))),
+                    );
+                    continue;
+                }
+            }
         }
         let Some(sinks) = &sinks else { continue };
-        let table = loaded.config.source(&source)?.table().name;
+        let table = match loaded.config.source(&source) {
+            Ok(sc) => sc.table().name,
+            Err(e) => {
+                failures.add(&source, e)?;
+                continue;
+            }
+        };
         let ce_source = crate::relay::ce_source(&loaded.config, &source, &table);
         for (e, route) in to_tell {
             let record = ResolutionRecord {

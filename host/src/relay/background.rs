@@ -5,7 +5,7 @@
 //! (`store/postgres/floor.rs`) and the LISTEN task (wake-ups, and a sleeping
 //! source's lease rounds on the same connection). Each runs until shutdown.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -51,6 +51,12 @@ pub(super) enum QuietJob {
         reply: oneshot::Sender<anyhow::Result<crate::store::postgres::OrphanWalk>>,
     },
 }
+
+/// The failed-events series this process has set, per source (route,
+/// owner): a relay rebuilt by a reload zeroes its predecessor's that are
+/// gone, not only its own.
+static FAILED_SHOWN: std::sync::Mutex<BTreeMap<String, BTreeSet<(String, String)>>> =
+    std::sync::Mutex::new(BTreeMap::new());
 
 /// How often a relay reads the store's quarantine records.
 const QUARANTINE_FOLLOW: Duration = Duration::from_secs(2);
@@ -326,29 +332,14 @@ impl Relay {
     /// The failed-events gauge (`outroute_failed_events{source,route,owner}`):
     /// read once a minute while the source is awake, and right after a
     /// batch recorded events failed (a sleeping source fails none, and its
-    /// database is left alone).
+    /// database is left alone). A series no longer current (its failed
+    /// events retried or discarded, its route removed or given another
+    /// owner by a reload) is set to 0, whichever relay of this process set it.
     pub(super) async fn watch_failed(self: Arc<Self>, shutdown: CancellationToken) {
-        let mut shown: BTreeSet<String> = BTreeSet::new();
         while !shutdown.is_cancelled() {
             if !self.is_asleep() {
                 match self.store.failed_by_route().await {
-                    Ok(counts) => {
-                        let now: BTreeSet<String> = counts.iter().map(|(r, _)| r.clone()).collect();
-                        // Routes whose failed events were all retried or
-                        // discarded since: 0, not their last count.
-                        let gone = shown.difference(&now).map(|r| (r.clone(), 0));
-                        for (route, n) in counts.iter().cloned().chain(gone.collect::<Vec<_>>()) {
-                            let owner = self
-                                .routes
-                                .0
-                                .iter()
-                                .find(|r| r.name() == route)
-                                .map_or("-".to_string(), |r| r.config.owner().to_string());
-                            metrics::gauge!(m::FAILED_EVENTS, "source" => self.source.clone(), "route" => route, "owner" => owner)
-                                .set(n as f64);
-                        }
-                        shown = now;
-                    }
+                    Ok(counts) => self.show_failed(counts),
                     Err(e) => tracing::debug!("could not count failed events: {e:#}"),
                 }
             }
@@ -358,6 +349,35 @@ impl Relay {
                 _ = tokio::time::sleep(Duration::from_secs(60)) => {},
             }
         }
+    }
+
+    fn show_failed(&self, counts: Vec<(String, i64)>) {
+        let owner_of = |route: &str| {
+            self.routes
+                .0
+                .iter()
+                .find(|r| r.name() == route)
+                .map_or("-".to_string(), |r| r.config.owner().to_string())
+        };
+        let now: Vec<((String, String), i64)> = counts
+            .into_iter()
+            .map(|(route, n)| {
+                let owner = owner_of(&route);
+                ((route, owner), n)
+            })
+            .collect();
+        let mut shown = FAILED_SHOWN.lock().unwrap_or_else(|p| p.into_inner());
+        let before = shown.entry(self.source.clone()).or_default();
+        let current: BTreeSet<(String, String)> = now.iter().map(|(k, _)| k.clone()).collect();
+        for (route, owner) in before.difference(&current) {
+            metrics::gauge!(m::FAILED_EVENTS, "source" => self.source.clone(), "route" => route.clone(), "owner" => owner.clone())
+                .set(0.0);
+        }
+        for ((route, owner), n) in now {
+            metrics::gauge!(m::FAILED_EVENTS, "source" => self.source.clone(), "route" => route, "owner" => owner)
+                .set(n as f64);
+        }
+        *before = current;
     }
 
     pub(super) async fn watch_backlog(

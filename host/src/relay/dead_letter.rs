@@ -13,11 +13,17 @@
 //! message, and until it is, the event is not recorded failed but retried
 //! with the route's backoff (holding its aggregate, as any retry does).
 //! The retry runs the route again: the event fails again — and its dead
-//! letter is sent again — or goes through. A relay that dies between the
-//! acknowledgement and the record sends it again on the next attempt;
-//! JetStream drops that copy within its duplicate window (the dead letter's
-//! `Nats-Msg-Id` is the source, event and route), a Kafka consumer sees it
-//! twice, with the same `ce_id`.
+//! letter is sent again — or goes through (under `on_failure = "skip"`
+//! possibly after later events of its aggregate, as after `failed retry`).
+//! An event failed on several routes sends each route's dead letter once:
+//! those acknowledged are marked in its done legs while another is
+//! retried. A dead letter the sink refuses for good (too large, topic
+//! unknown) has nothing to wait for: the event is recorded failed, its
+//! reason saying so. A relay that dies between the acknowledgement and the
+//! record sends it again on the next attempt; JetStream drops that copy
+//! within its duplicate window (the dead letter's `Nats-Msg-Id` is the
+//! source, event and route), a Kafka consumer sees it twice, with the same
+//! `ce_id`.
 
 use std::borrow::Cow;
 
@@ -48,6 +54,28 @@ pub mod header {
     pub const OWNER_CONTACT: &str = "outroute-failure-owner-contact";
     pub const FIRST_ERROR_AT: &str = "outroute-failure-first-error-at";
     pub const SOURCE: &str = "outroute-failure-source";
+}
+
+/// The done leg that says a route's dead letter of the event went out
+/// (kept while the event is retried for another route's dead letter).
+const DEAD_LETTER_LEG: &str = ":dead-letter";
+
+fn dead_letter_leg(route: &str) -> String {
+    format!("{route}{DEAD_LETTER_LEG}")
+}
+
+/// The longest failure reason a dead letter carries (as the failure
+/// record keeps it).
+const MAX_REASON_CHARS: usize = 2000;
+
+/// A producer header a dead letter may carry: one a plugin's message could
+/// (not the envelope's, no `Nats-*` a JetStream would act on, a name and
+/// value every broker takes), and none of the dead letter's own.
+fn forwarded(name: &str, value: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    !lower.starts_with("outroute-failure-")
+        && lower != RESOLUTION_HEADER
+        && crate::routing::check_headers(&[(name.to_string(), value.to_string())]).is_ok()
 }
 
 /// A header value as every broker takes it: one line (reasons come from
@@ -87,20 +115,36 @@ impl Relay {
                     route: Some(route),
                     rejection,
                     ..
-                } if self.routes.0[*route].config.dead_letter.is_some() => Some(Letter {
-                    record,
-                    route: *route,
-                    claim,
-                    reason: failed_reason(rejection, failure.attempts),
-                }),
+                } if self.routes.0[*route].config.dead_letter.is_some()
+                    && !claim
+                        .done_legs
+                        .contains(&dead_letter_leg(self.routes.0[*route].name())) =>
+                {
+                    Some(Letter {
+                        record,
+                        route: *route,
+                        claim,
+                        reason: failed_reason(rejection, failure.attempts),
+                    })
+                }
                 _ => None,
             })
             .collect()
     }
 
-    /// Send `letters` and wait for their acknowledgements. An event whose
-    /// dead letter was not acknowledged is not recorded failed: its record
-    /// becomes a retry after the route's backoff, the reason saying why.
+    /// Send `letters` and wait for their acknowledgements, then settle
+    /// each event's record:
+    ///
+    /// * every dead letter acknowledged: recorded failed (the markers of
+    ///   dead letters sent on earlier attempts are dropped, so an event
+    ///   an operator retries is told about again if it fails again);
+    /// * one not acknowledged because the sink is down or refused it for
+    ///   now: retried with the route's backoff instead, the reason saying
+    ///   why; the dead letters that did go out are marked
+    ///   (`route:dead-letter` in its done legs) and not sent again;
+    /// * one the sink refuses for good (too large, unknown topic): there is
+    ///   nothing to wait for, so the event is recorded failed all the same,
+    ///   its reason saying the dead letter could not be sent.
     pub(super) async fn send_dead_letters(
         &self,
         letters: &[Letter<'_>],
@@ -127,28 +171,65 @@ impl Relay {
             self.send_dead_letter(l, &failures[l.record], at)
         }))
         .await;
+        // Per record: the routes whose dead letters went out, and why one
+        // must be tried again (the first such reason).
+        let mut sent: HashMap<usize, Vec<usize>> = HashMap::new();
+        let mut again: HashMap<usize, (usize, String)> = HashMap::new();
         for (letter, result) in letters.iter().zip(results) {
-            let route = self.routes.0[letter.route].name().to_string();
+            let route = &self.routes.0[letter.route];
+            let (sink, topic) = route
+                .config
+                .dead_letter
+                .as_ref()
+                .map_or(("-", "-"), |d| (d.sink.as_str(), d.topic.as_str()));
             let outcome = if result.is_ok() { "sent" } else { "unsent" };
-            metrics::counter!(m::DEAD_LETTERS, "route" => route.clone(), "result" => outcome)
+            metrics::counter!(m::DEAD_LETTERS, "route" => route.name().to_string(), "result" => outcome)
                 .increment(1);
-            let Err(e) = result else { continue };
             let f = &mut failures[letter.record];
-            let dl = self.routes.0[letter.route].config.dead_letter.as_ref();
-            let (sink, topic) = dl.map_or(("-", "-"), |d| (d.sink.as_str(), d.topic.as_str()));
-            tracing::warn!(event_id = %f.id, route = %route, sink, topic, "dead letter not acknowledged; the event is retried: {e}");
-            let backoff = self.routes.0[letter.route].config.backoff_min;
-            if !matches!(f.kind, FailureKind::Retry { .. }) {
-                f.reason = format!(
-                    "dead letter to `{sink}`/`{topic}` not acknowledged ({e}); the event failed: {}",
-                    f.reason
-                );
-                report.failed = report.failed.saturating_sub(1);
-                report.retried += 1;
+            match result {
+                Ok(()) => sent.entry(letter.record).or_default().push(letter.route),
+                Err(PublishError::Permanent(e)) => {
+                    tracing::error!(event_id = %f.id, route = %route.name(), sink, topic, "the dead letter was refused for good; the event is recorded failed without it: {e}");
+                    f.reason = format!(
+                        "{} (its dead letter to `{sink}`/`{topic}` was refused for good: {e})",
+                        f.reason
+                    );
+                }
+                Err(e) => {
+                    tracing::warn!(event_id = %f.id, route = %route.name(), sink, topic, "dead letter not acknowledged; the event is retried: {e}");
+                    again.entry(letter.record).or_insert((
+                        letter.route,
+                        format!("dead letter to `{sink}`/`{topic}` not acknowledged ({e})"),
+                    ));
+                }
             }
-            f.kind = FailureKind::Retry {
-                delay: jitter(backoff),
-            };
+        }
+        let records: std::collections::BTreeSet<usize> = letters.iter().map(|l| l.record).collect();
+        for record in records {
+            let f = &mut failures[record];
+            match again.remove(&record) {
+                None => f.done_legs.retain(|l| !l.ends_with(DEAD_LETTER_LEG)),
+                Some((route, why)) => {
+                    let r = &self.routes.0[route].config;
+                    let exponent = f.attempts.saturating_sub(1).min(20);
+                    let delay = r
+                        .backoff_min
+                        .saturating_mul(1 << exponent)
+                        .min(r.backoff_max);
+                    f.reason = format!("{why}; the event failed: {}", f.reason);
+                    f.kind = FailureKind::Retry {
+                        delay: jitter(delay),
+                    };
+                    for route in sent.remove(&record).into_iter().flatten() {
+                        f.done_legs
+                            .push(dead_letter_leg(self.routes.0[route].name()));
+                    }
+                    f.done_legs.sort_unstable();
+                    f.done_legs.dedup();
+                    report.failed = report.failed.saturating_sub(1);
+                    report.retried += 1;
+                }
+            }
         }
     }
 
@@ -173,7 +254,7 @@ impl Relay {
             Ok(ev) => {
                 let mut h = envelope(ev, &self.pipeline.source, &[]);
                 for (k, v) in &ev.headers {
-                    if !h.iter().any(|(hk, _)| *hk == k.as_str()) {
+                    if forwarded(k, v) && !h.iter().any(|(hk, _)| *hk == k.as_str()) {
                         h.push((k.as_str(), one_line(v)));
                     }
                 }
@@ -188,29 +269,31 @@ impl Relay {
                     .unwrap_or("")
                     .as_bytes();
                 let h: Vec<Header<'_>> = vec![
-                    (crate::event::ce::ID, Cow::Borrowed(bad.id.as_str())),
-                    (
-                        crate::event::ce::TYPE,
-                        Cow::Borrowed(bad.event_type.as_str()),
-                    ),
+                    (crate::event::ce::ID, one_line(&bad.id)),
+                    (crate::event::ce::TYPE, one_line(&bad.event_type)),
                     (
                         crate::event::ce::SOURCE,
                         Cow::Borrowed(self.pipeline.source.as_str()),
                     ),
                     (
                         crate::event::ce::AGGREGATE_TYPE,
-                        Cow::Borrowed(bad.aggregate_type.as_str()),
+                        one_line(&bad.aggregate_type),
                     ),
-                    (
-                        crate::event::ce::AGGREGATE_ID,
-                        Cow::Borrowed(bad.aggregate_id.as_str()),
-                    ),
+                    (crate::event::ce::AGGREGATE_ID, one_line(&bad.aggregate_id)),
                 ];
                 (payload, bad.aggregate_id.as_str(), h)
             }
         };
         headers.extend([
-            (header::REASON, one_line(&letter.reason)),
+            (
+                header::REASON,
+                Cow::Owned(
+                    one_line(&letter.reason)
+                        .chars()
+                        .take(MAX_REASON_CHARS)
+                        .collect(),
+                ),
+            ),
             (header::ATTEMPTS, Cow::Borrowed(attempts.as_str())),
             (header::ROUTE, Cow::Borrowed(route.name())),
             (
