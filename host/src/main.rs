@@ -71,6 +71,10 @@ enum Command {
     },
     /// Re-publish already-published events.
     Replay(ops::ReplayArgs),
+    /// Compare what the outbox published in a window with what the
+    /// brokers hold: missing, duplicated, out-of-order and unexpected
+    /// messages; exits 1 on any missing or out of order.
+    Reconcile(ops::ReconcileArgs),
     /// Plugins: scaffold, test, inspect, try on recorded events, shadow report, promote.
     Plugin {
         #[command(subcommand)]
@@ -182,6 +186,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Route { action } => ops::route(action).await,
         Command::Slot { action } => ops::slot(action).await,
         Command::Replay(args) => ops::replay(args).await,
+        Command::Reconcile(args) => ops::reconcile(args).await,
         Command::Plugin { action } => ops::plugin(action).await,
         Command::Config {
             action:

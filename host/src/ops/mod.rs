@@ -1,5 +1,5 @@
 //! Operator commands: `run`, `migrate`, `status`, `failed …`, `replay`,
-//! `plugin …`, `config check`. Each loads the config, talks to the store
+//! `reconcile`, `plugin …`, `config check`. Each loads the config, talks to the store
 //! (and for replay, the sinks) and prints something a person can act on;
 //! `--json` where a script would want it. One file per command family; this
 //! one holds what they share (the `--config` argument, loading, logging,
@@ -30,6 +30,7 @@ mod config_check;
 mod failed;
 mod migrate;
 mod plugins;
+mod reconcile;
 mod replay;
 mod run;
 mod status;
@@ -38,6 +39,7 @@ pub use config_check::{config_check, config_diff};
 pub use failed::{FailedAction, FilterArgs, failed};
 pub use migrate::migrate;
 pub use plugins::{PluginAction, plugin};
+pub use reconcile::{ReconcileArgs, reconcile};
 pub use replay::{ReplayArgs, replay};
 pub use run::run;
 pub use status::{RouteAction, SlotAction, route, slot, status};

@@ -439,7 +439,7 @@ impl KafkaSink {
 }
 
 /// librdkafka's TLS and SASL settings from `tls` and `sasl`.
-fn secure(cc: &mut ClientConfig, c: &KafkaSinkConfig) {
+pub(super) fn secure(cc: &mut ClientConfig, c: &KafkaSinkConfig) {
     let protocol = match (&c.tls, &c.sasl) {
         (None, None) => return,
         (Some(_), None) => "ssl",

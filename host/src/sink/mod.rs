@@ -30,6 +30,7 @@ use crate::routing::Routes;
 pub mod file;
 pub mod kafka;
 pub mod nats;
+pub mod read_back;
 pub mod starting;
 
 pub use crate::event::Header;

@@ -212,7 +212,7 @@ fn classify(
 
 /// Connection options from the sink's config: name, timeouts, TLS and
 /// credentials; problems after start-up are logged naming the sink.
-async fn connect_options(
+pub(super) async fn connect_options(
     name: &str,
     c: &NatsSinkConfig,
     publish_timeout: Duration,
