@@ -305,6 +305,21 @@ async fn main() -> Result<()> {
             eprintln!("== outroute drain → {sink}");
             let d = drain(args.events, sink, args.concurrency).await?;
             table.push((format!("outroute drain → {sink}"), rate_line(&d)));
+            if let Some(r) = d["reconcile"].as_object() {
+                table.push((
+                    format!("  reconcile of the drained window → {sink}"),
+                    format!(
+                        "{:.1} s for {} events, {}",
+                        r["seconds"].as_f64().unwrap_or(0.0),
+                        r["published"],
+                        if r["clean"] == true {
+                            "clean"
+                        } else {
+                            "NOT clean"
+                        }
+                    ),
+                ));
+            }
             table.push((
                 format!("  CPU per event → {sink}: relay + PostgreSQL"),
                 cpu_line(&d),

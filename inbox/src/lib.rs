@@ -365,6 +365,27 @@ mod tests {
             Received::from_headers(vec![("ce_type", b"x".as_slice())]),
             Err(Error::NotAnEvent(_))
         ));
+        #[cfg(feature = "nats")]
+        {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert("ce_id", "e2");
+            headers.insert("ce_aggregateid", "o-2");
+            headers.insert("ce_sequence", "7");
+            let m = async_nats::Message {
+                subject: "orders.o-2".into(),
+                reply: None,
+                payload: Default::default(),
+                headers: Some(headers),
+                status: None,
+                description: None,
+                length: 0,
+            };
+            let r = Received::from_nats(&m).unwrap();
+            assert_eq!(
+                (r.event_id.as_str(), r.aggregate_id.as_deref(), r.sequence),
+                ("e2", Some("o-2"), Some(7))
+            );
+        }
         let bad: Vec<(&str, &[u8])> = vec![("ce_id", b"e1"), ("ce_sequence", b"forty")];
         let e = Received::from_headers(bad).unwrap_err().to_string();
         assert!(

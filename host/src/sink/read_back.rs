@@ -81,8 +81,7 @@ pub fn kafka(c: &KafkaSinkConfig, topic: &str, since: DateTime<Utc>) -> Result<V
             "group.id",
             format!("outroute-reconcile-{}", uuid::Uuid::new_v4()),
         )
-        .set("enable.auto.commit", "false")
-        .set("enable.partition.eof", "true");
+        .set("enable.auto.commit", "false");
     super::kafka::secure(&mut cc, c);
     let consumer: BaseConsumer = cc.create().context("creating a Kafka consumer")?;
     let md = consumer
@@ -121,19 +120,17 @@ pub fn kafka(c: &KafkaSinkConfig, topic: &str, since: DateTime<Utc>) -> Result<V
         return Ok(out);
     }
     consumer.assign(&assign)?;
-    let mut idle = std::time::Instant::now();
-    while !open.is_empty() {
-        if idle.elapsed() > Duration::from_secs(30) {
-            anyhow::bail!("topic `{topic}`: no message for 30 s before the end of its partitions");
-        }
-        match consumer.poll(Duration::from_millis(200)) {
-            None => {}
-            Some(Err(rdkafka::error::KafkaError::PartitionEOF(p))) => {
-                open.remove(&p);
-            }
+    // Read until a second passed without a message and every partition's
+    // position is at least its high watermark. Not to the watermark alone:
+    // tansu's can lag what it acknowledged and what a fetch returns (seen:
+    // a partition's last 6–200 messages past it), nor at librdkafka's
+    // end-of-partition event, which follows the fetch's own watermark.
+    let mut last_message = std::time::Instant::now();
+    loop {
+        match consumer.poll(Duration::from_millis(100)) {
             Some(Err(e)) => return Err(anyhow::anyhow!("reading topic `{topic}`: {e}")),
             Some(Ok(m)) => {
-                idle = std::time::Instant::now();
+                last_message = std::time::Instant::now();
                 let headers: Vec<(&str, &[u8])> = m
                     .headers()
                     .map(|h| {
@@ -143,13 +140,31 @@ pub fn kafka(c: &KafkaSinkConfig, topic: &str, since: DateTime<Utc>) -> Result<V
                     })
                     .unwrap_or_default();
                 out.push(Held::from_headers(m.partition(), m.offset(), headers));
-                if open
-                    .get(&m.partition())
-                    .is_some_and(|high| m.offset() + 1 >= *high)
-                {
-                    open.remove(&m.partition());
+            }
+            None if last_message.elapsed() >= Duration::from_secs(1) => {
+                let at = consumer.position()?;
+                let mut behind = false;
+                for (p, high) in &open {
+                    let (_, now_high) = consumer.fetch_watermarks(topic, *p, wait)?;
+                    let pos = at
+                        .find_partition(topic, *p)
+                        .and_then(|e| match e.offset() {
+                            Offset::Offset(o) => Some(o),
+                            _ => None,
+                        })
+                        .unwrap_or(0);
+                    behind |= pos < (*high).max(now_high);
+                }
+                if !behind {
+                    break;
+                }
+                if last_message.elapsed() > Duration::from_secs(30) {
+                    anyhow::bail!(
+                        "topic `{topic}`: no message for 30 s before the end of its partitions"
+                    );
                 }
             }
+            None => {}
         }
     }
     Ok(out)
