@@ -243,6 +243,33 @@ pub fn cli_env(args: &[&str], env: &[(&str, &str)]) -> Result<(i32, String, Stri
     ))
 }
 
+/// The fan-out relay of the tests that publish to both brokers: Kafka and
+/// NATS sinks and one route `fanout` (the fanout plugin) sending each event
+/// to Kafka topic `<prefix>.<event type>` and NATS subject
+/// `<prefix>.<aggregate id>.<event type>`.
+pub fn fanout_body(prefix: &str) -> String {
+    format!(
+        r#"
+[http]
+listen = ""
+[sinks.kafka]
+kind = "kafka"
+brokers = "{KAFKA}"
+[sinks.nats]
+kind = "nats"
+url = "{NATS}"
+[plugins.fanout]
+path = "{plugin}"
+[[routes]]
+name = "fanout"
+plugin = "fanout"
+config = {{ targets = [ {{ sink = "kafka", topic = "{prefix}.{{event_type}}" }}, {{ sink = "nats", topic = "{prefix}.{{aggregate_id}}.{{event_type}}" }} ] }}
+allow = {{ kafka = ["{prefix}.*"], nats = ["{prefix}.**"] }}
+"#,
+        plugin = plugin("fanout").display()
+    )
+}
+
 /// A sink section for test configs.
 pub enum TestSink<'a> {
     Kafka,

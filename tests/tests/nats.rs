@@ -20,26 +20,7 @@ fn fanout_config(
         dir,
         &db.url,
         "lease_ttl = \"3s\"",
-        &format!(
-            r#"
-[http]
-listen = ""
-[sinks.kafka]
-kind = "kafka"
-brokers = "{KAFKA}"
-[sinks.nats]
-kind = "nats"
-url = "{NATS}"
-[plugins.fanout]
-path = "{plugin}"
-[[routes]]
-name = "fanout"
-plugin = "fanout"
-config = {{ targets = [ {{ sink = "kafka", topic = "f{t}.{{event_type}}" }}, {{ sink = "nats", topic = "f{t}.{{aggregate_id}}.{{event_type}}" }} ] }}
-allow = {{ kafka = ["f{t}.*"], nats = ["f{t}.**"] }}
-"#,
-            plugin = plugin("fanout").display()
-        ),
+        &fanout_body(&format!("f{t}")),
     )
 }
 

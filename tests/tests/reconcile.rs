@@ -53,31 +53,7 @@ async fn reconcile_finds_exactly_the_deleted_and_the_duplicated_message() -> any
     let stream = format!("R{t}");
     let js = nats_stream(&stream, vec![format!("r{t}.>")]).await?;
     let dir = test_dir("reconcile");
-    let config = write_config(
-        &dir,
-        &db.url,
-        "",
-        &format!(
-            r#"
-[http]
-listen = ""
-[sinks.kafka]
-kind = "kafka"
-brokers = "{KAFKA}"
-[sinks.nats]
-kind = "nats"
-url = "{NATS}"
-[plugins.fanout]
-path = "{plugin}"
-[[routes]]
-name = "fanout"
-plugin = "fanout"
-config = {{ targets = [ {{ sink = "kafka", topic = "r{t}.{{event_type}}" }}, {{ sink = "nats", topic = "r{t}.{{aggregate_id}}.{{event_type}}" }} ] }}
-allow = {{ kafka = ["r{t}.*"], nats = ["r{t}.**"] }}
-"#,
-            plugin = plugin("fanout").display()
-        ),
-    )?;
+    let config = write_config(&dir, &db.url, "", &fanout_body(&format!("r{t}")))?;
     db.migrate(&config)?;
     let since = chrono::Utc::now() - chrono::Duration::seconds(5);
     let work = produce(&db.pool, "rec", 5, 6, 0).await?;
