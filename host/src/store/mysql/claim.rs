@@ -347,6 +347,16 @@ impl MySqlStore {
         Ok(claimed)
     }
 
+    /// Make the next claim of `lanes` deep (each lane walked from its
+    /// start): binlog capture's drain ends only on a deep claim that found
+    /// nothing, as a shallow one after a cut claim was seen to miss rows.
+    pub fn claim_deep_next(&self, lanes: &[i32]) {
+        let mut empty = self.empty.lock().unwrap_or_else(|p| p.into_inner());
+        for l in lanes {
+            empty.remove(l);
+        }
+    }
+
     /// The walks of one claim (see [`MySqlStore::claim`]): the claim, the
     /// lanes that came back short, and those that did not.
     async fn claim_walks(
