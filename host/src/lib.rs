@@ -15,6 +15,7 @@
 //! * `health`  — which sources, sinks and routes are up (`/readyz`)
 //! * `topology` — the sources of one process, each brought up on its own
 //! * `shadow`  — a candidate plugin version compared on live events
+//! * `reconcile` — the outbox's published events against what the brokers hold
 //! * `ops`     — status, failed events, replay, plugin test (operator tools)
 //! * `backoff`, `error` — retry delays with jitter; errors on one line
 
@@ -33,6 +34,7 @@ pub mod pipeline;
 pub mod plugin;
 pub mod quarantine;
 pub mod quickstart;
+pub mod reconcile;
 pub mod relay;
 pub mod routing;
 pub mod scaffold;

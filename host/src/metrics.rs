@@ -98,6 +98,29 @@ series! {
     /// Dead letters acknowledged by their sink (`result`: `sent`), or not
     /// (`result`: `unsent`; the event is retried until one is).
     DEAD_LETTERS = "outroute_dead_letters_total", Counter ["route", "result"];
+    /// Scheduled reconciliation (`relay.reconcile_every`), last window
+    /// checked: events the outbox marked published that a topic of the
+    /// route does not hold (lost messages; the log names them).
+    RECONCILE_MISSING = "outroute_reconcile_missing", Gauge ["source", "route"];
+    /// Last window checked: events a topic of the route holds more often
+    /// than the route sends them (re-sends; expected after crashes).
+    RECONCILE_DUPLICATED = "outroute_reconcile_duplicated", Gauge ["source", "route"];
+    /// Last window checked: events found after a later event of their
+    /// aggregate in one partition.
+    RECONCILE_OUT_OF_ORDER = "outroute_reconcile_out_of_order", Gauge ["source", "route"];
+    /// Last window checked: messages of the route on topics that could not
+    /// be read back (nothing proved for them).
+    RECONCILE_UNCHECKED = "outroute_reconcile_unchecked", Gauge ["source", "route"];
+    /// Last window checked: messages of this source in the window whose
+    /// event the outbox does not list as published.
+    RECONCILE_UNEXPECTED = "outroute_reconcile_unexpected", Gauge ["source"];
+    /// Scheduled reconciliations by `result`: `clean`, `findings` (missing,
+    /// out of order or unreadable), `error` (could not run; the window is
+    /// checked next time).
+    RECONCILE_RUNS = "outroute_reconcile_runs_total", Counter ["source", "result"];
+    /// End of the last window reconciled (Unix seconds): stale when no
+    /// relay checks the source any more.
+    RECONCILE_CHECKED_UNTIL = "outroute_reconcile_checked_until_seconds", Gauge ["source"];
     /// Messages a sink failed to publish (`kind`: `permanent`, the event
     /// fails; `retryable`, tried again; `unavailable`, the broker is down and
     /// the event waits, no attempt counted).

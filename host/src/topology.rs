@@ -280,8 +280,17 @@ async fn bring_up(
             drop(turn);
         });
     }
+    // The scheduled reconciliation (`relay.reconcile_every`), beside it.
+    let reconciling = loaded.config.relay.reconcile_every.map(|_| {
+        tokio::spawn(tracing::Instrument::in_current_span(
+            crate::reconcile::every(relay.clone(), loaded.config.sinks.clone(), stop.clone()),
+        ))
+    });
     if let Err(e) = relay.run(stop).await {
         tracing::warn!(source = %name, "source stopped with an error: {e:#}");
+    }
+    if let Some(r) = reconciling {
+        r.abort();
     }
 }
 

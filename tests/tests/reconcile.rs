@@ -2,7 +2,9 @@
 //! to Kafka and JetStream (fan-out) reconciles clean; after the test
 //! deletes one message from the JetStream stream and duplicates one in the
 //! Kafka topic, it reports exactly those two (one missing, one duplicated)
-//! and exits non-zero.
+//! and exits non-zero. The scheduled check (`relay.reconcile_every`)
+//! reports a message lost from a window it has not checked yet in its
+//! gauges and log, and the next window clean again.
 
 use std::time::Duration;
 
@@ -154,6 +156,120 @@ async fn reconcile_finds_exactly_the_deleted_and_the_duplicated_message() -> any
         "{out}"
     );
     assert!(out.contains("NOT clean"), "{out}");
+    drop_nats_stream(&stream).await;
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn scheduled_reconciliation_reports_a_lost_message() -> anyhow::Result<()> {
+    let db = TestDb::new().await?;
+    let t = tag();
+    let topic = format!("s{t}.order-updated");
+    create_topic(&topic, 3).await?;
+    let stream = format!("S{t}");
+    let js = nats_stream(&stream, vec![format!("s{t}.>")]).await?;
+    let dir = test_dir("reconcile-every");
+    let http = free_addr();
+    // Checked every 2 s, each window ending 40 s ago: the test loses a
+    // message well before the window holding its event is checked.
+    let settle = Duration::from_secs(40);
+    let config = write_config(
+        &dir,
+        &db.url,
+        "reconcile_every = \"2s\"\nreconcile_settle = \"40s\"\n",
+        &fanout_body(&format!("s{t}")).replace("listen = \"\"", &format!("listen = \"{http}\"")),
+    )?;
+    db.migrate(&config)?;
+    let produced = std::time::Instant::now();
+    let work = produce(&db.pool, "sched", 4, 5, 0).await?;
+    let n = work.committed.len();
+    let relay = Relay::start(&config, &[])?;
+    let kafka = consume_kafka(&topic, 3, n, Duration::from_secs(60))?;
+    let nats = consume_nats(&js, &stream, n, Duration::from_secs(60)).await?;
+    check(&work, &kafka).assert_clean();
+    check(&work, &nats).assert_clean();
+    let s = js.get_stream(&stream).await?;
+    let first = s.get_raw_message(1).await?;
+    let lost = first
+        .headers
+        .get("ce_id")
+        .map(|v| v.as_str().to_string())
+        .unwrap_or_default();
+    assert!(!lost.is_empty(), "the message has its ce_id");
+    assert!(s.delete_message(1).await?);
+    assert!(
+        produced.elapsed() < settle - Duration::from_secs(10),
+        "the test took {:?} to lose the message: the window may have been checked already",
+        produced.elapsed()
+    );
+    let gauge = |text: &str, name: &str| {
+        metric(
+            text,
+            &format!("{name}{{route=\"fanout\",source=\"default\"}}"),
+        )
+    };
+    // The window with the events: one missing on the route, nothing else.
+    let found = eventually(Duration::from_secs(90), || async {
+        let text = http_get(&http, "/metrics")
+            .await
+            .map(|(_, b)| b)
+            .unwrap_or_default();
+        gauge(&text, "outroute_reconcile_missing") == Some(1.0)
+    })
+    .await;
+    let text = http_get(&http, "/metrics").await?.1;
+    assert!(found, "{text}\n{}", relay.log_text());
+    assert_eq!(
+        gauge(&text, "outroute_reconcile_duplicated"),
+        Some(0.0),
+        "{text}"
+    );
+    assert_eq!(
+        gauge(&text, "outroute_reconcile_out_of_order"),
+        Some(0.0),
+        "{text}"
+    );
+    assert_eq!(
+        gauge(&text, "outroute_reconcile_unchecked"),
+        Some(0.0),
+        "{text}"
+    );
+    assert!(
+        metric(
+            &text,
+            "outroute_reconcile_runs_total{result=\"findings\",source=\"default\"}"
+        ) == Some(1.0),
+        "{text}"
+    );
+    let log = relay.log_text();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("not in the topic") && l.contains(&lost)),
+        "the log names the lost event {lost}:\n{log}"
+    );
+    // The next windows hold nothing lost: the gauge says so, and the
+    // checks move on.
+    let until = metric(
+        &text,
+        "outroute_reconcile_checked_until_seconds{source=\"default\"}",
+    )
+    .unwrap_or(0.0);
+    let moved_on = eventually(Duration::from_secs(30), || async {
+        let text = http_get(&http, "/metrics")
+            .await
+            .map(|(_, b)| b)
+            .unwrap_or_default();
+        gauge(&text, "outroute_reconcile_missing") == Some(0.0)
+            && metric(
+                &text,
+                "outroute_reconcile_checked_until_seconds{source=\"default\"}",
+            )
+            .is_some_and(|u| u > until)
+    })
+    .await;
+    assert!(moved_on, "{}", http_get(&http, "/metrics").await?.1);
+    drop(relay);
     drop_nats_stream(&stream).await;
     db.drop_db().await;
     Ok(())

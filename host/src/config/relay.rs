@@ -113,6 +113,21 @@ pub struct RelayConfig {
     #[serde(default, with = "humantime_serde")]
     #[schemars(with = "Option<String>")]
     pub retention: Option<Duration>,
+    /// Reconcile continuously: this often, the relay holding the source's
+    /// first lane checks the events published since its last check (up to
+    /// `reconcile_settle` ago) against what their topics hold, as
+    /// `outroute reconcile` does, and exports `outroute_reconcile_missing`
+    /// and friends. Each check plans the window's events again and reads
+    /// its topics back (memory and plugin time in proportion to the
+    /// window's events). Unset: off.
+    #[serde(default, with = "humantime_serde")]
+    #[schemars(with = "Option<String>")]
+    pub reconcile_every: Option<Duration>,
+    /// How old an event must be before the scheduled reconciliation checks
+    /// it: younger ones may still be on their way or unmarked.
+    #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
+    pub reconcile_settle: Duration,
     /// Directory for compiled plugin artifacts (native code, verified by a
     /// MAC before use; must be private to the relay's user). Default:
     /// `$HOME/.cache/outroute/plugins`.
@@ -151,6 +166,8 @@ impl Default for RelayConfig {
             publish_timeout: Duration::from_secs(30),
             stall_after: Duration::from_secs(60),
             retention: None,
+            reconcile_every: None,
+            reconcile_settle: Duration::from_secs(60),
             cache_dir: None,
             plugin_cache: true,
             config_watch_interval: None,

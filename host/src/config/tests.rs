@@ -668,7 +668,7 @@ fn values_that_would_start_a_broken_relay_are_refused() {
     let body = GOOD
         .replace(
             "[store]",
-            "[http]\nlisten = \":99999\"\n[log]\nlevel = \"verbose\"\n[relay]\nmax_batch_bytes = 0\npublish_timeout = \"0s\"\n[store]",
+            "[http]\nlisten = \":99999\"\n[log]\nlevel = \"verbose\"\n[relay]\nmax_batch_bytes = 0\npublish_timeout = \"0s\"\nreconcile_every = \"500ms\"\n[store]",
         )
         .replace(
             "[plugins.p]",
@@ -687,6 +687,7 @@ fn values_that_would_start_a_broken_relay_are_refused() {
     for expected in [
         "outroute.toml:relay.max_batch_bytes: must be positive",
         "outroute.toml:relay.publish_timeout: must be positive",
+        "outroute.toml:relay.reconcile_every: must be at least 1s",
         "outroute.toml:log.level: `verbose`: `verbose` is not a level",
         "outroute.toml:sinks.nats.url: `nats:/127.0.0.1:4222` is not a NATS server address",
         "outroute.toml:routes[0].allow.kafka: pattern `orders/*` can never match: Kafka topics have no `/`",

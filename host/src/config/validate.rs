@@ -248,6 +248,16 @@ impl Loaded {
         if c.relay.publish_timeout.is_zero() {
             err("relay.publish_timeout".into(), "must be positive".into());
         }
+        if c.relay
+            .reconcile_every
+            .is_some_and(|d| d < Duration::from_secs(1))
+        {
+            err(
+                "relay.reconcile_every".into(),
+                "must be at least 1s (each check plans its window again and reads its topics back)"
+                    .into(),
+            );
+        }
         if let Err(e) = check_log_level(&c.log.level) {
             err("log.level".into(), e);
         }

@@ -248,6 +248,8 @@ impl Relay {
             hurry: Notify::new(),
             failed_changed: Notify::new(),
             listening: std::sync::atomic::AtomicBool::new(false),
+            leads: std::sync::atomic::AtomicBool::new(false),
+            planning_only: false,
             capture: store_config.logical(source),
             store_key: config.source_key(source),
             store_table: store_config.table(),
@@ -255,5 +257,56 @@ impl Relay {
             store_config,
             in_flight: InFlight::default(),
         })
+    }
+}
+
+impl Relay {
+    /// A relay that only plans (reconciliation): this one's store, routes
+    /// and plugins (a plugin reloaded here is reloaded there), no sinks, no
+    /// shadows, a quarantine of its own; its plugin calls count in no
+    /// metric and quarantine nothing.
+    pub fn planner(&self) -> Relay {
+        let sinks: Sinks = Arc::new(std::collections::BTreeMap::new());
+        Relay {
+            source: self.source.clone(),
+            quarantine: Quarantine::new(&self.routes),
+            store: self.store.clone(),
+            routes: self.routes.clone(),
+            plugins: self.plugins.clone(),
+            plugin_parts: self.plugin_parts.clone(),
+            shadows: self.routes.0.iter().map(|_| None).collect(),
+            reload: self.reload.clone(),
+            pipeline: Pipeline {
+                routes: self.routes.clone(),
+                sinks: sinks.clone(),
+                ordering: self.pipeline.ordering,
+                publish_timeout: self.pipeline.publish_timeout,
+                source: self.pipeline.source.clone(),
+            },
+            sinks,
+            config: self.config.clone(),
+            health: self.health.clone(),
+            handing_over: std::sync::atomic::AtomicBool::new(false),
+            asleep: watch::Sender::new(false),
+            recorded_asleep: std::sync::atomic::AtomicBool::new(false),
+            recording: tokio::sync::Mutex::new(()),
+            pace: Default::default(),
+            hurry: Notify::new(),
+            failed_changed: Notify::new(),
+            listening: std::sync::atomic::AtomicBool::new(false),
+            leads: std::sync::atomic::AtomicBool::new(false),
+            planning_only: true,
+            capture: self.capture.clone(),
+            store_key: self.store_key.clone(),
+            store_table: self.store_table.clone(),
+            relay_id: self.relay_id.clone(),
+            store_config: self.store_config.clone(),
+            in_flight: InFlight::default(),
+        }
+    }
+
+    /// Whether this relay holds the source's first lane (see [`Relay::leads`]).
+    pub fn leads(&self) -> bool {
+        self.leads.load(std::sync::atomic::Ordering::Acquire)
     }
 }

@@ -18,7 +18,7 @@ use crate::metrics as m;
 use crate::pipeline::LeaseView;
 use crate::plugin::PluginHandle;
 use crate::store::Store;
-use crate::store::postgres::{ORPHAN_ROUNDS, ORPHAN_SWEEP_INTERVAL};
+use crate::store::postgres::{CAPTURE_LANE, ORPHAN_ROUNDS, ORPHAN_SWEEP_INTERVAL};
 
 /// Work a sleeping source hands its LISTEN task, to run on that connection
 /// so that the pool's can close: its lease rounds, its claims (so the
@@ -248,6 +248,10 @@ impl Relay {
                     }
                     metrics::gauge!(m::LANES_OWNED, "source" => self.source.clone())
                         .set(l.lanes.len() as f64);
+                    self.leads.store(
+                        l.lanes.contains(&0) || l.lanes.contains(&CAPTURE_LANE),
+                        std::sync::atomic::Ordering::Release,
+                    );
                     // Stop using the lease a safety margin before it lapses.
                     let valid_until =
                         round_started + ttl - every.min(Duration::from_secs(2)).max(ttl / 10);

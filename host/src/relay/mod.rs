@@ -128,6 +128,13 @@ pub struct Relay {
     pub failed_changed: Notify,
     /// The LISTEN task holds its connection (`outroute_source_connections`).
     pub listening: std::sync::atomic::AtomicBool,
+    /// This relay holds the source's first lane (lane 0; the capture lease
+    /// under log capture): it runs the source's one-at-a-time chores (the
+    /// scheduled reconciliation).
+    pub leads: std::sync::atomic::AtomicBool,
+    /// A [`Relay::planner`]: plans only (reconciliation), so its plugin
+    /// calls count in no metric and its breaches quarantine nothing.
+    pub planning_only: bool,
 }
 
 /// How many events a batch published, held and failed.
@@ -510,12 +517,14 @@ impl Relay {
                         // A plugin's own rejection or a trap keeps within
                         // the limits; only a broken limit counts.
                         breaches.push(limit.map(|_| rejection.reason().to_string()));
-                        if let Some(l) = limit {
-                            metrics::counter!(m::LIMIT_BREACHES, "route" => route.name().to_string(), "limit" => l.as_str())
+                        if !self.planning_only {
+                            if let Some(l) = limit {
+                                metrics::counter!(m::LIMIT_BREACHES, "route" => route.name().to_string(), "limit" => l.as_str())
+                                    .increment(1);
+                            }
+                            metrics::counter!(m::REJECTIONS, "route" => route.name().to_string(), "kind" => rejection.kind())
                                 .increment(1);
                         }
-                        metrics::counter!(m::REJECTIONS, "route" => route.name().to_string(), "kind" => rejection.kind())
-                            .increment(1);
                         Plan::Fail {
                             route: Some(route_idx),
                             rejection,
@@ -523,7 +532,9 @@ impl Relay {
                     }
                 };
             }
-            self.quarantine_change(route_idx, &breaches).await;
+            if !self.planning_only {
+                self.quarantine_change(route_idx, &breaches).await;
+            }
         }
 
         // A batch publishes at most `relay.max_batch_bytes`: the units after
@@ -606,10 +617,12 @@ impl Relay {
         })
         .await;
         let per_event = started.elapsed().as_secs_f64() / n.max(1) as f64;
-        metrics::histogram!(m::PLUGIN_CALL, "route" => route.clone()).record(per_event);
+        if !self.planning_only {
+            metrics::histogram!(m::PLUGIN_CALL, "route" => route.clone()).record(per_event);
+        }
         match result {
             Ok((answers, counts, plugin)) => {
-                for (name, delta) in counts {
+                for (name, delta) in counts.into_iter().filter(|_| !self.planning_only) {
                     metrics::counter!(m::PLUGIN_COUNT, "route" => route.clone(), "plugin" => plugin.info.name.clone(), "name" => name)
                         .increment(delta);
                 }

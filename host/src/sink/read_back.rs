@@ -67,10 +67,16 @@ impl Held {
 }
 
 /// Read back what `topic` holds from `since` (by message timestamp) to the
-/// end of each partition, for `outroute reconcile`: every message's
-/// envelope, partition and offset. A consumer of its own (no group
-/// offsets are committed), with the sink's connection settings.
-pub fn kafka(c: &KafkaSinkConfig, topic: &str, since: DateTime<Utc>) -> Result<Vec<Held>> {
+/// end of each partition, or to its first message stamped after `until`
+/// (a busy topic has no end to wait for), for `outroute reconcile`: every
+/// message's envelope, partition and offset. A consumer of its own (no
+/// group offsets are committed), with the sink's connection settings.
+pub fn kafka(
+    c: &KafkaSinkConfig,
+    topic: &str,
+    since: DateTime<Utc>,
+    until: DateTime<Utc>,
+) -> Result<Vec<Held>> {
     use rdkafka::consumer::{BaseConsumer, Consumer};
     use rdkafka::message::Headers;
     use rdkafka::{Message, Offset, TopicPartitionList};
@@ -120,17 +126,36 @@ pub fn kafka(c: &KafkaSinkConfig, topic: &str, since: DateTime<Utc>) -> Result<V
         return Ok(out);
     }
     consumer.assign(&assign)?;
-    // Read until a second passed without a message and every partition's
-    // position is at least its high watermark. Not to the watermark alone:
-    // tansu's can lag what it acknowledged and what a fetch returns (seen:
-    // a partition's last 6–200 messages past it), nor at librdkafka's
+    // A partition is read when it passed a message stamped after `until`,
+    // or when a second passed without a message from it and its position
+    // is at least its high watermark. Not at the watermark alone: tansu's
+    // can lag what it acknowledged and what a fetch returns (seen: a
+    // partition's last 6–200 messages past it), nor at librdkafka's
     // end-of-partition event, which follows the fetch's own watermark.
-    let mut last_message = std::time::Instant::now();
+    let until_ms = until.timestamp_millis();
+    let started = std::time::Instant::now();
+    let mut heard: std::collections::HashMap<i32, std::time::Instant> =
+        open.keys().map(|p| (*p, started)).collect();
+    let mut last_check = started;
     loop {
         match consumer.poll(Duration::from_millis(100)) {
             Some(Err(e)) => return Err(anyhow::anyhow!("reading topic `{topic}`: {e}")),
             Some(Ok(m)) => {
-                last_message = std::time::Instant::now();
+                let p = m.partition();
+                if !open.contains_key(&p) {
+                    continue;
+                }
+                heard.insert(p, std::time::Instant::now());
+                if m.timestamp().to_millis().is_some_and(|t| t > until_ms) {
+                    open.remove(&p);
+                    let mut done = TopicPartitionList::new();
+                    done.add_partition(topic, p);
+                    consumer.pause(&done)?;
+                    if open.is_empty() {
+                        break;
+                    }
+                    continue;
+                }
                 let headers: Vec<(&str, &[u8])> = m
                     .headers()
                     .map(|h| {
@@ -139,32 +164,52 @@ pub fn kafka(c: &KafkaSinkConfig, topic: &str, since: DateTime<Utc>) -> Result<V
                             .collect()
                     })
                     .unwrap_or_default();
-                out.push(Held::from_headers(m.partition(), m.offset(), headers));
-            }
-            None if last_message.elapsed() >= Duration::from_secs(1) => {
-                let at = consumer.position()?;
-                let mut behind = false;
-                for (p, high) in &open {
-                    let (_, now_high) = consumer.fetch_watermarks(topic, *p, wait)?;
-                    let pos = at
-                        .find_partition(topic, *p)
-                        .and_then(|e| match e.offset() {
-                            Offset::Offset(o) => Some(o),
-                            _ => None,
-                        })
-                        .unwrap_or(0);
-                    behind |= pos < (*high).max(now_high);
-                }
-                if !behind {
-                    break;
-                }
-                if last_message.elapsed() > Duration::from_secs(30) {
-                    anyhow::bail!(
-                        "topic `{topic}`: no message for 30 s before the end of its partitions"
-                    );
-                }
+                out.push(Held::from_headers(p, m.offset(), headers));
             }
             None => {}
+        }
+        // Quiet partitions: done once at their watermark.
+        if last_check.elapsed() < Duration::from_millis(500) {
+            continue;
+        }
+        last_check = std::time::Instant::now();
+        let quiet: Vec<i32> = open
+            .keys()
+            .filter(|p| {
+                heard
+                    .get(p)
+                    .is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
+            })
+            .copied()
+            .collect();
+        if quiet.is_empty() {
+            continue;
+        }
+        let at = consumer.position()?;
+        for p in quiet {
+            let high = open.get(&p).copied().unwrap_or(0);
+            let (_, now_high) = consumer.fetch_watermarks(topic, p, wait)?;
+            let pos = at
+                .find_partition(topic, p)
+                .and_then(|e| match e.offset() {
+                    Offset::Offset(o) => Some(o),
+                    _ => None,
+                })
+                .unwrap_or(0);
+            if pos >= high.max(now_high) {
+                open.remove(&p);
+            } else if heard
+                .get(&p)
+                .is_some_and(|t| t.elapsed() > Duration::from_secs(30))
+            {
+                anyhow::bail!(
+                    "topic `{topic}` partition {p}: no message for 30 s before its end (position {pos}, high watermark {})",
+                    high.max(now_high)
+                );
+            }
+        }
+        if open.is_empty() {
+            break;
         }
     }
     Ok(out)
