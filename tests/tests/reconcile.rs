@@ -46,25 +46,85 @@ fn findings(report: &serde_json::Value) -> [Vec<String>; 5] {
     out
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn reconcile_finds_exactly_the_deleted_and_the_duplicated_message() -> anyhow::Result<()> {
+/// A window the relay published through the fan-out route (Kafka topic
+/// `{p}{tag}.order-updated`, 3 partitions; JetStream stream `{P}{tag}`),
+/// every message checked at a consumer; the relay still runs.
+struct FanOut {
+    db: TestDb,
+    config: std::path::PathBuf,
+    topic: String,
+    stream: String,
+    js: async_nats::jetstream::Context,
+    since: chrono::DateTime<chrono::Utc>,
+    kafka: Vec<Delivered>,
+    relay: Relay,
+}
+
+/// [`FanOut`] with `relay` keys for `[relay]` and `http` as the listener
+/// (`""`: none).
+async fn fan_out(prefix: &str, relay: &str, http: &str) -> anyhow::Result<FanOut> {
     let db = TestDb::new().await?;
     let t = tag();
-    let topic = format!("r{t}.order-updated");
+    let topic = format!("{prefix}{t}.order-updated");
     create_topic(&topic, 3).await?;
-    let stream = format!("R{t}");
-    let js = nats_stream(&stream, vec![format!("r{t}.>")]).await?;
-    let dir = test_dir("reconcile");
-    let config = write_config(&dir, &db.url, "", &fanout_body(&format!("r{t}")))?;
+    let stream = format!("{}{t}", prefix.to_uppercase());
+    let js = nats_stream(&stream, vec![format!("{prefix}{t}.>")]).await?;
+    let dir = test_dir(&format!("reconcile-{prefix}"));
+    let body = fanout_body(&format!("{prefix}{t}"))
+        .replace("listen = \"\"", &format!("listen = \"{http}\""));
+    let config = write_config(&dir, &db.url, relay, &body)?;
     db.migrate(&config)?;
     let since = chrono::Utc::now() - chrono::Duration::seconds(5);
-    let work = produce(&db.pool, "rec", 5, 6, 0).await?;
+    let work = produce(&db.pool, prefix, 5, 6, 0).await?;
     let n = work.committed.len();
     let relay = Relay::start(&config, &[])?;
     let kafka = consume_kafka(&topic, 3, n, Duration::from_secs(60))?;
     let nats = consume_nats(&js, &stream, n, Duration::from_secs(60)).await?;
     check(&work, &kafka).assert_clean();
     check(&work, &nats).assert_clean();
+    Ok(FanOut {
+        db,
+        config,
+        topic,
+        stream,
+        js,
+        since,
+        kafka,
+        relay,
+    })
+}
+
+/// Delete `stream`'s first message: its event id and subject.
+async fn lose_first(
+    js: &async_nats::jetstream::Context,
+    stream: &str,
+) -> anyhow::Result<(String, String)> {
+    let s = js.get_stream(stream).await?;
+    let first = s.get_raw_message(1).await?;
+    let lost = first
+        .headers
+        .get("ce_id")
+        .map(|v| v.as_str().to_string())
+        .unwrap_or_default();
+    assert!(!lost.is_empty(), "the message has its ce_id");
+    assert!(s.delete_message(1).await?);
+    let _ = js.get_stream(stream).await?.info().await?;
+    Ok((lost, first.subject.to_string()))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn reconcile_finds_exactly_the_deleted_and_the_duplicated_message() -> anyhow::Result<()> {
+    let FanOut {
+        db,
+        config,
+        topic,
+        stream,
+        js,
+        since,
+        kafka,
+        relay,
+    } = fan_out("r", "", "").await?;
+    let n = kafka.len();
     assert!(
         eventually(Duration::from_secs(20), || async {
             db.unpublished("").await == 0
@@ -97,16 +157,7 @@ async fn reconcile_finds_exactly_the_deleted_and_the_duplicated_message() -> any
     assert_eq!(report["clean"], true);
 
     // Lose one JetStream message, duplicate one Kafka message.
-    let mut s = js.get_stream(&stream).await?;
-    let first = s.get_raw_message(1).await?;
-    let lost = first
-        .headers
-        .get("ce_id")
-        .map(|v| v.as_str().to_string())
-        .unwrap_or_default();
-    let lost_subject = first.subject.to_string();
-    assert!(s.delete_message(1).await?);
-    let _ = s.info().await?;
+    let (lost, lost_subject) = lose_first(&js, &stream).await?;
     let copy = &kafka[kafka.len() / 2];
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", KAFKA)
@@ -163,41 +214,24 @@ async fn reconcile_finds_exactly_the_deleted_and_the_duplicated_message() -> any
 
 #[tokio::test(flavor = "multi_thread")]
 async fn scheduled_reconciliation_reports_a_lost_message() -> anyhow::Result<()> {
-    let db = TestDb::new().await?;
-    let t = tag();
-    let topic = format!("s{t}.order-updated");
-    create_topic(&topic, 3).await?;
-    let stream = format!("S{t}");
-    let js = nats_stream(&stream, vec![format!("s{t}.>")]).await?;
-    let dir = test_dir("reconcile-every");
     let http = free_addr();
     // Checked every 2 s, each window ending 40 s ago: the test loses a
     // message well before the window holding its event is checked.
     let settle = Duration::from_secs(40);
-    let config = write_config(
-        &dir,
-        &db.url,
-        "reconcile_every = \"2s\"\nreconcile_settle = \"40s\"\n",
-        &fanout_body(&format!("s{t}")).replace("listen = \"\"", &format!("listen = \"{http}\"")),
-    )?;
-    db.migrate(&config)?;
     let produced = std::time::Instant::now();
-    let work = produce(&db.pool, "sched", 4, 5, 0).await?;
-    let n = work.committed.len();
-    let relay = Relay::start(&config, &[])?;
-    let kafka = consume_kafka(&topic, 3, n, Duration::from_secs(60))?;
-    let nats = consume_nats(&js, &stream, n, Duration::from_secs(60)).await?;
-    check(&work, &kafka).assert_clean();
-    check(&work, &nats).assert_clean();
-    let s = js.get_stream(&stream).await?;
-    let first = s.get_raw_message(1).await?;
-    let lost = first
-        .headers
-        .get("ce_id")
-        .map(|v| v.as_str().to_string())
-        .unwrap_or_default();
-    assert!(!lost.is_empty(), "the message has its ce_id");
-    assert!(s.delete_message(1).await?);
+    let FanOut {
+        db,
+        stream,
+        js,
+        relay,
+        ..
+    } = fan_out(
+        "s",
+        "reconcile_every = \"2s\"\nreconcile_settle = \"40s\"\n",
+        &http,
+    )
+    .await?;
+    let (lost, _) = lose_first(&js, &stream).await?;
     assert!(
         produced.elapsed() < settle - Duration::from_secs(10),
         "the test took {:?} to lose the message: the window may have been checked already",
