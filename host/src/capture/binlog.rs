@@ -288,12 +288,12 @@ impl Relay {
                 )
                 .await?;
             // The drain ends on a deep claim (every lane walked from its
-            // start) that found all there is: a shallow claim following a
-            // claim cut at `batch_size` was seen to return nothing while
-            // rows of the cut lanes were pending (tests/tests/mysql_binlog.rs,
-            // three relays; the stream starts after them, so they stayed
-            // pending for good). Why the shallow claim missed them is not
-            // known yet.
+            // start) that found all there is: the stream starts after the
+            // rows the drain leaves, so one it misses stays pending for
+            // good. (A shallow claim did miss rows: MariaDB's filesort of
+            // it evaluated the virtual lane column unread, see
+            // `MySqlStore::lane_walk`; the shallow claim now sorts nothing,
+            // and the drain still ends on a deep one.)
             if claimed.claims.is_empty() {
                 if deep_checked {
                     break;

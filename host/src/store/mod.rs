@@ -780,6 +780,14 @@ impl Store {
         }
     }
 
+    /// The MySQL/MariaDB store of a MySQL source.
+    pub fn mysql(&self) -> Option<&mysql::MySqlStore> {
+        match self {
+            Store::MySql(m) => Some(m),
+            _ => None,
+        }
+    }
+
     /// The MySQL/MariaDB store of a `capture = "binlog"` source.
     pub fn binlog(&self) -> Option<&mysql::MySqlStore> {
         match self {
