@@ -11,7 +11,7 @@
 //! not; `/readyz?strict` answers ready only when every part is.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -120,6 +120,15 @@ pub struct Health {
     started: Instant,
     last_progress_ms: AtomicI64,
     backlog: AtomicI64,
+    /// The oldest pending event's age in ms as last counted (-1: none).
+    oldest_ms: AtomicI64,
+    /// Events published since the start, and the sum (µs) and number of
+    /// their commit → ack times: what the console's charts sample.
+    published: AtomicU64,
+    latency_sum_us: AtomicU64,
+    latency_n: AtomicU64,
+    /// Events published since the start, per route.
+    route_published: Mutex<BTreeMap<String, u64>>,
     /// The source's database: down until its store is open, then as the
     /// last statement found it.
     pub database: Part,
@@ -139,6 +148,11 @@ impl Health {
             started: Instant::now(),
             last_progress_ms: AtomicI64::new(0),
             backlog: AtomicI64::new(0),
+            oldest_ms: AtomicI64::new(-1),
+            published: AtomicU64::new(0),
+            latency_sum_us: AtomicU64::new(0),
+            latency_n: AtomicU64::new(0),
+            route_published: Mutex::new(BTreeMap::new()),
             database: Part::down(
                 "connecting",
                 Gauge::Up(metrics::gauge!(m::SOURCE_UP, "source" => source.to_string())),
@@ -170,7 +184,63 @@ impl Health {
             .store(self.now_ms(), Ordering::Relaxed);
     }
 
-    pub fn set_backlog(&self, n: i64) {
+    /// A batch published `n` events whose commit → ack times add up to
+    /// `latency_sum_us` over `latency_n` of them (rows without a commit
+    /// time are not timed).
+    pub fn count_published(&self, n: u64, latency_sum_us: u64, latency_n: u64) {
+        self.published.fetch_add(n, Ordering::Relaxed);
+        self.latency_sum_us
+            .fetch_add(latency_sum_us, Ordering::Relaxed);
+        self.latency_n.fetch_add(latency_n, Ordering::Relaxed);
+    }
+
+    /// A batch published `n` events of route `route`.
+    pub fn count_route(&self, route: &str, n: u64) {
+        let mut m = self
+            .route_published
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match m.get_mut(route) {
+            Some(k) => *k += n,
+            None => {
+                m.insert(route.to_string(), n);
+            }
+        }
+    }
+
+    /// Events published per route since the start.
+    pub fn route_totals(&self) -> BTreeMap<String, u64> {
+        self.route_published
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// (events published, commit → ack µs summed, events timed) since the
+    /// start.
+    pub fn published_totals(&self) -> (u64, u64, u64) {
+        (
+            self.published.load(Ordering::Relaxed),
+            self.latency_sum_us.load(Ordering::Relaxed),
+            self.latency_n.load(Ordering::Relaxed),
+        )
+    }
+
+    /// The backlog and its oldest event's age (s) as the relay last
+    /// counted them.
+    pub fn backlog(&self) -> (i64, Option<f64>) {
+        let oldest = self.oldest_ms.load(Ordering::Relaxed);
+        (
+            self.backlog.load(Ordering::Relaxed),
+            (oldest >= 0).then(|| oldest as f64 / 1000.0),
+        )
+    }
+
+    pub fn set_backlog(&self, n: i64, oldest_seconds: Option<f64>) {
+        self.oldest_ms.store(
+            oldest_seconds.map_or(-1, |s| (s * 1000.0) as i64),
+            Ordering::Relaxed,
+        );
         self.backlog.store(n, Ordering::Relaxed);
         if n == 0 {
             self.progressed();
@@ -259,6 +329,8 @@ pub struct ReadyView {
     pub routes: Vec<(String, Vec<String>)>,
     /// Team files refused at the last (re)load, one line each.
     pub teams_refused: Vec<String>,
+    /// The config running (the console shows it and scopes by it).
+    pub loaded: Option<Arc<crate::config::Loaded>>,
 }
 
 /// What `/readyz` found.
@@ -319,7 +391,8 @@ impl Readiness {
         }
     }
 
-    fn get(&self) -> ReadyView {
+    /// The parts as the topology last published them.
+    pub fn get(&self) -> ReadyView {
         match self.0.read() {
             Ok(v) => v.clone(),
             Err(poisoned) => poisoned.into_inner().clone(),

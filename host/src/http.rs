@@ -1,8 +1,10 @@
 //! The HTTP endpoint of `outroute run` (`[http] listen`): `/metrics`
 //! (Prometheus text from the recorder `metrics.rs` installed), `/healthz`
 //! (the process lives), `/readyz` (what `health.rs` says is up, `?strict`
-//! for all of it) and `/shadow` (shadow comparisons, which show event
-//! content: only with the bearer token `http.token`).
+//! for all of it), `/shadow` (shadow comparisons, which show event
+//! content: only with the bearer token `http.token`) and, with
+//! `[http.console]`, the operator console under `/console`
+//! (`console/mod.rs`).
 
 use anyhow::{Context, Result};
 use axum::Router;
@@ -34,8 +36,7 @@ fn authorised(token: Option<&crate::config::Secret>, headers: &axum::http::Heade
     else {
         return false;
     };
-    let (a, b) = (given.as_bytes(), token.expose().as_bytes());
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+    crate::console::session::same_secret(given.as_bytes(), token.expose().as_bytes())
 }
 
 /// `/shadow`: the shadow plugins' differences, which show payload bytes,
@@ -81,15 +82,20 @@ async fn readyz(State(s): State<AppState>, uri: axum::http::Uri) -> (StatusCode,
     (code, a.render(strict))
 }
 
-/// Serve `/metrics`, `/healthz`, `/readyz` (open) and `/shadow` (with
-/// `token` only) until `shutdown`.
+/// Serve `/metrics`, `/healthz`, `/readyz` (open), `/shadow` (with
+/// `token` only) and the console (with `console` only) until `shutdown`.
 pub async fn serve(
     listen: &str,
     prom: PrometheusHandle,
     ready: Readiness,
     token: Option<crate::config::Secret>,
+    console: Option<crate::config::ConsoleConfig>,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> Result<tokio::task::JoinHandle<()>> {
+    let console = console
+        .filter(|c| !c.tokens.is_empty())
+        .map(|c| crate::console::router(c, ready.clone(), shutdown.clone()));
+    let serves_console = console.is_some();
     let app = Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
@@ -100,6 +106,10 @@ pub async fn serve(
             ready: ready.clone(),
             token,
         });
+    let app = match console {
+        Some(c) => app.merge(c),
+        None => app,
+    };
     let listener = match tokio::net::TcpListener::bind(listen).await {
         Ok(l) => l,
         Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => anyhow::bail!(
@@ -113,7 +123,11 @@ pub async fn serve(
         .local_addr()
         .map(|a| a.to_string())
         .unwrap_or_else(|_| listen.to_string());
-    tracing::info!(listen = %bound, "serving /metrics, /healthz, /readyz");
+    if serves_console {
+        tracing::info!(listen = %bound, "serving /metrics, /healthz, /readyz and the console at /console");
+    } else {
+        tracing::info!(listen = %bound, "serving /metrics, /healthz, /readyz");
+    }
     tokio::spawn(ready.watch(shutdown.clone()));
     Ok(tokio::spawn(async move {
         let _ = axum::serve(listener, app)

@@ -3,7 +3,7 @@
 //! modules it calls into, so the end-to-end tests can drive them too:
 //!
 //! * `relay`   — the run loop (row → event → plugin → messages → acks → mark)
-//! * `store`   — the outbox table, leases, failure state (PostgreSQL, SQLite)
+//! * `store`   — the outbox table, leases, failure state (PostgreSQL, MySQL, SQLite)
 //! * `capture` — log-based capture: events streamed from a replication slot
 //! * `plugin`  — the sandboxed wasmtime runtime for routing plugins
 //! * `sink`    — Kafka, NATS and file publishers that wait for acks
@@ -12,9 +12,11 @@
 //! * `config`  — the TOML file, its schema and its validation
 //! * `metrics` — every Prometheus series, named once
 //! * `http`    — `/metrics`, `/healthz`, `/readyz`, `/shadow`
+//! * `console` — the operator console in the browser (`/console`), per team
 //! * `health`  — which sources, sinks and routes are up (`/readyz`)
 //! * `topology` — the sources of one process, each brought up on its own
 //! * `shadow`  — a candidate plugin version compared on live events
+//! * `trial`   — a candidate plugin tried on a route's recent events
 //! * `reconcile` — the outbox's published events against what the brokers hold
 //! * `ops`     — status, failed events, replay, plugin test (operator tools)
 //! * `backoff`, `error` — retry delays with jitter; errors on one line
@@ -22,6 +24,7 @@
 pub mod backoff;
 pub mod capture;
 pub mod config;
+pub mod console;
 pub mod error;
 pub mod event;
 pub mod failpoint;
@@ -42,6 +45,7 @@ pub mod shadow;
 pub mod sink;
 pub mod store;
 pub mod topology;
+pub mod trial;
 
 /// Make ring the process's TLS provider, once. Two rustls providers are
 /// compiled in (pgwire-replication's TLS brings aws-lc-rs beside ring, see

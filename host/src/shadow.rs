@@ -9,11 +9,14 @@
 //! makes the candidate the active version (a config change the running
 //! relay applies without a restart).
 //!
-//! [`differences`] is also what `outroute plugin try` prints.
+//! [`differences`] is also what `outroute plugin try` prints; [`promote`]
+//! is what `plugin promote` and the console's promote do.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::path::PathBuf;
 use std::sync::Mutex;
 
+use anyhow::{Context, Result, anyhow, bail};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
@@ -41,14 +44,38 @@ pub struct Sample {
     pub event_id: String,
     pub at: DateTime<Utc>,
     pub differences: Vec<String>,
+    /// What the active plugin and the candidate answered (payloads cut
+    /// at [`KEPT_PAYLOAD`] bytes): the console shows them side by side.
+    #[serde(skip)]
+    pub sides: Option<(Outcome, Outcome)>,
 }
+
+/// Payload bytes kept per message of a sample.
+pub const KEPT_PAYLOAD: usize = 4096;
+
+/// `o` with every payload cut at [`KEPT_PAYLOAD`] bytes.
+pub fn trimmed(o: &Outcome) -> Outcome {
+    o.clone().map(|messages| {
+        messages
+            .into_iter()
+            .map(|mut m| {
+                m.payload.truncate(KEPT_PAYLOAD);
+                m
+            })
+            .collect()
+    })
+}
+
+/// One compared event: its id, what differed (empty: nothing) and, when
+/// something did, both answers.
+pub type Compared = (String, Vec<String>, Option<(Outcome, Outcome)>);
 
 static SHADOWS: Mutex<BTreeMap<(String, String), RouteShadow>> = Mutex::new(BTreeMap::new());
 
 /// Record one compared batch of route `route` of source `source`: the event
 /// ids with what differed for each (empty: the same answer).
-pub fn record(source: &str, route: &str, candidate: &str, compared: Vec<(String, Vec<String>)>) {
-    let differing = compared.iter().filter(|(_, d)| !d.is_empty()).count() as u64;
+pub fn record(source: &str, route: &str, candidate: &str, compared: Vec<Compared>) {
+    let differing = compared.iter().filter(|(_, d, _)| !d.is_empty()).count() as u64;
     metrics::counter!(crate::metrics::SHADOW_EVENTS, "route" => route.to_string())
         .increment(compared.len() as u64);
     metrics::counter!(crate::metrics::SHADOW_DIFFERENCES, "route" => route.to_string())
@@ -68,7 +95,7 @@ pub fn record(source: &str, route: &str, candidate: &str, compared: Vec<(String,
     entry.compared += compared.len() as u64;
     entry.differing += differing;
     let now = Utc::now();
-    for (event_id, differences) in compared {
+    for (event_id, differences, sides) in compared {
         if differences.is_empty() {
             continue;
         }
@@ -80,6 +107,7 @@ pub fn record(source: &str, route: &str, candidate: &str, compared: Vec<(String,
             event_id,
             at: now,
             differences,
+            sides,
         });
     }
 }
@@ -153,4 +181,89 @@ pub fn differences(was: &Outcome, would: &Outcome) -> Vec<String> {
             out
         }
     }
+}
+
+/// In the file of `files` that declares `[plugins.<plugin>]`, make its
+/// `shadow` the `path` and drop `shadow`; with a `shadow_config`, it becomes
+/// the `config` of every route using the plugin. Returns the plugin's file.
+/// Each file is replaced whole (written aside, then renamed), so a relay
+/// watching it never reads half of it.
+pub fn promote(
+    files: &[PathBuf],
+    plugin: &str,
+    shadow_config: Option<&serde_json::Value>,
+) -> Result<PathBuf> {
+    let config = shadow_config
+        .map(|c| toml_value(c).with_context(|| format!("plugins.{plugin}.shadow_config")))
+        .transpose()?;
+    let mut declared = None;
+    for file in files {
+        let text =
+            std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+        let mut doc: toml_edit::DocumentMut = text
+            .parse()
+            .with_context(|| format!("{} is not valid TOML", file.display()))?;
+        let mut changed = false;
+        if let Some(table) = doc
+            .get_mut("plugins")
+            .and_then(|p| p.get_mut(plugin))
+            .and_then(|t| t.as_table_like_mut())
+        {
+            let shadow = table
+                .remove("shadow")
+                .ok_or_else(|| anyhow!("{}: plugins.{plugin} has no `shadow`", file.display()))?;
+            table.insert("path", shadow);
+            table.remove("shadow_config");
+            declared = Some(file.clone());
+            changed = true;
+        }
+        if let Some(config) = &config
+            && let Some(routes) = doc
+                .get_mut("routes")
+                .and_then(|r| r.as_array_of_tables_mut())
+        {
+            for route in routes.iter_mut() {
+                if route.get("plugin").and_then(|p| p.as_str()) == Some(plugin) {
+                    route.insert("config", toml_edit::value(config.clone()));
+                    changed = true;
+                }
+            }
+        }
+        if changed {
+            let tmp = file.with_extension("toml.promote");
+            std::fs::write(&tmp, doc.to_string())
+                .with_context(|| format!("writing {}", tmp.display()))?;
+            std::fs::rename(&tmp, file).with_context(|| format!("replacing {}", file.display()))?;
+        }
+    }
+    declared.ok_or_else(|| anyhow!("no config file declares [plugins.{plugin}]"))
+}
+
+/// A JSON value as a TOML value (objects as inline tables); `null` has none.
+fn toml_value(v: &serde_json::Value) -> Result<toml_edit::Value> {
+    use serde_json::Value as J;
+    Ok(match v {
+        J::Null => bail!("null has no TOML form"),
+        J::Bool(b) => (*b).into(),
+        J::Number(n) => match (n.as_i64(), n.as_f64()) {
+            (Some(i), _) => i.into(),
+            (None, Some(f)) => f.into(),
+            _ => bail!("number {n} has no TOML form"),
+        },
+        J::String(s) => s.as_str().into(),
+        J::Array(items) => {
+            let mut a = toml_edit::Array::new();
+            for i in items {
+                a.push(toml_value(i)?);
+            }
+            a.into()
+        }
+        J::Object(fields) => {
+            let mut t = toml_edit::InlineTable::new();
+            for (k, v) in fields {
+                t.insert(k, toml_value(v)?);
+            }
+            t.into()
+        }
+    })
 }

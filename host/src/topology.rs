@@ -367,6 +367,7 @@ impl Topology {
                 .map(|r| (r.name.clone(), r.allow.keys().cloned().collect()))
                 .collect(),
             teams_refused: self.loaded.refused_lines(),
+            loaded: Some(self.loaded.clone()),
         });
     }
 

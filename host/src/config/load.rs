@@ -57,6 +57,25 @@ pub struct Loaded {
 }
 
 impl Loaded {
+    /// Who answers for the failed events of `route` (its config's owner; a
+    /// refused team's stand-in route `team:<team>`, that team) and how to
+    /// reach them; `-` for no route or one no longer configured.
+    pub fn owner_of(&self, route: Option<&str>) -> (String, Option<String>) {
+        let Some(route) = route else {
+            return ("-".into(), None);
+        };
+        if let Some(team) = route.strip_prefix("team:") {
+            return (team.to_string(), None);
+        }
+        self.config
+            .routes
+            .iter()
+            .find(|r| r.name == route)
+            .map_or(("-".into(), None), |r| {
+                (r.owner().to_string(), r.owner_contact.clone())
+            })
+    }
+
     /// A path from the config, resolved relative to the config file.
     pub fn resolve(&self, p: &Path) -> PathBuf {
         if p.is_absolute() {

@@ -189,6 +189,65 @@ pub struct HttpConfig {
     pub token: Option<Secret>,
     /// A file holding `token` (a mounted secret).
     pub token_file: Option<PathBuf>,
+    /// The operator console at `/console` (`console/mod.rs`): off unless
+    /// this section names at least one token.
+    pub console: Option<ConsoleConfig>,
+}
+
+/// `[http.console]`: who may sign in to the operator console, with what
+/// role, and for which team. Changing it needs a restart, like the rest
+/// of `[http]`.
+#[derive(PartialEq, Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct ConsoleConfig {
+    /// Sign-in tokens by name (the name is who the audit log records):
+    /// `[http.console.tokens.payments] role = "operator", team = "payments",
+    /// token_file = "/run/secrets/console-payments"`. A token from the
+    /// environment: `OUTROUTE_HTTP__CONSOLE__TOKENS__PAYMENTS__TOKEN`.
+    pub tokens: BTreeMap<String, ConsoleToken>,
+    /// How long a sign-in lasts before the token is asked for again.
+    #[serde(with = "humantime_serde")]
+    #[schemars(with = "String")]
+    pub session_ttl: Duration,
+}
+
+impl Default for ConsoleConfig {
+    fn default() -> Self {
+        ConsoleConfig {
+            tokens: BTreeMap::new(),
+            session_ttl: Duration::from_secs(8 * 3600),
+        }
+    }
+}
+
+/// One console token: its role and, for a team's token, its team.
+#[derive(PartialEq, Debug, Clone, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ConsoleToken {
+    pub role: ConsoleRole,
+    /// Only this team's routes and their events (the routes whose `owner`
+    /// it is). Unset: every route.
+    #[serde(default)]
+    pub team: Option<String>,
+    /// The token itself (at least 16 characters); better from the
+    /// environment or `token_file`.
+    #[serde(default)]
+    pub token: Option<Secret>,
+    /// A file holding `token` (a mounted secret).
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
+}
+
+/// What a console token may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ConsoleRole {
+    /// Sees state, counts and failure reasons; never a payload or header
+    /// value; acts on nothing.
+    Viewer,
+    /// Sees payloads and headers; retries and discards failed events,
+    /// resumes quarantined routes (within its team, if it has one).
+    Operator,
 }
 
 impl Default for HttpConfig {
@@ -197,6 +256,7 @@ impl Default for HttpConfig {
             listen: "127.0.0.1:9464".into(),
             token: None,
             token_file: None,
+            console: None,
         }
     }
 }

@@ -229,6 +229,12 @@ pub fn resolve(config: &mut Config, base: &Path) -> Vec<(String, String)> {
         base,
         &mut p,
     );
+    if let Some(console) = &mut config.http.console {
+        for (name, t) in &mut console.tokens {
+            let key = format!("http.console.tokens.{name}.token");
+            secret(&mut t.token, &t.token_file, &key, base, &mut p);
+        }
+    }
     let shorthand = config.store_shorthand;
     for (name, s) in &mut config.sources {
         let key = if shorthand {

@@ -953,3 +953,57 @@ fn bad_owners_and_dead_letters_are_named() {
         "{text}"
     );
 }
+
+#[test]
+fn a_console_that_nobody_could_use_safely_is_refused() {
+    let d = tmp();
+    let console = "[http.console]\nsession_ttl = \"5s\"\n\
+         [http.console.tokens.ops]\nrole = \"operator\"\ntoken = \"short\"\n\
+         [http.console.tokens.dup]\nrole = \"viewer\"\ntoken = \"same-token-0123456789\"\n\
+         [http.console.tokens.dup2]\nrole = \"viewer\"\ntoken = \"same-token-0123456789\"\n\
+         [http.console.tokens.team]\nrole = \"operator\"\nteam = \"-\"\ntoken = \"team-token-0123456789\"\n\
+         [http.console.tokens.none]\nrole = \"viewer\"\n";
+    let body = GOOD.replace("[store]", &format!("{console}[store]"));
+    let text = load(&write(&d, &body)).unwrap_err().to_string();
+    for expected in [
+        "outroute.toml:http.console.session_ttl: must be at least 1m",
+        "outroute.toml:http.console.tokens.ops.token: is shorter than 16 characters",
+        "outroute.toml:http.console.tokens.dup2.token: is the same as tokens.dup's",
+        "outroute.toml:http.console.tokens.team.team: is not a team name",
+        "outroute.toml:http.console.tokens.none.token: is not set",
+    ] {
+        assert!(text.contains(expected), "{expected}\n---\n{text}");
+    }
+    // The refusal never prints a token.
+    assert!(
+        !text.contains("same-token-0123456789") && !text.contains("short\""),
+        "{text}"
+    );
+    // No token at all: nobody could sign in.
+    let body = GOOD.replace("[store]", "[http.console]\n[store]");
+    let text = load(&write(&d, &body)).unwrap_err().to_string();
+    assert!(
+        text.contains("http.console.tokens: names no token"),
+        "{text}"
+    );
+    // A good one loads, its token from a file.
+    std::fs::write(d.join("tok"), "file-token-0123456789\n").unwrap_or_default();
+    let body = GOOD.replace(
+        "[store]",
+        "[http.console.tokens.ops]\nrole = \"operator\"\nteam = \"payments\"\ntoken_file = \"tok\"\n[store]",
+    );
+    let loaded = load(&write(&d, &body));
+    let token = loaded
+        .as_ref()
+        .ok()
+        .and_then(|l| l.config.http.console.as_ref())
+        .and_then(|c| c.tokens.get("ops"))
+        .and_then(|t| t.token.as_ref())
+        .map(|t| t.expose().to_string());
+    assert_eq!(
+        token.as_deref(),
+        Some("file-token-0123456789"),
+        "{:?}",
+        loaded.err()
+    );
+}

@@ -18,26 +18,6 @@ pub struct FilterArgs {
     pub aggregate_id: Option<String>,
 }
 
-/// Who answers for the failed events of `route` (its config's owner; a
-/// refused team's stand-in route `team:<team>`, that team) and how to reach
-/// them; `-` for a route no longer configured.
-pub(super) fn owner_of(loaded: &Loaded, route: Option<&str>) -> (String, Option<String>) {
-    let Some(route) = route else {
-        return ("-".into(), None);
-    };
-    if let Some(team) = route.strip_prefix("team:") {
-        return (team.to_string(), None);
-    }
-    loaded
-        .config
-        .routes
-        .iter()
-        .find(|r| r.name == route)
-        .map_or(("-".into(), None), |r| {
-            (r.owner().to_string(), r.owner_contact.clone())
-        })
-}
-
 impl FilterArgs {
     fn filter(&self) -> Filter {
         Filter {
@@ -141,7 +121,7 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
             let mut list: Vec<(String, crate::store::FailedEvent, (String, Option<String>))> = list
                 .into_iter()
                 .map(|(source, e)| {
-                    let who = owner_of(&loaded, e.route.as_deref());
+                    let who = loaded.owner_of(e.route.as_deref());
                     (source, e, who)
                 })
                 .collect();
@@ -228,7 +208,7 @@ pub async fn failed(action: FailedAction) -> Result<ExitCode> {
                 return Ok(ExitCode::FAILURE);
             };
             heading(&loaded, &source);
-            let who = owner_of(&loaded, e.route.as_deref());
+            let who = loaded.owner_of(e.route.as_deref());
             println!(
                 "{}",
                 serde_json::to_string_pretty(&with_owner(&source, &e, &who))?

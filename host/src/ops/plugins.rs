@@ -200,7 +200,7 @@ pub async fn plugin(action: PluginAction) -> Result<ExitCode> {
             if pc.shadow.is_none() {
                 bail!("plugins.{plugin}.shadow is not set: there is no candidate to promote");
             }
-            let file = promote(&loaded.files, &plugin, pc.shadow_config.as_ref())?;
+            let file = crate::shadow::promote(&loaded.files, &plugin, pc.shadow_config.as_ref())?;
             println!(
                 "plugins.{plugin}: the shadow is now the active version ({}). A running relay applies it \
                  on SIGHUP or at its next config check (relay.config_watch_interval).",
@@ -365,85 +365,39 @@ pub(super) async fn try_candidate(
             continue;
         }
         let store = open_for_command(&loaded, &source, "plugin-try").await?;
-        let mut mine = Vec::new();
-        let mut before: Option<Cursor> = None;
-        let mut scanned = 0usize;
-        // The route selects by type: read newest first until `last` of its
-        // events (or 100 × that many rows) were seen.
-        while mine.len() < last && scanned < last.saturating_mul(100).max(1000) {
-            let page = store
-                .published_newest(&Filter::default(), before.as_ref(), 500)
-                .await?;
-            let Some(l) = page.last() else { break };
-            before = Some(Cursor::after(l));
-            scanned += page.len();
-            for c in page {
-                if let Ok(e) = c.row
-                    && r.selects(&e.aggregate_type, &e.event_type)
-                    && mine.len() < last
-                {
-                    mine.push(e);
-                }
-            }
-        }
-        mine.reverse();
-        events.extend(mine);
+        events.extend(crate::trial::recent_events(&store, r, last).await?);
     }
     if events.is_empty() {
         println!("route `{route}`: no published events to try the candidate on");
         return Ok(ExitCode::SUCCESS);
     }
-    let rt = plugin_runtime()?;
-    let limits = Limits::of(&r.config);
-    let active_config = r.config.config.clone();
-    let (candidate_path, active_path) = (candidate.clone(), active.clone());
-    let batch = events.clone();
-    let (was, would) = tokio::task::spawn_blocking(move || -> Result<_> {
-        let run = |path: &Path,
-                   config: serde_json::Value,
-                   what: &str|
-         -> Result<Vec<crate::event::Outcome>> {
-            let handle = PluginHandle::load(&rt, path, config, limits)
-                .with_context(|| format!("{what} plugin {}", path.display()))?;
-            let p = handle.current().context("plugin unavailable")?;
-            Ok(p.route_batch(&batch)
-                .into_iter()
-                .map(|a| a.into_outcome())
-                .collect())
-        };
-        Ok((
-            run(&active_path, active_config, "active")?,
-            run(&candidate_path, candidate_config, "candidate")?,
-        ))
-    })
-    .await??;
-    // As the relay would take them: a message the route may not send is
-    // the event's rejection.
-    let checked = |outcomes: Vec<crate::event::Outcome>| -> Vec<crate::event::Outcome> {
-        outcomes
-            .into_iter()
-            .map(|o| crate::relay::checked(r, o))
-            .collect()
-    };
-    let (was, would) = (checked(was), checked(would));
-    let mut different = 0usize;
-    let mut lines = Vec::new();
-    for ((e, a), b) in events.iter().zip(&was).zip(&would) {
-        let d = crate::shadow::differences(a, b);
-        if !d.is_empty() {
-            different += 1;
-            if lines.len() < 50 {
-                lines.push(format!(
-                    "{} ({} {} / {}): {}",
-                    e.id,
-                    e.aggregate_type,
-                    e.aggregate_id,
-                    e.event_type,
-                    d.join("; ")
-                ));
-            }
-        }
-    }
+    let trial = crate::trial::run(
+        plugin_runtime()?,
+        r,
+        active.clone(),
+        candidate.clone(),
+        candidate_config,
+        events,
+    )
+    .await?;
+    let differing = trial.differing();
+    let different = differing.len();
+    let events = &trial.events;
+    let lines: Vec<String> = differing
+        .iter()
+        .take(50)
+        .map(|(i, d)| {
+            let e = &events[*i];
+            format!(
+                "{} ({} {} / {}): {}",
+                e.id,
+                e.aggregate_type,
+                e.aggregate_id,
+                e.event_type,
+                d.join("; ")
+            )
+        })
+        .collect();
     println!(
         "route `{route}`: {} recent events; candidate {} vs active {}\n  same       {}\n  different  {different}",
         events.len(),
@@ -455,89 +409,4 @@ pub(super) async fn try_candidate(
         println!("  {l}");
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// In the file of `files` that declares `[plugins.<plugin>]`, make its
-/// `shadow` the `path` and drop `shadow`; with a `shadow_config`, it becomes
-/// the `config` of every route using the plugin. Returns the plugin's file.
-/// Each file is replaced whole (written aside, then renamed), so a relay
-/// watching it never reads half of it.
-pub(super) fn promote(
-    files: &[PathBuf],
-    plugin: &str,
-    shadow_config: Option<&serde_json::Value>,
-) -> Result<PathBuf> {
-    let config = shadow_config
-        .map(|c| toml_value(c).with_context(|| format!("plugins.{plugin}.shadow_config")))
-        .transpose()?;
-    let mut declared = None;
-    for file in files {
-        let text =
-            std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
-        let mut doc: toml_edit::DocumentMut = text
-            .parse()
-            .with_context(|| format!("{} is not valid TOML", file.display()))?;
-        let mut changed = false;
-        if let Some(table) = doc
-            .get_mut("plugins")
-            .and_then(|p| p.get_mut(plugin))
-            .and_then(|t| t.as_table_like_mut())
-        {
-            let shadow = table
-                .remove("shadow")
-                .ok_or_else(|| anyhow!("{}: plugins.{plugin} has no `shadow`", file.display()))?;
-            table.insert("path", shadow);
-            table.remove("shadow_config");
-            declared = Some(file.clone());
-            changed = true;
-        }
-        if let Some(config) = &config
-            && let Some(routes) = doc
-                .get_mut("routes")
-                .and_then(|r| r.as_array_of_tables_mut())
-        {
-            for route in routes.iter_mut() {
-                if route.get("plugin").and_then(|p| p.as_str()) == Some(plugin) {
-                    route.insert("config", toml_edit::value(config.clone()));
-                    changed = true;
-                }
-            }
-        }
-        if changed {
-            let tmp = file.with_extension("toml.promote");
-            std::fs::write(&tmp, doc.to_string())
-                .with_context(|| format!("writing {}", tmp.display()))?;
-            std::fs::rename(&tmp, file).with_context(|| format!("replacing {}", file.display()))?;
-        }
-    }
-    declared.ok_or_else(|| anyhow!("no config file declares [plugins.{plugin}]"))
-}
-
-/// A JSON value as a TOML value (objects as inline tables); `null` has none.
-pub(super) fn toml_value(v: &serde_json::Value) -> Result<toml_edit::Value> {
-    use serde_json::Value as J;
-    Ok(match v {
-        J::Null => bail!("null has no TOML form"),
-        J::Bool(b) => (*b).into(),
-        J::Number(n) => match (n.as_i64(), n.as_f64()) {
-            (Some(i), _) => i.into(),
-            (None, Some(f)) => f.into(),
-            _ => bail!("number {n} has no TOML form"),
-        },
-        J::String(s) => s.as_str().into(),
-        J::Array(items) => {
-            let mut a = toml_edit::Array::new();
-            for i in items {
-                a.push(toml_value(i)?);
-            }
-            a.into()
-        }
-        J::Object(fields) => {
-            let mut t = toml_edit::InlineTable::new();
-            for (k, v) in fields {
-                t.insert(k, toml_value(v)?);
-            }
-            t.into()
-        }
-    })
 }

@@ -34,6 +34,7 @@ pub async fn run(arg: &ConfigArg) -> Result<ExitCode> {
                 prom,
                 ready.clone(),
                 loaded.config.http.token.clone(),
+                loaded.config.http.console.clone(),
                 shutdown.clone(),
             )
             .await?,
@@ -90,6 +91,13 @@ pub(super) async fn reload(topology: &mut Topology, arg: &ConfigArg, reason: &st
         Err(_) => "rejected",
     };
     ::metrics::counter!(metrics::CONFIG_RELOADS, "result" => result).increment(1);
+    crate::console::note_reload(
+        result,
+        match &outcome {
+            Ok(d) => d.to_string(),
+            Err(e) => describe(e),
+        },
+    );
     match outcome {
         Ok(d) => tracing::info!(
             result,

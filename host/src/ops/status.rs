@@ -20,7 +20,7 @@ pub async fn status(arg: &ConfigArg, json: bool) -> Result<ExitCode> {
                 .await?
                 .into_iter()
                 .map(|(route, failed)| {
-                    let (owner, owner_contact) = super::failed::owner_of(&loaded, Some(&route));
+                    let (owner, owner_contact) = loaded.owner_of(Some(&route));
                     FailedByRoute {
                         route,
                         owner,

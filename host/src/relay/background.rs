@@ -406,7 +406,7 @@ impl Relay {
                     metrics::gauge!(m::BACKLOG, "source" => self.source.clone()).set(n as f64);
                     metrics::gauge!(m::OLDEST_PENDING_AGE, "source" => self.source.clone())
                         .set(oldest.unwrap_or(0.0));
-                    self.health.set_backlog(n);
+                    self.health.set_backlog(n, oldest);
                     self.health.set_store_ok();
                 }
                 Err(e) => {

@@ -253,6 +253,7 @@ impl Relay {
         let commit_to_ack = metrics::histogram!(m::COMMIT_TO_ACK, "source" => self.source.clone());
         let mut published: BTreeMap<usize, u64> = BTreeMap::new();
         let mut messages_sent: BTreeMap<(usize, &str), u64> = BTreeMap::new();
+        let (mut latency_sum_us, mut latency_n) = (0u64, 0u64);
         for range in ranges {
             let event = &units[range.clone()];
             let fates = &delivery.fates[range];
@@ -274,7 +275,10 @@ impl Relay {
             if fates.iter().all(|f| matches!(f, Fate::Publish)) {
                 to_mark.push(claim);
                 if let Some(at) = claim.committed_at() {
-                    commit_to_ack.record(seconds_since(at, now));
+                    let took = seconds_since(at, now);
+                    commit_to_ack.record(took);
+                    latency_sum_us += (took * 1e6) as u64;
+                    latency_n += 1;
                 }
             } else if let Some(f) = self.left_over(event, fates, &mut report) {
                 letters.extend(self.letters_of(failures.len(), &f, event, fates));
@@ -282,8 +286,9 @@ impl Relay {
             }
         }
         for (route, n) in published {
-            let r = self.routes.0[route].name().to_string();
-            metrics::counter!(m::EVENTS_PUBLISHED, "route" => r, "source" => self.source.clone())
+            let name = self.routes.0[route].name();
+            self.health.count_route(name, n);
+            metrics::counter!(m::EVENTS_PUBLISHED, "route" => name.to_string(), "source" => self.source.clone())
                 .increment(n);
         }
         for ((route, sink), n) in messages_sent {
@@ -296,6 +301,8 @@ impl Relay {
         }
         let marked = self.mark(&to_mark).await?;
         report.published = to_mark.len();
+        self.health
+            .count_published(to_mark.len() as u64, latency_sum_us, latency_n);
         if (marked as usize) < to_mark.len() {
             let fenced = to_mark.len() - marked as usize;
             metrics::counter!(m::MARK_FENCED, "source" => self.source.clone())
@@ -668,14 +675,24 @@ impl Relay {
             };
             // Both as the route would take them: a candidate's message the
             // route may not send shows as the rejection it would be.
-            let differences = match would {
+            let (differences, sides) = match would {
                 Answer::Outcome(would) => {
-                    crate::shadow::differences(&checked(route, was.clone()), &checked(route, would))
+                    let (a, b) = (checked(route, was.clone()), checked(route, would));
+                    let d = crate::shadow::differences(&a, &b);
+                    let sides = (!d.is_empty())
+                        .then(|| (crate::shadow::trimmed(&a), crate::shadow::trimmed(&b)));
+                    (d, sides)
                 }
-                Answer::Breach { reason, .. } => vec![format!("candidate broke a limit: {reason}")],
+                Answer::Breach { reason, .. } => {
+                    let d = vec![format!("candidate broke a limit: {reason}")];
+                    let b = Err(crate::event::Rejection::Invalid(format!(
+                        "broke a limit: {reason}"
+                    )));
+                    (d, Some((crate::shadow::trimmed(was), b)))
+                }
                 Answer::Later { .. } => continue,
             };
-            compared.push((id.clone(), differences));
+            compared.push((id.clone(), differences, sides));
         }
         crate::shadow::record(
             &self.source,

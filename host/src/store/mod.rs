@@ -389,6 +389,44 @@ pub struct Filter {
     pub limit: Option<i64>,
 }
 
+/// One action taken from the operator console, as the audit log keeps it.
+#[derive(Debug, Clone, Serialize)]
+pub struct AuditEntry {
+    pub at: DateTime<Utc>,
+    /// The source whose store holds the entry (the events' source).
+    pub source: String,
+    /// The console token's name.
+    pub who: String,
+    /// `retry`, `discard` or `resume`.
+    pub action: String,
+    /// What it named: event ids, a route.
+    pub subject: String,
+    /// What came of it, e.g. `2 event(s) put back in line`.
+    pub outcome: String,
+}
+
+impl AuditEntry {
+    fn from_row(
+        (at, source, who, action, subject, outcome): (
+            DateTime<Utc>,
+            String,
+            String,
+            String,
+            String,
+            String,
+        ),
+    ) -> Self {
+        AuditEntry {
+            at,
+            source,
+            who,
+            action,
+            subject,
+            outcome,
+        }
+    }
+}
+
 /// What `outroute status` shows.
 #[derive(Debug, Clone, Serialize, Default)]
 pub struct Status {
@@ -724,6 +762,34 @@ impl Store {
     /// Give up on failed events for good (they stop holding their aggregate).
     pub async fn failed_discard(&self, f: &Filter) -> anyhow::Result<u64> {
         dispatch!(self, s => s.failed_discard(f).await)
+    }
+
+    /// The row of event `id` as the table holds it now, and whether it is
+    /// marked published (`None`: no such row, e.g. cleaned up after
+    /// log-based capture, or deleted by `marking = delete`).
+    pub async fn event_row(&self, id: &str) -> anyhow::Result<Option<(Claim, bool)>> {
+        dispatch!(self, s => s.event_row(id).await)
+    }
+
+    /// The live relays of this source and the lanes each holds (lane -1:
+    /// the capture lease of log-based capture), as every relay of the
+    /// fleet recorded them; SQLite has one relay and records none.
+    pub async fn fleet(&self) -> anyhow::Result<Vec<RelayStatus>> {
+        match self {
+            Store::Postgres(s) => s.live_relays().await,
+            Store::MySql(s) => s.live_relays().await,
+            Store::Sqlite(_) => Ok(Vec::new()),
+        }
+    }
+
+    /// Append one console action to the audit log.
+    pub async fn audit(&self, a: &AuditEntry) -> anyhow::Result<()> {
+        dispatch!(self, s => s.audit(a).await)
+    }
+
+    /// Source `source`'s latest `limit` audit entries, newest first.
+    pub async fn audit_recent(&self, source: &str, limit: i64) -> anyhow::Result<Vec<AuditEntry>> {
+        dispatch!(self, s => s.audit_recent(source, limit).await)
     }
 
     /// Published events matching `f`, in outbox order (order key, then id),

@@ -83,8 +83,8 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{ConnectOptions, Row};
 
 use super::{
-    Claim, Claimed, Cursor, FailedEvent, Failure, FailureKind, Filter, Leases, QuarantinedRoute,
-    RelayStatus, Status,
+    AuditEntry, Claim, Claimed, Cursor, FailedEvent, Failure, FailureKind, Filter, Leases,
+    QuarantinedRoute, RelayStatus, Status,
 };
 use crate::config::{Config, Logical, LogicalInput, Marking, Ordering, TableConfig};
 use crate::event::RawRow;
@@ -545,7 +545,7 @@ impl PgStore {
     }
 
     /// Live relays of this source with the lanes they hold (for `status`).
-    pub(super) async fn live_relays(&self) -> Result<Vec<RelayStatus>> {
+    pub(in crate::store) async fn live_relays(&self) -> Result<Vec<RelayStatus>> {
         sqlx::query(
             "SELECT r.relay_id, r.hostname, r.pid, extract(epoch from now() - r.heartbeat_at)::float8, \
                COALESCE(array_agg(l.lane ORDER BY l.lane) FILTER (WHERE l.lane IS NOT NULL), '{}') \

@@ -548,6 +548,63 @@ impl SqliteStore {
         })
     }
 
+    /// The row of event `id` as the table holds it now, and whether it
+    /// is marked published.
+    pub async fn event_row(&self, id: &str) -> Result<Option<(Claim, bool)>> {
+        let row = sqlx::query(&format!(
+            "SELECT {COLS}, 0 AS attempts, o.published_at IS NOT NULL AS is_published \
+             FROM outbox o WHERE o.id = ?1 LIMIT 1"
+        ))
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.map(|r| Ok((to_claim(&r)?, r.try_get::<bool, _>("is_published")?)))
+            .transpose()
+    }
+
+    /// Append one console action to the audit log.
+    pub async fn audit(&self, a: &super::AuditEntry) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO outroute_audit (at, source, who, action, subject, outcome) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        )
+        .bind(a.at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true))
+        .bind(&a.source)
+        .bind(&a.who)
+        .bind(&a.action)
+        .bind(&a.subject)
+        .bind(&a.outcome)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Source `source`'s latest `limit` audit entries, newest first.
+    pub async fn audit_recent(&self, source: &str, limit: i64) -> Result<Vec<super::AuditEntry>> {
+        let rows: Vec<(String, String, String, String, String, String)> = sqlx::query_as(
+            "SELECT at, source, who, action, subject, outcome FROM outroute_audit \
+             WHERE source = ?1 ORDER BY id DESC LIMIT ?2",
+        )
+        .bind(source)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(
+                |(at, source, who, action, subject, outcome)| super::AuditEntry {
+                    at: DateTime::parse_from_rfc3339(&at)
+                        .map(|t| t.with_timezone(&Utc))
+                        .unwrap_or_default(),
+                    source,
+                    who,
+                    action,
+                    subject,
+                    outcome,
+                },
+            )
+            .collect())
+    }
+
     pub async fn ping(&self) -> bool {
         sqlx::query("SELECT 1").execute(&self.pool).await.is_ok()
     }

@@ -4,7 +4,9 @@
 //! retention.
 
 use super::*;
-use crate::store::{Cursor, FailedEvent, Filter, Purged, QuarantinedRoute, RelayStatus, Status};
+use crate::store::{
+    AuditEntry, Cursor, FailedEvent, Filter, Purged, QuarantinedRoute, RelayStatus, Status,
+};
 
 /// The backlog gauge counts pending rows exactly up to this many; past it
 /// the count is the span of sequence numbers still pending (an upper
@@ -187,7 +189,7 @@ impl MySqlStore {
     }
 
     /// Relays heard from within a lease TTL, with the lanes they hold.
-    async fn live_relays(&self) -> Result<Vec<RelayStatus>> {
+    pub(in crate::store) async fn live_relays(&self) -> Result<Vec<RelayStatus>> {
         let rows: Vec<(String, String, i32, i64)> = sqlx::query_as(
             "SELECT CAST(relay_id AS CHAR), CAST(hostname AS CHAR), pid, TIMESTAMPDIFF(MICROSECOND, heartbeat_at, UTC_TIMESTAMP(6)) \
              FROM outroute_relays WHERE source = ? \
@@ -575,5 +577,59 @@ impl MySqlStore {
             deleted,
             more: deleted >= u64::try_from(batch).unwrap_or(0),
         })
+    }
+
+    /// The row of event `id` as the table holds it now, and whether it
+    /// is marked published.
+    pub async fn event_row(&self, id: &str) -> Result<Option<(Claim, bool)>> {
+        let s = &self.sql;
+        let q = format!(
+            "SELECT {cols}, 0 AS attempts, 0 AS has_state, '[]' AS done_legs, \
+               CAST({lane} AS SIGNED) AS lane, CAST(COALESCE(({published}), FALSE) AS SIGNED) AS is_published \
+             FROM {t} o WHERE {id} = ? LIMIT 1",
+            cols = s.cols,
+            lane = s.lane,
+            published = s.published.as_deref().unwrap_or("FALSE"),
+            t = s.table,
+            id = s.id_bin,
+        );
+        let row = sqlx::query(&q).bind(id).fetch_optional(&self.pool).await?;
+        row.map(|r| {
+            let lane = r.try_get::<i64, _>("lane").unwrap_or(0) as i32;
+            Ok((
+                to_claim(&r, lane)?,
+                r.try_get::<i64, _>("is_published")? != 0,
+            ))
+        })
+        .transpose()
+    }
+
+    /// Append one console action to the audit log.
+    pub async fn audit(&self, a: &AuditEntry) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO outroute_audit (at, source, who, action, subject, outcome) VALUES (?, ?, ?, ?, ?, ?)",
+        )
+        .bind(a.at)
+        .bind(&a.source)
+        .bind(&a.who)
+        .bind(&a.action)
+        .bind(&a.subject)
+        .bind(&a.outcome)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Source `source`'s latest `limit` audit entries, newest first.
+    pub async fn audit_recent(&self, source: &str, limit: i64) -> Result<Vec<AuditEntry>> {
+        let rows: Vec<(DateTime<Utc>, String, String, String, String, String)> = sqlx::query_as(
+            "SELECT at, source, who, action, subject, outcome FROM outroute_audit \
+             WHERE source = ? ORDER BY at DESC, id DESC LIMIT ?",
+        )
+        .bind(source)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.into_iter().map(AuditEntry::from_row).collect())
     }
 }

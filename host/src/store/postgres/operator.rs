@@ -588,4 +588,49 @@ impl PgStore {
         tx.commit().await?;
         Ok(purged)
     }
+
+    /// The row of event `id` as the table holds it now, and whether it
+    /// is marked published (`None`: no such row — gone, or never there).
+    pub async fn event_row(&self, id: &str) -> Result<Option<(Claim, bool)>> {
+        let s = self.sql()?;
+        let q = format!(
+            "SELECT {cols}, ({published}) AS is_published FROM {table} o WHERE {id}::text = $1 LIMIT 1",
+            cols = s.row_columns("NULL::text"),
+            published = s.published,
+            table = s.table,
+            id = s.id,
+        );
+        let row = sqlx::query(&q).bind(id).fetch_optional(&self.pool).await?;
+        row.map(|r| Ok((to_claim(&r, s.payload_is_json)?, r.try_get("is_published")?)))
+            .transpose()
+    }
+
+    /// Append one console action to the audit log.
+    pub async fn audit(&self, a: &AuditEntry) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO outroute_audit (at, source, who, action, subject, outcome) VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .bind(a.at)
+        .bind(&a.source)
+        .bind(&a.who)
+        .bind(&a.action)
+        .bind(&a.subject)
+        .bind(&a.outcome)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Source `source`'s latest `limit` audit entries, newest first.
+    pub async fn audit_recent(&self, source: &str, limit: i64) -> Result<Vec<AuditEntry>> {
+        let rows: Vec<(DateTime<Utc>, String, String, String, String, String)> = sqlx::query_as(
+            "SELECT at, source, who, action, subject, outcome FROM outroute_audit \
+             WHERE source = $1 ORDER BY at DESC, id DESC LIMIT $2",
+        )
+        .bind(source)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.into_iter().map(AuditEntry::from_row).collect())
+    }
 }
