@@ -273,7 +273,7 @@ impl Loaded {
             );
         }
         if let Some(console) = &c.http.console {
-            check_console(console, listen.is_empty(), &mut err);
+            console.check(listen.is_empty(), &mut err);
         }
         if c.relay.poll_min > c.relay.poll_max {
             err(
@@ -674,83 +674,6 @@ mod tests {
             ("postgres://orders-db/orders", "Outbox"),
         ] {
             assert_ne!(table_identity(url, table), canonical, "{url} {table}");
-        }
-    }
-}
-
-/// `[http.console]`: a console with no token would be off though asked
-/// for; a short token is guessable; one token under two names would make
-/// its role a matter of chance.
-fn check_console(
-    console: &super::ConsoleConfig,
-    no_listener: bool,
-    err: &mut impl FnMut(String, String),
-) {
-    if no_listener {
-        err(
-            "http.console".into(),
-            "needs an HTTP listener: http.listen is empty".into(),
-        );
-    }
-    if console.tokens.is_empty() {
-        err(
-            "http.console.tokens".into(),
-            "names no token, so nobody could sign in: add one (e.g. [http.console.tokens.ops] \
-             role = \"operator\", token_file = \"…\") or remove [http.console]"
-                .into(),
-        );
-    }
-    if console.session_ttl < Duration::from_secs(60) {
-        err(
-            "http.console.session_ttl".into(),
-            "must be at least 1m".into(),
-        );
-    }
-    let mut seen: BTreeMap<&str, &str> = BTreeMap::new();
-    for (name, t) in &console.tokens {
-        let key = format!("http.console.tokens.{name}");
-        let name_ok = !name.is_empty()
-            && name.len() <= 64
-            && name
-                .chars()
-                .all(|ch| ch.is_ascii_alphanumeric() || ch == '_' || ch == '-');
-        if !name_ok {
-            err(
-                key.clone(),
-                "token names use letters, digits, `_` and `-` (at most 64)".into(),
-            );
-        }
-        if let Some(team) = &t.team
-            && (!team.starts_with(|ch: char| ch.is_ascii_alphanumeric())
-                || team.len() > 64
-                || !team
-                    .chars()
-                    .all(|ch| ch.is_ascii_alphanumeric() || ch == '_' || ch == '-' || ch == '.'))
-        {
-            err(
-                format!("{key}.team"),
-                "is not a team name (a letter or digit, then letters, digits, `_`, `-`, `.`)"
-                    .into(),
-            );
-        }
-        match &t.token {
-            None => err(
-                format!("{key}.token"),
-                "is not set (set token_file, or OUTROUTE_HTTP__CONSOLE__TOKENS__<NAME>__TOKEN)"
-                    .into(),
-            ),
-            Some(s) if s.expose().chars().count() < 16 => err(
-                format!("{key}.token"),
-                "is shorter than 16 characters: too easy to guess".into(),
-            ),
-            Some(s) => {
-                if let Some(other) = seen.insert(s.expose(), name) {
-                    err(
-                        format!("{key}.token"),
-                        format!("is the same as tokens.{other}'s: give each its own"),
-                    );
-                }
-            }
         }
     }
 }

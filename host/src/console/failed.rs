@@ -214,9 +214,9 @@ async fn find(
     s: &Session,
     source: &str,
     id: &str,
-) -> Result<(std::sync::Arc<Loaded>, std::sync::Arc<Store>, FailedEvent), Response> {
+) -> Result<(std::sync::Arc<Loaded>, std::sync::Arc<Store>, FailedEvent), Box<Response>> {
     let (view, loaded) = c.view();
-    let gone = || not_found(s, "That failed event");
+    let gone = || Box::new(not_found(s, "That failed event"));
     let Some(loaded) = loaded else {
         return Err(gone());
     };
@@ -236,7 +236,7 @@ async fn find(
     let e = match store.failed_list(&f).await {
         Ok(l) => l.into_iter().next(),
         Err(e) => {
-            return Err(html(
+            return Err(Box::new(html(
                 StatusCode::SERVICE_UNAVAILABLE,
                 layout::page(
                     "Source unavailable",
@@ -244,7 +244,7 @@ async fn find(
                     Nav::Failed,
                     html! { p.error { "Cannot read source " (source) ": " (format!("{e:#}")) } },
                 ),
-            ));
+            )));
         }
     };
     match e {
@@ -264,7 +264,7 @@ pub async fn event(
     };
     let (loaded, store, e) = match find(&c, &s, &source, &id).await {
         Ok(x) => x,
-        Err(r) => return resolved_here(&c, &s, &source, &id).await.unwrap_or(r),
+        Err(r) => return resolved_here(&c, &s, &source, &id).await.unwrap_or(*r),
     };
     let row = store.event_row(&id).await;
     let history = store
@@ -396,7 +396,7 @@ pub async fn confirm(
     };
     let (_, _, e) = match find(&c, &s, &source, &id).await {
         Ok(x) => x,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     if !s.operator() {
         return super::forbidden(&s, "This token is a viewer's: it sees, it does not act.");
@@ -431,10 +431,10 @@ pub async fn act(
     }
     let (loaded, store, e) = match find(&c, &s, &source, &id).await {
         Ok(x) => x,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     if let Err(r) = may_act(&s, &form.csrf, &headers) {
-        return r;
+        return *r;
     }
     let f = Filter {
         ids: vec![id.clone()],

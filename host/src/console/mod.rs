@@ -212,18 +212,18 @@ fn forbidden(s: &Session, why: &str) -> Response {
 
 /// An acting request may go on: the session is an operator's and the
 /// form carries its CSRF token; a cross-site `Origin` is refused too.
-fn may_act(s: &Session, csrf: &str, headers: &HeaderMap) -> Result<(), Response> {
+fn may_act(s: &Session, csrf: &str, headers: &HeaderMap) -> Result<(), Box<Response>> {
     if !s.operator() {
-        return Err(forbidden(
+        return Err(Box::new(forbidden(
             s,
             "This token is a viewer's: it sees, it does not act.",
-        ));
+        )));
     }
     if !session::same_secret(csrf.as_bytes(), s.csrf.as_bytes()) {
-        return Err(forbidden(
+        return Err(Box::new(forbidden(
             s,
             "The form is out of date or came from elsewhere (CSRF token). Reload the page and try again.",
-        ));
+        )));
     }
     // A browser that hides the origin sends `null` (or nothing): the CSRF
     // token above is what protects then.
@@ -235,7 +235,10 @@ fn may_act(s: &Session, csrf: &str, headers: &HeaderMap) -> Result<(), Response>
     if let (Some(origin), Some(host)) = (origin, host) {
         let origin_host = origin.split("://").nth(1).unwrap_or(origin);
         if origin_host != host {
-            return Err(forbidden(s, "The request came from another site."));
+            return Err(Box::new(forbidden(
+                s,
+                "The request came from another site.",
+            )));
         }
     }
     Ok(())

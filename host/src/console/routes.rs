@@ -232,7 +232,7 @@ pub async fn promote(
         return not_found(&s, "That plugin's shadow");
     };
     if let Err(r) = may_act(&s, &form.csrf, &headers) {
-        return r;
+        return *r;
     }
     let shadow_config = loaded
         .config
@@ -352,7 +352,7 @@ pub async fn resume(
         return not_found(&s, "That route");
     };
     if let Err(r) = may_act(&s, &form.csrf, &headers) {
-        return r;
+        return *r;
     }
     let (outcome, done) = match store.resume_route(&route).await {
         Ok((true, due)) => (format!("resumed; {due} waiting event(s) due now"), "resume"),

@@ -130,7 +130,7 @@ pub async fn run(State(c): State<Console>, headers: HeaderMap, mut mp: Multipart
         }
     }
     if let Err(r) = may_act(&s, &csrf, &headers) {
-        return r;
+        return *r;
     }
     match try_it(&c, &s, &ch, wasm).await {
         Ok(result) => html(
