@@ -149,13 +149,7 @@ pub async fn list(
     }
     let more = found.len() > SHOWN;
     found.truncate(SHOWN);
-    let visible_routes: Vec<&str> = loaded
-        .config
-        .routes
-        .iter()
-        .filter(|r| s.sees_route(r))
-        .map(|r| r.name.as_str())
-        .collect();
+    let visible_routes = s.route_names(&loaded);
     let body = html! {
         (layout::notice(q.done.as_deref()))
         form.filters method="get" action="/console/failed" {

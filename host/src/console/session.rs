@@ -56,6 +56,17 @@ impl Session {
         }
     }
 
+    /// The names of the routes it sees.
+    pub fn route_names<'a>(&self, loaded: &'a Loaded) -> Vec<&'a str> {
+        loaded
+            .config
+            .routes
+            .iter()
+            .filter(|r| self.sees_route(r))
+            .map(|r| r.name.as_str())
+            .collect()
+    }
+
     /// Sees source `name`: some route it sees reads it.
     pub fn sees_source(&self, loaded: &Loaded, name: &str) -> bool {
         self.team.is_none()

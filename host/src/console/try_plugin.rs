@@ -55,13 +55,7 @@ fn form(c: &Console, s: &Session, ch: &Choice) -> Markup {
     if !s.operator() {
         return html! { p { "Trying a plugin shows event payloads: it needs an operator's token." } };
     }
-    let routes: Vec<&str> = loaded
-        .config
-        .routes
-        .iter()
-        .filter(|r| s.sees_route(r))
-        .map(|r| r.name.as_str())
-        .collect();
+    let routes = s.route_names(&loaded);
     let mut plugins: Vec<(String, String)> = Vec::new();
     for (name, p) in &loaded.config.plugins {
         let used_by_mine = loaded
