@@ -17,13 +17,15 @@
 //! 7. log-based capture (`capture = "logical"`) beside lease mode on the
 //!    same `wal_level = logical` cluster: drains, latency, producer commits;
 //! 8. one source's database stopped mid-run: the other source's
-//!    commit→ack under steady load, with and without the outage.
+//!    commit→ack under steady load, with and without the outage;
+//! 9. (`--only console`) the operator console's cost to the relay at a
+//!    steady rate: off, on with nobody looking, and a browser on it.
 //!
 //! It prints one table and writes every figure to a JSON file.
 //!
 //! Files: this one parses the arguments, runs the chosen sections and prints
 //! the table; each section is its own file (`plugins.rs`, `ceilings.rs`,
-//! `drain.rs`, `baseline.rs`, `latency.rs`, `outage.rs`, `wakeup.rs`), on
+//! `drain.rs`, `baseline.rs`, `latency.rs`, `outage.rs`, `wakeup.rs`, `console.rs`), on
 //! `setup.rs` (databases, shapes, configs), `measure.rs` (CPU, RSS,
 //! histograms) and `consumer.rs` (the independent consumer that stops the
 //! clock).
@@ -49,6 +51,7 @@ use sqlx::postgres::PgPool;
 
 mod baseline;
 mod ceilings;
+mod console;
 mod consumer;
 mod drain;
 mod latency;
@@ -61,6 +64,7 @@ mod setup;
 mod skew;
 mod wakeup;
 use ceilings::*;
+use console::*;
 use drain::*;
 use latency::*;
 use measure::*;
@@ -98,7 +102,7 @@ struct Args {
     json: PathBuf,
     /// Only these sections (plugin, ceiling, produce, drain, marking, sources, tables,
     /// baseline, wakeup, latency, backlog, history, logical, outage, huge-txn;
-    /// `scale`, `skew` and `mysql` run only when named).
+    /// `scale`, `skew`, `mysql` and `console` run only when named).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// `--only scale`: the numbers of idle sources one relay serves.
@@ -113,6 +117,9 @@ struct Args {
     /// `wakeup`: commits/s the paced writers offer (0 skips the paced cases).
     #[arg(long, default_value_t = 2000)]
     wakeup_paced: u64,
+    /// `--only console`: seconds of each measured window.
+    #[arg(long, default_value_t = 30)]
+    console_secs: u64,
     /// `--only skew`: quiet sources beside the one with a backlog.
     #[arg(long, default_value_t = 99)]
     skew_quiet: usize,
@@ -438,6 +445,12 @@ async fn main() -> Result<()> {
         .await?;
         table.extend(rows);
         results.extend(figures);
+    }
+    if args.only.iter().any(|o| o == "console") {
+        eprintln!("== console: its cost to the relay at a steady rate");
+        let c = console_cost(args.console_secs, args.rate).await?;
+        table.extend(console_rows(&c));
+        results.insert("console".into(), c);
     }
     if args.only.iter().any(|o| o == "skew") {
         eprintln!("== skew: one deep backlog beside quiet sources");
