@@ -28,7 +28,9 @@
 //! `drain.rs`, `baseline.rs`, `latency.rs`, `outage.rs`, `wakeup.rs`, `console.rs`), on
 //! `setup.rs` (databases, shapes, configs), `measure.rs` (CPU, RSS,
 //! histograms) and `consumer.rs` (the independent consumer that stops the
-//! clock).
+//! clock). One concern, one file: the command line and the order of the
+//! sections — every section's own work lives in its file, and what stays
+//! here is one `if` per section, which grows with each new one.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
