@@ -101,10 +101,13 @@ def operator(page):
     page.get_by_role("link", name="Retry…").click()
     expect(page.get_by_role("heading", level=1)).to_have_text("Retry event?")
     page.get_by_role("button", name="Retry event").click()
+    # Back on the event's page once the retry went through.
+    expect(page).to_have_url(re.compile(r"done=retry$"))
 
     def published():
-        page.reload()
-        return page.locator("[data-state]").inner_text() == "published"
+        page.reload(wait_until="load")
+        state = page.locator("[data-state]")
+        return state.count() == 1 and state.inner_text() == "published"
 
     until("the retried event to show as published", published, timeout=60)
     expect(page.locator("ul.history")).to_contain_text("retry")
@@ -116,6 +119,7 @@ def operator(page):
     page.goto(event_url(os.environ["HOSTILE_ID"]))
     page.get_by_role("link", name="Discard…").click()
     page.get_by_role("button", name="Discard event").click()
+    expect(page).to_have_url(re.compile(r"done=discard$"))
     expect(page.get_by_role("status")).to_contain_text("Discarded")
     expect(page.locator("[data-state]")).to_have_text("discarded")
     page.get_by_role("link", name="Routes").click()
@@ -149,7 +153,7 @@ def operator(page):
     shadow = page.locator("section.shadow[data-route=orders]")
 
     def differing():
-        page.reload()
+        page.reload(wait_until="load")
         d = shadow.locator("[data-differing]")
         return d.count() > 0 and int(d.get_attribute("data-differing")) > 0
 

@@ -101,12 +101,12 @@ async fn fleet(c: &Console, s: &Session) -> Markup {
     }
     html! {
         table.fleet {
-            thead { tr { th scope="col" { "Source" } th scope="col" { "Relay" } th scope="col" { "Host, pid" } th scope="col" { "Heartbeat" } th scope="col" { "Lanes" } } }
+            thead { tr { th scope="col" { "Source" } th scope="col" { "Relay" } th scope="col" { "Host, pid" } th scope="col" { "Heartbeat" } th scope="col" { "Lanes" } th scope="col" { "Lease epochs" } } }
             tbody {
                 @for (source, relays) in &rows {
                     @match relays {
-                        Err(e) => tr { td { code { (source) } } td colspan="4" { "cannot read: " (e) } },
-                        Ok(list) if list.is_empty() => tr { td { code { (source) } } td colspan="4" { "no relay recorded (SQLite: this relay alone)" } },
+                        Err(e) => tr { td { code { (source) } } td colspan="5" { "cannot read: " (e) } },
+                        Ok(list) if list.is_empty() => tr { td { code { (source) } } td colspan="5" { "no relay recorded (SQLite: this relay alone)" } },
                         Ok(list) => {
                             @for r in list {
                                 tr {
@@ -115,6 +115,7 @@ async fn fleet(c: &Console, s: &Session) -> Markup {
                                     td { (r.hostname) ", " (r.pid) }
                                     td { (age(r.heartbeat_age_seconds)) " ago" }
                                     td { (lanes(&r.lanes)) }
+                                    td title="a lane's epoch grows each time the lane changes hands" { (epochs(&r.epochs)) }
                                 }
                             }
                         },
@@ -122,6 +123,15 @@ async fn fleet(c: &Console, s: &Session) -> Markup {
                 }
             }
         }
+    }
+}
+
+/// The lowest and highest lease epoch of a relay's lanes.
+fn epochs(e: &[i64]) -> String {
+    match (e.iter().min(), e.iter().max()) {
+        (Some(a), Some(b)) if a == b => a.to_string(),
+        (Some(a), Some(b)) => format!("{a}–{b}"),
+        _ => "-".into(),
     }
 }
 

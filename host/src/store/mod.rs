@@ -480,6 +480,9 @@ pub struct RelayStatus {
     pub pid: i32,
     pub heartbeat_age_seconds: f64,
     pub lanes: Vec<i32>,
+    /// Each lane's lease epoch (same order as `lanes`): how many times the
+    /// lane changed hands.
+    pub epochs: Vec<i64>,
 }
 
 /// Result of a lease round: the lanes this relay may claim from.

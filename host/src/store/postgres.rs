@@ -548,7 +548,8 @@ impl PgStore {
     pub(in crate::store) async fn live_relays(&self) -> Result<Vec<RelayStatus>> {
         sqlx::query(
             "SELECT r.relay_id, r.hostname, r.pid, extract(epoch from now() - r.heartbeat_at)::float8, \
-               COALESCE(array_agg(l.lane ORDER BY l.lane) FILTER (WHERE l.lane IS NOT NULL), '{}') \
+               COALESCE(array_agg(l.lane ORDER BY l.lane) FILTER (WHERE l.lane IS NOT NULL), '{}'), \
+               COALESCE(array_agg(l.epoch ORDER BY l.lane) FILTER (WHERE l.lane IS NOT NULL), '{}') \
              FROM outroute_relays r LEFT JOIN outroute_lanes l ON l.source = r.source AND l.owner = r.relay_id AND l.lease_until > now() \
              WHERE r.source = $1 AND r.heartbeat_at > now() - make_interval(secs => $2) GROUP BY 1, 2, 3, 4 ORDER BY 1",
         )
@@ -564,6 +565,7 @@ impl PgStore {
                 pid: r.try_get(2)?,
                 heartbeat_age_seconds: r.try_get(3)?,
                 lanes: r.try_get(4)?,
+                epochs: r.try_get(5)?,
             })
         })
         .collect::<Result<Vec<_>>>()

@@ -199,8 +199,8 @@ impl MySqlStore {
         .bind(micros(self.lease_ttl))
         .fetch_all(&self.pool)
         .await?;
-        let lanes: Vec<(String, i32)> = sqlx::query_as(
-            "SELECT CAST(owner AS CHAR), lane FROM outroute_lanes WHERE source = ? AND owner IS NOT NULL \
+        let lanes: Vec<(String, i32, i64)> = sqlx::query_as(
+            "SELECT CAST(owner AS CHAR), lane, epoch FROM outroute_lanes WHERE source = ? AND owner IS NOT NULL \
                AND lease_until > UTC_TIMESTAMP(6) ORDER BY lane",
         )
         .bind(&self.source)
@@ -211,8 +211,13 @@ impl MySqlStore {
             .map(|(relay_id, hostname, pid, age)| RelayStatus {
                 lanes: lanes
                     .iter()
-                    .filter(|(owner, _)| *owner == relay_id)
-                    .map(|(_, lane)| *lane)
+                    .filter(|(owner, _, _)| *owner == relay_id)
+                    .map(|(_, lane, _)| *lane)
+                    .collect(),
+                epochs: lanes
+                    .iter()
+                    .filter(|(owner, _, _)| *owner == relay_id)
+                    .map(|(_, _, epoch)| *epoch)
                     .collect(),
                 relay_id,
                 hostname,
