@@ -25,14 +25,17 @@ pub fn note_reload(result: &str, detail: String) {
     *last = Some((Utc::now(), result.to_string(), detail));
 }
 
-/// The config as shown: URL passwords masked (secrets already are).
+/// The config as shown: the credentials in source and NATS URLs masked
+/// as every log line masks them (`Secret`s already show as `***`).
 fn shown(config: &Config) -> String {
     let mut c = config.clone();
     for s in c.sources.values_mut() {
         s.url = crate::config::redact_url(&s.url);
     }
-    if c.store_shorthand {
-        c.store = None;
+    for sink in c.sinks.values_mut() {
+        if let crate::config::SinkConfig::Nats(n) = sink {
+            n.url = crate::config::redact_url(&n.url);
+        }
     }
     toml::to_string_pretty(&c).unwrap_or_else(|e| format!("(cannot show the config: {e})"))
 }
@@ -117,4 +120,23 @@ pub async fn page(State(c): State<Console>, headers: HeaderMap) -> Response {
         StatusCode::OK,
         layout::page("Configuration", Some(&s), Nav::Config, body),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_config_shown_masks_every_credential() {
+        let text = "[sources.orders]\nurl = \"postgres://relay:pg-secret@db/orders\"\n\
+                    [sinks.nats]\nkind = \"nats\"\nurl = \"nats://nats-token-secret@nats:4222\"\n\
+                    [http.console.tokens.ops]\nrole = \"operator\"\ntoken = \"console-token-secret\"\n";
+        let config: crate::config::Config = match toml::from_str(text) {
+            Ok(c) => c,
+            Err(e) => panic!("{e}"),
+        };
+        let shown = super::shown(&config);
+        for secret in ["pg-secret", "nats-token-secret", "console-token-secret"] {
+            assert!(!shown.contains(secret), "{secret} shown:\n{shown}");
+        }
+        assert!(shown.contains("***"), "{shown}");
+    }
 }
