@@ -13,10 +13,12 @@ use anyhow::{Result, bail};
 use outroute_e2e::{KAFKA, NATS};
 
 /// Read Kafka `topic` (partitions `0..partitions`) from the beginning until
-/// `n` distinct events arrived: the instant the last one did.
+/// `n` distinct events (by header `id_header`) arrived: the instant the
+/// last one did.
 pub fn kafka_last_arrival(
     topic: &str,
     partitions: i32,
+    id_header: &str,
     n: usize,
     deadline: Instant,
 ) -> Result<Instant> {
@@ -39,7 +41,7 @@ pub fn kafka_last_arrival(
             Some(Ok(m)) => {
                 let id = m.headers().and_then(|h| {
                     h.iter()
-                        .find(|x| x.key == "ce_id")
+                        .find(|x| x.key == id_header)
                         .and_then(|x| x.value.map(<[u8]>::to_vec))
                 });
                 if let Some(id) = id
@@ -113,7 +115,10 @@ pub fn start(
 ) -> tokio::task::JoinHandle<Result<Instant>> {
     if sink == "kafka" {
         let topic = format!("b{t}.order-created");
-        tokio::task::spawn_blocking(move || kafka_last_arrival(&topic, 3, n, deadline))
+        let partitions = crate::PARTITIONS.load(std::sync::atomic::Ordering::Relaxed);
+        tokio::task::spawn_blocking(move || {
+            kafka_last_arrival(&topic, partitions, "ce_id", n, deadline)
+        })
     } else {
         tokio::spawn(nats_last_arrival(format!("B{t}"), n, deadline))
     }

@@ -54,6 +54,8 @@ pub(crate) async fn drain_table(
     let deadline = Instant::now() + Duration::from_secs(600);
     let consumer = consumer::start(sink, &t, n, deadline);
     let group0: Vec<f64> = GROUPS.iter().map(|(_, p)| group_cpu(p)).collect();
+    let broker_pattern = if sink == "kafka" { "tansu broker" } else { "nats-server" };
+    let io0 = group_io(broker_pattern);
     let pg0 = pg_cpu(&db.pool).await;
     let spawned = Instant::now();
     let mut relay = Relay::start(&config, &[("RUST_LOG", "warn")])?;
@@ -101,11 +103,21 @@ pub(crate) async fn drain_table(
     let window = secs.max(secs_confirmed);
     let (cpu, rss) = proc_stats(pid);
     let pg = pg_cpu(&db.pool).await - pg0;
-    let others: serde_json::Map<String, Value> = GROUPS
+    let broker_io = io_per_event(io0, group_io(broker_pattern), n);
+    // CPU seconds each broker process spent during the run.
+    let spent: Vec<(&str, f64)> = GROUPS
         .iter()
         .zip(group0.iter().chain(std::iter::repeat(&0.0)))
-        .map(|((name, p), c0)| (name.to_string(), json!((group_cpu(p) - c0) / window)))
+        .map(|((name, p), c0)| (*name, group_cpu(p) - c0))
         .collect();
+    let others: serde_json::Map<String, Value> = spent
+        .iter()
+        .map(|(name, s)| (name.to_string(), json!(s / window)))
+        .collect();
+    let broker = spent
+        .iter()
+        .find(|(name, _)| *name == if sink == "kafka" { "tansu" } else { "nats-server" })
+        .map_or(0.0, |(_, s)| *s);
     let done = n;
     let (_, metrics) = outroute_e2e::http_get(&http, "/metrics")
         .await
@@ -167,6 +179,8 @@ pub(crate) async fn drain_table(
         "postgres_cores": pg / window,
         "relay_us_per_event": cpu * 1e6 / done.max(1) as f64,
         "postgres_us_per_event": pg * 1e6 / done.max(1) as f64,
+        "broker_us_per_event": broker * 1e6 / done.max(1) as f64,
+        "broker_io_per_event": broker_io,
         "peak_rss_mib": rss,
         "plugin_call_seconds_sum": outroute_e2e::metric(&metrics, "outroute_plugin_call_seconds_sum{route=\"orders\"}"),
     }))

@@ -19,13 +19,18 @@
 //! 8. one source's database stopped mid-run: the other source's
 //!    commit→ack under steady load, with and without the outage;
 //! 9. (`--only console`) the operator console's cost to the relay at a
-//!    steady rate: off, on with nobody looking, and a browser on it.
+//!    steady rate: off, on with nobody looking, and a browser on it;
+//! 10. (`--only peers`) outroute beside mq-bridge, the fastest other relay
+//!    measured here, on the same table shape, topic and consumer, in
+//!    alternating rounds: drain rates, CPU per event of relay, PostgreSQL
+//!    and broker, peak RSS, and the ratios.
 //!
 //! It prints one table and writes every figure to a JSON file.
 //!
 //! Files: this one parses the arguments, runs the chosen sections and prints
 //! the table; each section is its own file (`plugins.rs`, `ceilings.rs`,
-//! `drain.rs`, `baseline.rs`, `latency.rs`, `outage.rs`, `wakeup.rs`, `console.rs`), on
+//! `drain.rs`, `baseline.rs`, `latency.rs`, `outage.rs`, `wakeup.rs`, `console.rs`,
+//! `peers.rs`), on
 //! `setup.rs` (databases, shapes, configs), `measure.rs` (CPU, RSS,
 //! histograms) and `consumer.rs` (the independent consumer that stops the
 //! clock). One concern, one file: the command line and the order of the
@@ -60,6 +65,7 @@ mod latency;
 mod measure;
 mod mysql;
 mod outage;
+mod peers;
 mod plugins;
 mod scale;
 mod setup;
@@ -72,6 +78,7 @@ use latency::*;
 use measure::*;
 use mysql::*;
 use outage::*;
+use peers::*;
 use plugins::*;
 use scale::*;
 use setup::*;
@@ -104,7 +111,7 @@ struct Args {
     json: PathBuf,
     /// Only these sections (plugin, ceiling, produce, drain, marking, sources, tables,
     /// baseline, wakeup, latency, backlog, history, logical, outage, huge-txn;
-    /// `scale`, `skew`, `mysql` and `console` run only when named).
+    /// `scale`, `skew`, `mysql`, `console` and `peers` run only when named).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// `--only scale`: the numbers of idle sources one relay serves.
@@ -122,6 +129,10 @@ struct Args {
     /// `--only console`: seconds of each measured window.
     #[arg(long, default_value_t = 30)]
     console_secs: u64,
+    /// `--only peers`: rounds of the four alternating drains (outroute's
+    /// logical and lease capture, mq-bridge's CDC and polling inputs).
+    #[arg(long, default_value_t = 3)]
+    peer_rounds: usize,
     /// `--only skew`: quiet sources beside the one with a backlog.
     #[arg(long, default_value_t = 99)]
     skew_quiet: usize,
@@ -218,6 +229,10 @@ static LATENCY_SINK: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 /// with lease capture, 2 that cluster with `capture = "logical"` (the
 /// `logical` section runs 1 and 2 back to back).
 static MODE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Partitions of the drain's Kafka topic: 3, or 1 in the `peers` section
+/// (the workload the peer comparison was first measured on).
+static PARTITIONS: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(3);
 
 /// `--marking published_at`.
 static STAMP: AtomicBool = AtomicBool::new(false);
@@ -330,7 +345,7 @@ async fn main() -> Result<()> {
                 ));
             }
             table.push((
-                format!("  CPU per event → {sink}: relay + PostgreSQL"),
+                format!("  CPU per event → {sink}"),
                 cpu_line(&d),
             ));
             results.insert(format!("drain_{sink}"), d);
@@ -344,7 +359,7 @@ async fn main() -> Result<()> {
             rate_line(&d),
         ));
         table.push((
-            "  CPU per event, 3 sources: relay + PostgreSQL".into(),
+            "  CPU per event, 3 sources".into(),
             cpu_line(&d),
         ));
         table.push((
@@ -369,7 +384,7 @@ async fn main() -> Result<()> {
             table.push((
                 format!("outroute drain of {} → kafka", shape.name()),
                 format!(
-                    "{:.0} events/s; relay + PostgreSQL {}",
+                    "{:.0} events/s; {}",
                     f("events_per_s"),
                     cpu_line(&d)
                 ),
@@ -453,6 +468,11 @@ async fn main() -> Result<()> {
         let c = console_cost(args.console_secs, args.rate).await?;
         table.extend(console_rows(&c));
         results.insert("console".into(), c);
+    }
+    if args.only.iter().any(|o| o == "peers") {
+        let p = peers(args.events, args.peer_rounds, args.concurrency).await?;
+        table.extend(peers_rows(&p));
+        results.insert("peers".into(), p);
     }
     if args.only.iter().any(|o| o == "skew") {
         eprintln!("== skew: one deep backlog beside quiet sources");
@@ -569,7 +589,7 @@ async fn main() -> Result<()> {
                     rate_line(&d),
                 ));
                 table.push((
-                    format!("  CPU per event, {label} → {sink}: relay + PostgreSQL"),
+                    format!("  CPU per event, {label} → {sink}"),
                     cpu_line(&d),
                 ));
                 out.insert(format!("drain_{sink}"), d);

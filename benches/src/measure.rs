@@ -43,6 +43,39 @@ pub(crate) fn group_cpu(pattern: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// Bytes read and written, and read and write calls, so far by every
+/// process whose command line matches (`/proc/<pid>/io`; a broker's socket
+/// traffic): what a relay's requests cost the broker to take in, by shape.
+pub(crate) fn group_io(pattern: &str) -> [f64; 4] {
+    let pids = std::process::Command::new("pgrep")
+        .args(["-f", pattern])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    let mut sum = [0.0; 4];
+    for pid in pids.lines().filter_map(|l| l.trim().parse::<u32>().ok()) {
+        let io = std::fs::read_to_string(format!("/proc/{pid}/io")).unwrap_or_default();
+        for (i, key) in ["rchar:", "wchar:", "syscr:", "syscw:"].iter().enumerate() {
+            if let Some(v) = io
+                .lines()
+                .find_map(|l| l.strip_prefix(key))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+            {
+                sum[i] += v;
+            }
+        }
+    }
+    sum
+}
+
+/// Per-event figures of a [`group_io`] difference over `n` events.
+pub(crate) fn io_per_event(before: [f64; 4], after: [f64; 4], n: usize) -> Value {
+    let d = |i: usize| (after[i] - before[i]) / n.max(1) as f64;
+    json!({
+        "bytes_in": d(0), "bytes_out": d(1), "reads": d(2), "writes": d(3),
+    })
+}
+
 pub(crate) const GROUPS: [(&str, &str); 2] =
     [("tansu", "tansu broker"), ("nats-server", "nats-server")];
 
@@ -102,11 +135,18 @@ pub(crate) fn rate_line(d: &Value) -> String {
     )
 }
 
-/// "relay + PostgreSQL = total µs" CPU per event of a drain's figures.
+/// "relay + PostgreSQL (+ broker) = total µs" CPU per event of a drain's
+/// figures (the broker's share where the run measured it).
 pub(crate) fn cpu_line(d: &Value) -> String {
     let f = |k: &str| d[k].as_f64().unwrap_or(0.0);
     let (relay, pg) = (f("relay_us_per_event"), f("postgres_us_per_event"));
-    format!("{relay:.1} + {pg:.1} = {:.1} µs", relay + pg)
+    match d["broker_us_per_event"].as_f64() {
+        Some(b) => format!(
+            "relay {relay:.1} + PostgreSQL {pg:.1} + broker {b:.1} = {:.1} µs",
+            relay + pg + b
+        ),
+        None => format!("relay {relay:.1} + PostgreSQL {pg:.1} = {:.1} µs", relay + pg),
+    }
 }
 
 pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {

@@ -161,7 +161,11 @@ pub(crate) fn relay_body(sink: &str, t: &str, http: &str) -> String {
 
 /// Create the Kafka topic of the bench's route and of each extra route.
 pub(crate) async fn create_topics(t: &str) -> Result<()> {
-    create_topic(&format!("b{t}.order-created"), 3).await?;
+    create_topic(
+        &format!("b{t}.order-created"),
+        PARTITIONS.load(Ordering::Relaxed),
+    )
+    .await?;
     for i in 1..=EXTRA_ROUTES.get().copied().unwrap_or(0) {
         create_topic(&format!("b{t}.c{i}.order-created"), 3).await?;
     }
