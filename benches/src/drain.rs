@@ -54,7 +54,11 @@ pub(crate) async fn drain_table(
     let deadline = Instant::now() + Duration::from_secs(600);
     let consumer = consumer::start(sink, &t, n, deadline);
     let group0: Vec<f64> = GROUPS.iter().map(|(_, p)| group_cpu(p)).collect();
-    let broker_pattern = if sink == "kafka" { "tansu broker" } else { "nats-server" };
+    let broker_pattern = if sink == "kafka" {
+        "tansu broker"
+    } else {
+        "nats-server"
+    };
     let io0 = group_io(broker_pattern);
     let pg0 = pg_cpu(&db.pool).await;
     let spawned = Instant::now();
@@ -116,7 +120,14 @@ pub(crate) async fn drain_table(
         .collect();
     let broker = spent
         .iter()
-        .find(|(name, _)| *name == if sink == "kafka" { "tansu" } else { "nats-server" })
+        .find(|(name, _)| {
+            *name
+                == if sink == "kafka" {
+                    "tansu"
+                } else {
+                    "nats-server"
+                }
+        })
         .map_or(0.0, |(_, s)| *s);
     let done = n;
     let (_, metrics) = outroute_e2e::http_get(&http, "/metrics")

@@ -344,10 +344,7 @@ async fn main() -> Result<()> {
                     ),
                 ));
             }
-            table.push((
-                format!("  CPU per event → {sink}"),
-                cpu_line(&d),
-            ));
+            table.push((format!("  CPU per event → {sink}"), cpu_line(&d)));
             results.insert(format!("drain_{sink}"), d);
         }
     }
@@ -358,10 +355,7 @@ async fn main() -> Result<()> {
             "outroute drain, 3 sources (1/3 each) → kafka".into(),
             rate_line(&d),
         ));
-        table.push((
-            "  CPU per event, 3 sources".into(),
-            cpu_line(&d),
-        ));
+        table.push(("  CPU per event, 3 sources".into(), cpu_line(&d)));
         table.push((
             "  slowest source finished after the fastest".into(),
             format!("{:.2} s", d["finish_spread_s"].as_f64().unwrap_or(0.0)),
@@ -383,11 +377,7 @@ async fn main() -> Result<()> {
             let f = |k: &str| d[k].as_f64().unwrap_or(0.0);
             table.push((
                 format!("outroute drain of {} → kafka", shape.name()),
-                format!(
-                    "{:.0} events/s; {}",
-                    f("events_per_s"),
-                    cpu_line(&d)
-                ),
+                format!("{:.0} events/s; {}", f("events_per_s"), cpu_line(&d)),
             ));
             let key = match shape {
                 Shape::CanonicalDelete => "drain_kafka_marking_delete",
@@ -588,10 +578,7 @@ async fn main() -> Result<()> {
                     format!("{label} capture (5434): drain → {sink}"),
                     rate_line(&d),
                 ));
-                table.push((
-                    format!("  CPU per event, {label} → {sink}"),
-                    cpu_line(&d),
-                ));
+                table.push((format!("  CPU per event, {label} → {sink}"), cpu_line(&d)));
                 out.insert(format!("drain_{sink}"), d);
             }
             if args.latency_secs > 0 {

@@ -145,7 +145,10 @@ pub(crate) fn cpu_line(d: &Value) -> String {
             "relay {relay:.1} + PostgreSQL {pg:.1} + broker {b:.1} = {:.1} µs",
             relay + pg + b
         ),
-        None => format!("relay {relay:.1} + PostgreSQL {pg:.1} = {:.1} µs", relay + pg),
+        None => format!(
+            "relay {relay:.1} + PostgreSQL {pg:.1} = {:.1} µs",
+            relay + pg
+        ),
     }
 }
 

@@ -89,7 +89,10 @@ pub(crate) async fn peers(n: usize, rounds: usize, concurrency: u32) -> Result<V
                     + median(kind, "broker_us_per_event")
             ),
         );
-        m.insert("runs".into(), json!(runs.get(kind).cloned().unwrap_or_default()));
+        m.insert(
+            "runs".into(),
+            json!(runs.get(kind).cloned().unwrap_or_default()),
+        );
         out.insert(kind.into(), Value::Object(m));
     }
     out.insert(
