@@ -54,12 +54,8 @@ pub(crate) async fn drain_table(
     let deadline = Instant::now() + Duration::from_secs(600);
     let consumer = consumer::start(sink, &t, n, deadline);
     let group0: Vec<f64> = GROUPS.iter().map(|(_, p)| group_cpu(p)).collect();
-    let broker_pattern = if sink == "kafka" {
-        "tansu broker"
-    } else {
-        "nats-server"
-    };
-    let io0 = group_io(broker_pattern);
+    let broker_port = if sink == "kafka" { 9092 } else { 4222 };
+    let traffic0 = broker_traffic(broker_port);
     let pg0 = pg_cpu(&db.pool).await;
     let spawned = Instant::now();
     let mut relay = Relay::start(&config, &[("RUST_LOG", "warn")])?;
@@ -107,7 +103,7 @@ pub(crate) async fn drain_table(
     let window = secs.max(secs_confirmed);
     let (cpu, rss) = proc_stats(pid);
     let pg = pg_cpu(&db.pool).await - pg0;
-    let broker_io = io_per_event(io0, group_io(broker_pattern), n);
+    let traffic = traffic_per_event(&traffic0, &broker_traffic(broker_port), n);
     // CPU seconds each broker process spent during the run.
     let spent: Vec<(&str, f64)> = GROUPS
         .iter()
@@ -191,7 +187,7 @@ pub(crate) async fn drain_table(
         "relay_us_per_event": cpu * 1e6 / done.max(1) as f64,
         "postgres_us_per_event": pg * 1e6 / done.max(1) as f64,
         "broker_us_per_event": broker * 1e6 / done.max(1) as f64,
-        "broker_io_per_event": broker_io,
+        "broker_traffic_per_event": traffic,
         "peak_rss_mib": rss,
         "plugin_call_seconds_sum": outroute_e2e::metric(&metrics, "outroute_plugin_call_seconds_sum{route=\"orders\"}"),
     }))

@@ -46,7 +46,7 @@ pub(crate) async fn latency(
     let config = write_config_with(
         &dir,
         store_keys(),
-        &db.url,
+        &relay_url(&db.url),
         &format!("concurrency = {concurrency}"),
         &format!("{}{body}", canonical().mapping()),
     )?;
@@ -142,7 +142,7 @@ pub(crate) async fn latency(
                 .set("fetch.wait.max.ms", "5")
                 .create()?;
             let mut tpl = rdkafka::TopicPartitionList::new();
-            for p in 0..3 {
+            for p in 0..PARTITIONS.load(Ordering::Relaxed) {
                 tpl.add_partition_offset(&topic, p, rdkafka::Offset::Beginning)?;
             }
             c.assign(&tpl)?;

@@ -21,9 +21,9 @@
 //! 9. (`--only console`) the operator console's cost to the relay at a
 //!    steady rate: off, on with nobody looking, and a browser on it;
 //! 10. (`--only peers`) outroute beside mq-bridge, the fastest other relay
-//!    measured here, on the same table shape, topic and consumer, in
-//!    alternating rounds: drain rates, CPU per event of relay, PostgreSQL
-//!    and broker, peak RSS, and the ratios.
+//!     measured here, on the same table shape, topic and consumer, in
+//!     alternating rounds: drain rates, CPU per event of relay, PostgreSQL
+//!     and broker, peak RSS, and the ratios.
 //!
 //! It prints one table and writes every figure to a JSON file.
 //!
@@ -251,7 +251,15 @@ async fn main() -> Result<()> {
         analyse: args.analyse,
         ordering,
     });
-    let _ = SSLMODE.set(args.pg_sslmode.clone());
+    // The peers section compares relays on loopback: neither talks TLS to
+    // PostgreSQL there (mq-bridge's CDC input does not by default), unless
+    // `--pg-sslmode` says otherwise.
+    let peers_only = args.only.iter().any(|o| o == "peers");
+    let _ = SSLMODE.set(
+        args.pg_sslmode
+            .clone()
+            .or_else(|| peers_only.then(|| "disable".to_string())),
+    );
     let _ = LINGER_MS.set(args.linger_ms);
     let _ = LATENCY_SINK.set(args.latency_sink.clone());
     let _ = EXTRA_ROUTES.set(args.extra_routes);
@@ -460,7 +468,14 @@ async fn main() -> Result<()> {
         results.insert("console".into(), c);
     }
     if args.only.iter().any(|o| o == "peers") {
-        let p = peers(args.events, args.peer_rounds, args.concurrency).await?;
+        let p = peers(
+            args.events,
+            args.peer_rounds,
+            args.concurrency,
+            args.rate,
+            args.latency_secs,
+        )
+        .await?;
         table.extend(peers_rows(&p));
         results.insert("peers".into(), p);
     }

@@ -43,37 +43,61 @@ pub(crate) fn group_cpu(pattern: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Bytes read and written, and read and write calls, so far by every
-/// process whose command line matches (`/proc/<pid>/io`; a broker's socket
-/// traffic): what a relay's requests cost the broker to take in, by shape.
-pub(crate) fn group_io(pattern: &str) -> [f64; 4] {
-    let pids = std::process::Command::new("pgrep")
-        .args(["-f", pattern])
+/// The TCP traffic of every established connection to a broker's `port`,
+/// seen from the broker's side (`ss -ti`): per connection, bytes received,
+/// bytes sent, data segments received. What a relay's requests cost the
+/// broker to take in, by size and by number.
+pub(crate) fn broker_traffic(port: u16) -> HashMap<String, [f64; 3]> {
+    let out = std::process::Command::new("ss")
+        .args(["-tinH", "state", "established"])
+        .arg(format!("( sport = :{port} )"))
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
         .unwrap_or_default();
-    let mut sum = [0.0; 4];
-    for pid in pids.lines().filter_map(|l| l.trim().parse::<u32>().ok()) {
-        let io = std::fs::read_to_string(format!("/proc/{pid}/io")).unwrap_or_default();
-        for (i, key) in ["rchar:", "wchar:", "syscr:", "syscw:"].iter().enumerate() {
-            if let Some(v) = io
-                .lines()
-                .find_map(|l| l.strip_prefix(key))
-                .and_then(|v| v.trim().parse::<f64>().ok())
-            {
-                sum[i] += v;
-            }
+    let mut conns = HashMap::new();
+    let mut name = None;
+    for line in out.lines() {
+        if !line.starts_with(char::is_whitespace) {
+            // "0 0 127.0.0.1:9092 127.0.0.1:48716": the connection.
+            name = line.split_whitespace().nth(3).map(str::to_string);
+            continue;
+        }
+        let field = |key: &str| {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(key))
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        if let Some(peer) = name.take() {
+            conns.insert(
+                peer,
+                [
+                    field("bytes_received:"),
+                    field("bytes_acked:"),
+                    field("data_segs_in:"),
+                ],
+            );
         }
     }
-    sum
+    conns
 }
 
-/// Per-event figures of a [`group_io`] difference over `n` events.
-pub(crate) fn io_per_event(before: [f64; 4], after: [f64; 4], n: usize) -> Value {
-    let d = |i: usize| (after[i] - before[i]) / n.max(1) as f64;
-    json!({
-        "bytes_in": d(0), "bytes_out": d(1), "reads": d(2), "writes": d(3),
-    })
+/// Per-event figures of two [`broker_traffic`] readings over `n` events
+/// (connections opened in between count from zero).
+pub(crate) fn traffic_per_event(
+    before: &HashMap<String, [f64; 3]>,
+    after: &HashMap<String, [f64; 3]>,
+    n: usize,
+) -> Value {
+    let mut sum = [0.0; 3];
+    for (peer, a) in after {
+        let b = before.get(peer).copied().unwrap_or_default();
+        for i in 0..3 {
+            sum[i] += (a[i] - b[i]).max(0.0);
+        }
+    }
+    let per = |i: usize| sum[i] / n.max(1) as f64;
+    json!({ "bytes_in": per(0), "bytes_out": per(1), "segments_in": per(2) })
 }
 
 pub(crate) const GROUPS: [(&str, &str); 2] =

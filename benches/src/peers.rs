@@ -24,7 +24,13 @@ const RUNS: [(&str, &str); 4] = [
 
 /// `rounds` rounds of the four drains of `n` events; the medians and
 /// each run's figures.
-pub(crate) async fn peers(n: usize, rounds: usize, concurrency: u32) -> Result<Value> {
+pub(crate) async fn peers(
+    n: usize,
+    rounds: usize,
+    concurrency: u32,
+    rate: u64,
+    steady_secs: u64,
+) -> Result<Value> {
     let python = mq_bridge_python()?;
     let mut runs: HashMap<&str, Vec<Value>> = HashMap::new();
     PARTITIONS.store(1, Ordering::Relaxed);
@@ -41,14 +47,14 @@ pub(crate) async fn peers(n: usize, rounds: usize, concurrency: u32) -> Result<V
                     }
                     _ => mq_bridge_drain(&python, kind, n).await?,
                 };
-                let io = |k: &str| d["broker_io_per_event"][k].as_f64().unwrap_or(0.0);
+                let io = |k: &str| d["broker_traffic_per_event"][k].as_f64().unwrap_or(0.0);
                 eprintln!(
-                    "   {:.0} events/s; {}; peak RSS {:.0} MiB; broker took in {:.0} B and {:.3} reads per event, sent {:.0} B",
+                    "   {:.0} events/s; {}; peak RSS {:.0} MiB; broker took in {:.0} B in {:.3} segments per event, sent {:.0} B",
                     d["events_per_s"].as_f64().unwrap_or(0.0),
                     cpu_line(&d),
                     d["peak_rss_mib"].as_f64().unwrap_or(0.0),
                     io("bytes_in"),
-                    io("reads"),
+                    io("segments_in"),
                     io("bytes_out"),
                 );
                 runs.entry(kind).or_default().push(d);
@@ -57,6 +63,42 @@ pub(crate) async fn peers(n: usize, rounds: usize, concurrency: u32) -> Result<V
         anyhow::Ok(())
     }
     .await;
+    // Steady state: `rate` events/s, each relay's CPU (and outroute's
+    // pickup), one run each, same order.
+    let mut steady = serde_json::Map::new();
+    let result = match result {
+        Ok(()) if steady_secs > 0 => {
+            async {
+                for (label, kind) in RUNS {
+                    eprintln!("== peers steady {rate}/s: {label}");
+                    let s = match kind {
+                        "logical" | "lease" => {
+                            MODE.store(if kind == "logical" { 2 } else { 1 }, Ordering::Relaxed);
+                            let l = latency(steady_secs, rate, 0, 0, concurrency).await;
+                            MODE.store(0, Ordering::Relaxed);
+                            let l = l?;
+                            json!({
+                                "rate": rate,
+                                "relay_cores": l["relay_cores"],
+                                "peak_rss_mib": l["peak_rss_mib"],
+                                "pickup_ms_bucket": l["pickup_ms_bucket"],
+                                "commit_to_consumer_ms": l["commit_to_consumer_ms"],
+                            })
+                        }
+                        _ => mq_bridge_steady(&python, kind, rate, steady_secs).await?,
+                    };
+                    eprintln!(
+                        "   relay {:.3} cores",
+                        s["relay_cores"].as_f64().unwrap_or(0.0)
+                    );
+                    steady.insert(kind.into(), s);
+                }
+                anyhow::Ok(())
+            }
+            .await
+        }
+        other => other,
+    };
     PARTITIONS.store(3, Ordering::Relaxed);
     result?;
     let median = |kind: &str, key: &str| {
@@ -103,6 +145,18 @@ pub(crate) async fn peers(n: usize, rounds: usize, concurrency: u32) -> Result<V
         "lease_over_polling".into(),
         json!(median("lease", "events_per_s") / median("polling", "events_per_s").max(1e-9)),
     );
+    let cores = |kind: &str| steady[kind]["relay_cores"].as_f64().unwrap_or(0.0);
+    if !steady.is_empty() {
+        out.insert(
+            "steady_logical_over_cdc_cpu".into(),
+            json!(cores("logical") / cores("cdc").max(1e-9)),
+        );
+        out.insert(
+            "steady_lease_over_polling_cpu".into(),
+            json!(cores("lease") / cores("polling").max(1e-9)),
+        );
+    }
+    out.insert("steady".into(), Value::Object(steady));
     out.insert("rounds".into(), json!(rounds));
     out.insert("events".into(), json!(n));
     Ok(Value::Object(out))
@@ -136,6 +190,34 @@ pub(crate) fn peers_rows(p: &Value) -> Vec<(String, String)> {
             r("lease_over_polling")
         ),
     ));
+    if let Some(steady) = p["steady"].as_object().filter(|s| !s.is_empty()) {
+        for (label, kind) in RUNS {
+            let s = &steady[kind];
+            let pickup = if s["pickup_ms_bucket"].is_null() {
+                String::new()
+            } else {
+                format!(
+                    "; pickup p50 ≤ {} ms, p99 ≤ {} ms",
+                    s["pickup_ms_bucket"]["p50"], s["pickup_ms_bucket"]["p99"]
+                )
+            };
+            rows.push((
+                format!("peers steady {}/s: {label}", s["rate"]),
+                format!(
+                    "relay {:.1} % of a core{pickup}",
+                    s["relay_cores"].as_f64().unwrap_or(0.0) * 100.0
+                ),
+            ));
+        }
+        rows.push((
+            "peers steady: outroute ÷ mq-bridge relay CPU".into(),
+            format!(
+                "logical ÷ CDC {:.2}×, lease ÷ polling {:.2}× (goal ≤ 1.2×)",
+                r("steady_logical_over_cdc_cpu"),
+                r("steady_lease_over_polling_cpu")
+            ),
+        ));
+    }
     rows
 }
 
@@ -154,121 +236,173 @@ fn mq_bridge_python() -> Result<PathBuf> {
     Ok(python)
 }
 
-/// mq-bridge draining `n` pre-inserted events of the canonical table's
-/// shape: `cdc` from a publication and slot made before the rows were
-/// written, `polling` deleting what it published. Timed and charged as
-/// [`drain_table`] times and charges outroute.
-async fn mq_bridge_drain(python: &Path, kind: &str, n: usize) -> Result<Value> {
-    let db = TestDb::new_logical().await?;
-    let t = tag();
-    let topic = format!("b{t}.order-created");
-    create_topic(&topic, 1).await?;
-    let slot = format!("mqb_{t}");
-    if kind == "cdc" {
-        // The canonical table's columns, without outroute's migrations (no
-        // queue trigger): the peer streams its inserts as they are.
-        sqlx::query(
-            "CREATE TABLE outbox (
-                seq bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-                id uuid NOT NULL UNIQUE, aggregate_type text NOT NULL,
-                aggregate_id text NOT NULL, event_type text NOT NULL,
-                event_version integer NOT NULL DEFAULT 1, payload jsonb NOT NULL,
-                headers jsonb NOT NULL DEFAULT '{}', created_at timestamptz NOT NULL DEFAULT now())",
-        )
-        .execute(&db.pool)
-        .await?;
-        sqlx::query("CREATE PUBLICATION mqb_pub FOR TABLE outbox")
+/// One mq-bridge set-up: a fresh database on the logical cluster with the
+/// table its input reads, and a 1-partition topic.
+struct Peer {
+    kind: &'static str,
+    db: TestDb,
+    topic: String,
+    slot: String,
+}
+
+/// The row the polling input's queue table holds per event: the canonical
+/// row as JSON (~1.1 KB), what the CDC input sends for a row of the other.
+const POLLING_ROW: &str = "convert_to(json_build_object(\
+    'id', gen_random_uuid(), 'aggregate_type', 'order', 'aggregate_id', 'o-' || g, \
+    'event_type', 'order-created', 'event_version', 1, 'payload', \
+    json_build_object('order_id', 'o-' || g, 'customer', 'c-' || (g % 977), \
+      'total', (g % 1000) + 0.5, 'note', repeat('x', 904)), \
+    'headers', '{}'::json, 'created_at', now())::text, 'UTF8')";
+
+impl Peer {
+    async fn set_up(kind: &'static str) -> Result<Peer> {
+        let db = TestDb::new_logical().await?;
+        let t = tag();
+        let topic = format!("b{t}.order-created");
+        create_topic(&topic, 1).await?;
+        let slot = format!("mqb_{t}");
+        if kind == "cdc" {
+            // The canonical table's columns, without outroute's migrations
+            // (no queue trigger): the peer streams its inserts as they are.
+            sqlx::query(
+                "CREATE TABLE outbox (
+                    seq bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                    id uuid NOT NULL UNIQUE, aggregate_type text NOT NULL,
+                    aggregate_id text NOT NULL, event_type text NOT NULL,
+                    event_version integer NOT NULL DEFAULT 1, payload jsonb NOT NULL,
+                    headers jsonb NOT NULL DEFAULT '{}', created_at timestamptz NOT NULL DEFAULT now())",
+            )
             .execute(&db.pool)
             .await?;
-        sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
-            .bind(&slot)
-            .execute(&db.pool)
-            .await?;
-        fill(&db.pool, n).await?;
-    } else {
-        // The polling input reads only its own queue table (`id`,
-        // `payload`, `locked_until`; the shape it creates itself): each
-        // row's payload is the canonical row as JSON (~1.1 KB), what its
-        // CDC input sends for a row of the other table.
-        for sql in [
-            "CREATE TABLE outbox (id BIGSERIAL PRIMARY KEY, payload BYTEA NOT NULL, \
-             locked_until TIMESTAMPTZ, created_at TIMESTAMPTZ DEFAULT NOW())",
-            "CREATE INDEX outbox_locked_until ON outbox (locked_until)",
-        ] {
-            sqlx::query(sql).execute(&db.pool).await?;
+            sqlx::query("CREATE PUBLICATION mqb_pub FOR TABLE outbox")
+                .execute(&db.pool)
+                .await?;
+            sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+                .bind(&slot)
+                .execute(&db.pool)
+                .await?;
+        } else {
+            // The polling input reads only its own queue table (`id`,
+            // `payload`, `locked_until`: the shape it creates itself).
+            for sql in [
+                "CREATE TABLE outbox (id BIGSERIAL PRIMARY KEY, payload BYTEA NOT NULL, \
+                 locked_until TIMESTAMPTZ, created_at TIMESTAMPTZ DEFAULT NOW())",
+                "CREATE INDEX outbox_locked_until ON outbox (locked_until)",
+            ] {
+                sqlx::query(sql).execute(&db.pool).await?;
+            }
+        }
+        Ok(Peer {
+            kind,
+            db,
+            topic,
+            slot,
+        })
+    }
+
+    /// `n` events written before the peer starts.
+    async fn fill(&self, n: usize) -> Result<()> {
+        if self.kind == "cdc" {
+            return fill(&self.db.pool, n).await;
         }
         let mut done = 0;
         while done < n {
             let end = (done + 50_000).min(n);
-            sqlx::query(
-                "INSERT INTO outbox (payload) SELECT convert_to(json_build_object(\
-                   'id', gen_random_uuid(), 'aggregate_type', 'order', 'aggregate_id', 'o-' || g, \
-                   'event_type', 'order-created', 'event_version', 1, 'payload', \
-                   json_build_object('order_id', 'o-' || g, 'customer', 'c-' || (g % 977), \
-                     'total', (g % 1000) + 0.5, 'note', repeat('x', $3)), \
-                   'headers', '{}'::json, 'created_at', now())::text, 'UTF8') \
-                 FROM generate_series($1::bigint, $2::bigint) g",
-            )
+            sqlx::query(&format!(
+                "INSERT INTO outbox (payload) SELECT {POLLING_ROW} FROM generate_series($1::bigint, $2::bigint) g"
+            ))
             .bind(done as i64)
             .bind(end as i64 - 1)
-            .bind(PAYLOAD_BYTES as i32 - 120)
-            .execute(&db.pool)
+            .execute(&self.db.pool)
             .await?;
             done = end;
         }
+        Ok(())
     }
+
+    /// The statement a steady writer commits per event (`$1`: its number).
+    fn insert_one(&self) -> String {
+        if self.kind == "cdc" {
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+             SELECT gen_random_uuid(), 'order', 'o-' || g, 'order-created', \
+             json_build_object('order_id', 'o-' || g, 'customer', 'c-' || (g % 977), \
+               'total', (g % 1000) + 0.5, 'note', repeat('x', 904)) FROM (SELECT $1::bigint AS g) s"
+                .into()
+        } else {
+            format!(
+                "INSERT INTO outbox (payload) SELECT {POLLING_ROW} FROM (SELECT $1::bigint AS g) s"
+            )
+        }
+    }
+
+    fn start(&self, python: &Path) -> Result<std::process::Child> {
+        let script = outroute_e2e::workspace().join("benches/peers/mq_bridge_run.py");
+        let mut cmd = std::process::Command::new(python);
+        // The same store URL outroute gets (`--pg-sslmode`).
+        cmd.arg(&script).arg(self.kind).arg(relay_url(&self.db.url));
+        if self.kind == "cdc" {
+            cmd.args(["mqb_pub", &self.slot]);
+        } else {
+            cmd.arg("outbox");
+        }
+        cmd.args([KAFKA, &self.topic])
+            .env("RUST_LOG", "warn")
+            .stdin(std::process::Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", script.display()))
+    }
+
+    /// SIGTERM stops the route; a peer that does not stop is killed. Then
+    /// the database goes.
+    async fn stop(self, mut child: std::process::Child) {
+        let _ = std::process::Command::new("kill")
+            .arg(child.id().to_string())
+            .status();
+        let stopping = Instant::now();
+        while child.try_wait().ok().flatten().is_none()
+            && stopping.elapsed() < Duration::from_secs(10)
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        self.db.drop_db().await;
+    }
+}
+
+/// mq-bridge draining `n` pre-inserted events: `cdc` from a publication
+/// and slot made before the rows were written, `polling` deleting what it
+/// published. Timed and charged as [`drain_table`] times and charges
+/// outroute.
+async fn mq_bridge_drain(python: &Path, kind: &'static str, n: usize) -> Result<Value> {
+    let peer = Peer::set_up(kind).await?;
+    peer.fill(n).await?;
     let deadline = Instant::now() + Duration::from_secs(600);
     let consumer = tokio::task::spawn_blocking({
-        let topic = topic.clone();
+        let topic = peer.topic.clone();
         move || consumer::kafka_last_arrival(&topic, 1, "mq_bridge.message_id", n, deadline)
     });
     let group0 = group_cpu("tansu broker");
-    let io0 = group_io("tansu broker");
-    let pg0 = pg_cpu(&db.pool).await;
-    let script = outroute_e2e::workspace().join("benches/peers/mq_bridge_run.py");
-    let mut cmd = std::process::Command::new(python);
-    cmd.arg(&script).arg(kind).arg(&db.url);
-    if kind == "cdc" {
-        cmd.args(["mqb_pub", &slot]);
-    } else {
-        cmd.arg("outbox");
-    }
+    let traffic0 = broker_traffic(9092);
+    let pg0 = pg_cpu(&peer.db.pool).await;
     let spawned = Instant::now();
-    let mut child = cmd
-        .args([KAFKA, &topic])
-        .env("RUST_LOG", "warn")
-        .stdin(std::process::Stdio::null())
-        .spawn()
-        .with_context(|| format!("starting {}", script.display()))?;
+    let child = peer.start(python)?;
     let pid = child.id();
     let received = consumer.await;
     // Polling deletes what it published: its "confirmation" is an empty
     // table (CDC leaves the rows; nothing more to wait for).
-    let confirmed = if kind == "polling" {
+    if kind == "polling" {
         let until = Instant::now() + Duration::from_secs(60);
-        while db.count("SELECT count(*) FROM outbox").await > 0 && Instant::now() < until {
+        while peer.db.count("SELECT count(*) FROM outbox").await > 0 && Instant::now() < until {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        Instant::now()
-    } else {
-        Instant::now()
-    };
-    let (cpu, rss) = proc_stats(pid);
-    let pg = pg_cpu(&db.pool).await - pg0;
-    let broker = group_cpu("tansu broker") - group0;
-    let broker_io = io_per_event(io0, group_io("tansu broker"), n);
-    // SIGTERM stops the route; a peer that does not stop is killed.
-    let _ = std::process::Command::new("kill")
-        .arg(pid.to_string())
-        .status();
-    let stopping = Instant::now();
-    while child.try_wait().ok().flatten().is_none() && stopping.elapsed() < Duration::from_secs(10)
-    {
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let _ = child.kill();
-    let _ = child.wait();
-    db.drop_db().await;
+    let confirmed = Instant::now();
+    let (cpu, rss) = proc_stats(pid);
+    let pg = pg_cpu(&peer.db.pool).await - pg0;
+    let broker = group_cpu("tansu broker") - group0;
+    let traffic = traffic_per_event(&traffic0, &broker_traffic(9092), n);
+    peer.stop(child).await;
     let received = match received {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => anyhow::bail!("mq-bridge {kind}: {e:#}"),
@@ -286,7 +420,72 @@ async fn mq_bridge_drain(python: &Path, kind: &str, n: usize) -> Result<Value> {
         "relay_us_per_event": cpu * 1e6 / n.max(1) as f64,
         "postgres_us_per_event": pg * 1e6 / n.max(1) as f64,
         "broker_us_per_event": broker * 1e6 / n.max(1) as f64,
-        "broker_io_per_event": broker_io,
+        "broker_traffic_per_event": traffic,
         "peak_rss_mib": rss,
     }))
+}
+
+/// mq-bridge at a steady `rate` events/s from 4 writers for `secs`
+/// seconds (after 3 s of warm-up): its process's CPU, in cores.
+async fn mq_bridge_steady(
+    python: &Path,
+    kind: &'static str,
+    rate: u64,
+    secs: u64,
+) -> Result<Value> {
+    let peer = Peer::set_up(kind).await?;
+    let child = peer.start(python)?;
+    let pid = child.id();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers = steady_writers(&peer.db.pool, &peer.insert_one(), rate, stop.clone());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (cpu0, _) = proc_stats(pid);
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_secs(secs)).await;
+    let (cpu1, rss) = proc_stats(pid);
+    let window = t0.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    let mut written = 0u64;
+    for w in writers {
+        written += w.await.unwrap_or(0);
+    }
+    peer.stop(child).await;
+    Ok(json!({
+        "rate": rate,
+        "relay_cores": (cpu1 - cpu0) / window,
+        "peak_rss_mib": rss,
+        "written": written,
+    }))
+}
+
+/// 4 writers committing `rate` events/s between them, one row per
+/// transaction, until `stop`; each answers how many it wrote.
+fn steady_writers(
+    pool: &PgPool,
+    sql: &str,
+    rate: u64,
+    stop: Arc<AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<u64>> {
+    (0..4u64)
+        .map(|w| {
+            let (pool, sql, stop) = (pool.clone(), sql.to_string(), stop.clone());
+            tokio::spawn(async move {
+                let mut tick =
+                    tokio::time::interval(Duration::from_secs_f64(4.0 / rate.max(1) as f64));
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    tick.tick().await;
+                    if sqlx::query(&sql)
+                        .bind((w * 1_000_000_000 + n) as i64)
+                        .execute(&pool)
+                        .await
+                        .is_ok()
+                    {
+                        n += 1;
+                    }
+                }
+                n
+            })
+        })
+        .collect()
 }

@@ -34,6 +34,21 @@ pub(super) struct CleanupJob {
     pub(super) confirm: Option<Lsn>,
 }
 
+impl CleanupJob {
+    /// Append `later`, the next job in stream order: its rows, and its
+    /// position if it has one.
+    fn merge(&mut self, later: CleanupJob) {
+        self.rows.append(later.rows);
+        if later.confirm.is_some() {
+            self.confirm = later.confirm;
+        }
+    }
+}
+
+/// How long the cleaner waits for more work while a job holds fewer than
+/// [`CLEANUP_CHUNK`] rows (see [`Relay::clean`]).
+pub(super) const CLEANUP_LINGER: Duration = Duration::from_millis(100);
+
 /// Take the marks up to `all` off the queue: their events' rows and the
 /// last one's position.
 pub(super) fn confirmable(
@@ -543,7 +558,21 @@ impl Relay {
             .as_ref()
             .is_some_and(|l| l.input == LogicalInput::Table);
         let mut noted: Option<Instant> = None;
-        while let Some(job) = work.recv().await {
+        while let Some(mut job) = work.recv().await {
+            // Take the jobs queued behind it too, and while they hold few
+            // rows wait up to CLEANUP_LINGER for more: at a trickle every
+            // event is a mark of its own, and one DELETE and one confirm per
+            // event cost the relay and PostgreSQL more than the event's
+            // publishing. The slot is confirmed that much later (a crash
+            // republishes it: duplicates, never a loss).
+            let linger = tokio::time::Instant::now() + CLEANUP_LINGER;
+            while job.rows.seqs.len() < CLEANUP_CHUNK {
+                match tokio::time::timeout_at(linger, work.recv()).await {
+                    Ok(Some(more)) => job.merge(more),
+                    // Shutdown (the sender is gone) or time: clean now.
+                    Ok(None) | Err(_) => break,
+                }
+            }
             if table && !job.rows.is_empty() {
                 match pg.delete_captured(&job.rows).await {
                     Ok(n) if n > 0 => {

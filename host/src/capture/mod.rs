@@ -71,7 +71,9 @@ use crate::failpoint;
 use crate::metrics as m;
 use crate::pipeline::{LeaseGuard, LeaseView};
 use crate::relay::{AbortOnDrop, BatchReport, Relay, sleep_or_cancel};
-use crate::store::postgres::{CAPTURE_LANE, CapturedRows, HeldAggregates, PgStore, SlotCheck};
+use crate::store::postgres::{
+    CAPTURE_LANE, CLEANUP_CHUNK, CapturedRows, HeldAggregates, PgStore, SlotCheck,
+};
 use crate::store::{Captured, Claim, Failure, FailureKind};
 
 mod binlog;
@@ -238,8 +240,9 @@ impl Relay {
             stop,
         } = self.clone().start_partitions(view, &leases, shutdown);
         let _stop_workers = stop.clone().drop_guard();
-        // The cleaner deletes the rows before each confirmed mark (one
-        // statement per mark), then confirms the slot up to it.
+        // The cleaner deletes the rows before each confirmed mark (marks
+        // that come within CLEANUP_LINGER of each other share a statement),
+        // then confirms the slot up to it.
         let (cleaner, cleanups) = mpsc::channel::<CleanupJob>(4);
         let cleaner_task = tokio::spawn(
             self.clone()

@@ -134,7 +134,7 @@ pub struct OrphanWalk {
     /// listed was walked to its end.
     pub more: Vec<(i32, i64)>,
 }
-pub use logical::{CAPTURE_LANE, CapturedRows, HeldAggregates, SlotCheck};
+pub use logical::{CAPTURE_LANE, CLEANUP_CHUNK, CapturedRows, HeldAggregates, SlotCheck};
 
 /// A pooled connection idle longer than this is pinged before use
 /// (HikariCP's "alive bypass window" is the same idea, at 500 ms too).

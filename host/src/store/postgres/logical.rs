@@ -21,8 +21,9 @@
 //!   lease mode.
 //! * **Cleanup.** Captured rows are deleted by their sequence numbers after
 //!   they were handled (published or parked): one `DELETE … WHERE seq =
-//!   ANY(…)` per confirmed mark and per 5,000 rows, never an UPDATE per event
-//!   (by id when the sequence column has no unique index).
+//!   ANY(…)` per 5,000 rows or per 100 ms of confirmed marks, whichever
+//!   comes first, never an UPDATE per event (by id when the sequence column
+//!   has no unique index).
 //!
 //! Files: this one the slot, the publication and the capture lease;
 //! `backfill.rs` rows written before the slot, `parked.rs` the parked
@@ -42,7 +43,7 @@ use crate::store::{Captured, Claim, Leases, ParkedEvent, SlotStatus, Status};
 mod backfill;
 mod cleanup;
 mod parked;
-pub use cleanup::CapturedRows;
+pub use cleanup::{CLEANUP_CHUNK, CapturedRows};
 use parked::HOLDING;
 
 /// What became of a log-capture source's slot (see [`PgStore::check_slot`]).
