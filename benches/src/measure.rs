@@ -100,6 +100,31 @@ pub(crate) fn traffic_per_event(
     json!({ "bytes_in": per(0), "bytes_out": per(1), "segments_in": per(2) })
 }
 
+/// The cost figures every drain reports for `n` events: CPU seconds of the
+/// relay, PostgreSQL and the broker over a `window`-second run, per event
+/// and in cores, the broker's traffic per event and the relay's peak RSS.
+pub(crate) fn cost_figures(
+    n: usize,
+    window: f64,
+    [relay, pg, broker]: [f64; 3],
+    traffic: Value,
+    rss: f64,
+) -> serde_json::Map<String, Value> {
+    let per = |s: f64| s * 1e6 / n.max(1) as f64;
+    [
+        ("cores", json!(relay / window)),
+        ("postgres_cores", json!(pg / window)),
+        ("relay_us_per_event", json!(per(relay))),
+        ("postgres_us_per_event", json!(per(pg))),
+        ("broker_us_per_event", json!(per(broker))),
+        ("broker_traffic_per_event", traffic),
+        ("peak_rss_mib", json!(rss)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
 pub(crate) const GROUPS: [(&str, &str); 2] =
     [("tansu", "tansu broker"), ("nats-server", "nats-server")];
 

@@ -410,19 +410,15 @@ async fn mq_bridge_drain(python: &Path, kind: &'static str, n: usize) -> Result<
     };
     let secs = (received - spawned).as_secs_f64().max(1e-3);
     let window = secs.max((confirmed - spawned).as_secs_f64());
-    Ok(json!({
-        "events": n,
-        "clock": "peer start → last event at an independent consumer",
-        "seconds": secs,
-        "events_per_s": n as f64 / secs,
-        "cores": cpu / window,
-        "postgres_cores": pg / window,
-        "relay_us_per_event": cpu * 1e6 / n.max(1) as f64,
-        "postgres_us_per_event": pg * 1e6 / n.max(1) as f64,
-        "broker_us_per_event": broker * 1e6 / n.max(1) as f64,
-        "broker_traffic_per_event": traffic,
-        "peak_rss_mib": rss,
-    }))
+    let mut d = cost_figures(n, window, [cpu, pg, broker], traffic, rss);
+    d.insert("events".into(), json!(n));
+    d.insert(
+        "clock".into(),
+        json!("peer start → last event at an independent consumer"),
+    );
+    d.insert("seconds".into(), json!(secs));
+    d.insert("events_per_s".into(), json!(n as f64 / secs));
+    Ok(Value::Object(d))
 }
 
 /// mq-bridge at a steady `rate` events/s from 4 writers for `secs`
