@@ -185,7 +185,9 @@ pub(crate) async fn drain_table(
         "first_publish_ms": first_publish.map(|f| (f - spawned).as_secs_f64() * 1e3),
         "plugin_call_seconds_sum": outroute_e2e::metric(&metrics, "outroute_plugin_call_seconds_sum{route=\"orders\"}"),
     });
-    d.extend(rest.as_object().cloned().unwrap_or_default());
+    if let Value::Object(rest) = rest {
+        d.extend(rest);
+    }
     Ok(Value::Object(d))
 }
 

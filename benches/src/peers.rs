@@ -39,12 +39,7 @@ pub(crate) async fn peers(
             for (label, kind) in RUNS {
                 eprintln!("== peers round {round}/{rounds}: {label}");
                 let d = match kind {
-                    "logical" | "lease" => {
-                        MODE.store(if kind == "logical" { 2 } else { 1 }, Ordering::Relaxed);
-                        let d = drain(n, "kafka", concurrency).await;
-                        MODE.store(0, Ordering::Relaxed);
-                        d?
-                    }
+                    "logical" | "lease" => as_outroute(kind, drain(n, "kafka", concurrency)).await?,
                     _ => mq_bridge_drain(&python, kind, n).await?,
                 };
                 let io = |k: &str| d["broker_traffic_per_event"][k].as_f64().unwrap_or(0.0);
@@ -73,10 +68,9 @@ pub(crate) async fn peers(
                     eprintln!("== peers steady {rate}/s: {label}");
                     let s = match kind {
                         "logical" | "lease" => {
-                            MODE.store(if kind == "logical" { 2 } else { 1 }, Ordering::Relaxed);
-                            let l = latency(steady_secs, rate, 0, 0, concurrency).await;
-                            MODE.store(0, Ordering::Relaxed);
-                            let l = l?;
+                            let l =
+                                as_outroute(kind, latency(steady_secs, rate, 0, 0, concurrency))
+                                    .await?;
                             json!({
                                 "rate": rate,
                                 "relay_cores": l["relay_cores"],
@@ -160,6 +154,15 @@ pub(crate) async fn peers(
     out.insert("rounds".into(), json!(rounds));
     out.insert("events".into(), json!(n));
     Ok(Value::Object(out))
+}
+
+/// Run `f` (a drain or steady run of outroute) on the logical cluster with
+/// `kind`'s capture: `logical` or lease mode.
+async fn as_outroute<T>(kind: &str, f: impl std::future::Future<Output = Result<T>>) -> Result<T> {
+    MODE.store(if kind == "logical" { 2 } else { 1 }, Ordering::Relaxed);
+    let r = f.await;
+    MODE.store(0, Ordering::Relaxed);
+    r
 }
 
 /// The table rows of [`peers`]' result.
