@@ -133,6 +133,14 @@ struct Args {
     /// logical and lease capture, mq-bridge's CDC and polling inputs).
     #[arg(long, default_value_t = 3)]
     peer_rounds: usize,
+    /// `--only peers`: which of the four runs to make (`cdc`, `logical`,
+    /// `polling`, `lease`); ratios need both of a pair.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "cdc,logical,polling,lease"
+    )]
+    peer_runs: Vec<String>,
     /// `--only skew`: quiet sources beside the one with a backlog.
     #[arg(long, default_value_t = 99)]
     skew_quiet: usize,
@@ -471,6 +479,7 @@ async fn main() -> Result<()> {
         let p = peers(
             args.events,
             args.peer_rounds,
+            &args.peer_runs,
             args.concurrency,
             args.rate,
             args.latency_secs,

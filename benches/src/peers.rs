@@ -27,16 +27,24 @@ const RUNS: [(&str, &str); 4] = [
 pub(crate) async fn peers(
     n: usize,
     rounds: usize,
+    only: &[String],
     concurrency: u32,
     rate: u64,
     steady_secs: u64,
 ) -> Result<Value> {
+    if let Some(bad) = only.iter().find(|o| !RUNS.iter().any(|(_, k)| k == o)) {
+        anyhow::bail!("--peer-runs: unknown run `{bad}` (cdc, logical, polling or lease)");
+    }
+    let chosen = || {
+        RUNS.into_iter()
+            .filter(|(_, k)| only.iter().any(|o| o == k))
+    };
     let python = mq_bridge_python()?;
     let mut runs: HashMap<&str, Vec<Value>> = HashMap::new();
     PARTITIONS.store(1, Ordering::Relaxed);
     let result = async {
         for round in 1..=rounds {
-            for (label, kind) in RUNS {
+            for (label, kind) in chosen() {
                 eprintln!("== peers round {round}/{rounds}: {label}");
                 let d = match kind {
                     "logical" | "lease" => as_outroute(kind, drain(n, "kafka", concurrency)).await?,
@@ -64,7 +72,7 @@ pub(crate) async fn peers(
     let result = match result {
         Ok(()) if steady_secs > 0 => {
             async {
-                for (label, kind) in RUNS {
+                for (label, kind) in chosen() {
                     eprintln!("== peers steady {rate}/s: {label}");
                     let s = match kind {
                         "logical" | "lease" => {
@@ -106,7 +114,7 @@ pub(crate) async fn peers(
         percentile(&v, 0.5)
     };
     let mut out = serde_json::Map::new();
-    for (_, kind) in RUNS {
+    for (_, kind) in chosen().filter(|(_, k)| runs.contains_key(k)) {
         let mut m = serde_json::Map::new();
         for key in [
             "events_per_s",
@@ -131,24 +139,20 @@ pub(crate) async fn peers(
         );
         out.insert(kind.into(), Value::Object(m));
     }
-    out.insert(
-        "logical_over_cdc".into(),
-        json!(median("logical", "events_per_s") / median("cdc", "events_per_s").max(1e-9)),
-    );
-    out.insert(
-        "lease_over_polling".into(),
-        json!(median("lease", "events_per_s") / median("polling", "events_per_s").max(1e-9)),
-    );
-    let cores = |kind: &str| steady[kind]["relay_cores"].as_f64().unwrap_or(0.0);
-    if !steady.is_empty() {
-        out.insert(
-            "steady_logical_over_cdc_cpu".into(),
-            json!(cores("logical") / cores("cdc").max(1e-9)),
-        );
-        out.insert(
-            "steady_lease_over_polling_cpu".into(),
-            json!(cores("lease") / cores("polling").max(1e-9)),
-        );
+    // A ratio only where both of its pair ran.
+    for (ours, theirs, key) in [
+        ("logical", "cdc", "logical_over_cdc"),
+        ("lease", "polling", "lease_over_polling"),
+    ] {
+        if runs.contains_key(ours) && runs.contains_key(theirs) {
+            let r = median(ours, "events_per_s") / median(theirs, "events_per_s").max(1e-9);
+            out.insert(key.into(), json!(r));
+        }
+        if steady.contains_key(ours) && steady.contains_key(theirs) {
+            let cores = |kind: &str| steady[kind]["relay_cores"].as_f64().unwrap_or(0.0);
+            let r = cores(ours) / cores(theirs).max(1e-9);
+            out.insert(format!("steady_{key}_cpu"), json!(r));
+        }
     }
     out.insert("steady".into(), Value::Object(steady));
     out.insert("rounds".into(), json!(rounds));
@@ -168,7 +172,7 @@ async fn as_outroute<T>(kind: &str, f: impl std::future::Future<Output = Result<
 /// The table rows of [`peers`]' result.
 pub(crate) fn peers_rows(p: &Value) -> Vec<(String, String)> {
     let mut rows = Vec::new();
-    for (label, kind) in RUNS {
+    for (label, kind) in RUNS.into_iter().filter(|(_, k)| p[k].is_object()) {
         let d = &p[kind];
         let f = |k: &str| d[k].as_f64().unwrap_or(0.0);
         rows.push((
@@ -184,17 +188,21 @@ pub(crate) fn peers_rows(p: &Value) -> Vec<(String, String)> {
             ),
         ));
     }
-    let r = |k: &str| p[k].as_f64().unwrap_or(0.0);
+    // "n/a" where a pair did not both run (`--peer-runs`).
+    let r = |k: &str| {
+        p[k].as_f64()
+            .map_or_else(|| "n/a".to_string(), |v| format!("{v:.2}×"))
+    };
     rows.push((
         "peers: outroute ÷ mq-bridge drain rate".into(),
         format!(
-            "logical ÷ CDC {:.2}×, lease ÷ polling {:.2}× (goal ≥ 1.2× each)",
+            "logical ÷ CDC {}, lease ÷ polling {} (goal ≥ 1.2× each)",
             r("logical_over_cdc"),
             r("lease_over_polling")
         ),
     ));
     if let Some(steady) = p["steady"].as_object().filter(|s| !s.is_empty()) {
-        for (label, kind) in RUNS {
+        for (label, kind) in RUNS.into_iter().filter(|(_, k)| steady.contains_key(*k)) {
             let s = &steady[kind];
             let pickup = if s["pickup_ms_bucket"].is_null() {
                 String::new()
@@ -215,7 +223,7 @@ pub(crate) fn peers_rows(p: &Value) -> Vec<(String, String)> {
         rows.push((
             "peers steady: outroute ÷ mq-bridge relay CPU".into(),
             format!(
-                "logical ÷ CDC {:.2}×, lease ÷ polling {:.2}× (goal ≤ 1.2×)",
+                "logical ÷ CDC {}, lease ÷ polling {} (goal ≤ 1.2×)",
                 r("steady_logical_over_cdc_cpu"),
                 r("steady_lease_over_polling_cpu")
             ),
