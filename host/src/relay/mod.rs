@@ -67,11 +67,6 @@ pub(crate) use workers::*;
 /// they are looked at again (the plugin's file is checked every second).
 const PLUGIN_WAIT: Duration = Duration::from_secs(2);
 
-/// Batches of at most this many events call their plugin in place (see
-/// `Relay::call_plugin`); larger ones, where a hand-off is a small share
-/// of the call, go to the blocking pool.
-const IN_PLACE_EVENTS: usize = 32;
-
 /// Everything a batch needs, shared by the workers.
 pub struct Relay {
     /// The source (`[sources.<name>]`, `default` for `[store]`) this relay
@@ -443,7 +438,6 @@ impl Relay {
             by_route.entry(*r).or_default().push(*i);
         }
         let mut calls = Vec::new();
-        let alone = by_route.len() == 1;
         for (route_idx, mut idxs) in by_route {
             // A route whose plugin is not loaded: its units wait for it.
             if let Some((why, _)) = self.plugin_parts[route_idx].why_down() {
@@ -486,12 +480,12 @@ impl Relay {
             );
             calls.push(async move {
                 let answers = match &self.shadows[route_idx] {
-                    None => self.call_plugin(route_idx, batch, alone).await,
+                    None => self.call_plugin(route_idx, batch).await,
                     Some(shadow) => {
                         let ids = batch.ids();
                         let (candidate, answers) = futures::join!(
                             self.call_shadow(shadow, batch.clone()),
-                            self.call_plugin(route_idx, batch, false)
+                            self.call_plugin(route_idx, batch)
                         );
                         self.compare_shadow(route_idx, shadow, &ids, &answers, candidate);
                         answers
@@ -615,14 +609,7 @@ impl Relay {
         }
     }
 
-    /// Route `batch` through the route's plugin. A plugin never runs on a
-    /// task's thread as it is: a slow one would hold up every task queued
-    /// behind it. A small batch (`alone`: the only call its batch makes)
-    /// runs here under `block_in_place`, which first hands this worker's
-    /// queue to another thread, so nothing waits on the plugin either; it
-    /// saves the blocking pool's hand-off and the wake-up back, which at a
-    /// trickle (1–2 events a batch) were most of a plugin call's cost.
-    async fn call_plugin(&self, route_idx: usize, batch: PluginInputs, alone: bool) -> Vec<Answer> {
+    async fn call_plugin(&self, route_idx: usize, batch: PluginInputs) -> Vec<Answer> {
         let n = batch.len();
         let Some(plugin) = self.plugins[route_idx].current() else {
             return (0..n)
@@ -631,29 +618,11 @@ impl Relay {
         };
         let route = self.routes.0[route_idx].name().to_string();
         let started = Instant::now();
-        let call = move || {
+        let result = tokio::task::spawn_blocking(move || {
             let answers = plugin.route_inputs(&batch);
             (answers, plugin.take_counts(), plugin)
-        };
-        let in_place = alone
-            && n <= IN_PLACE_EVENTS
-            && tokio::runtime::Handle::current().runtime_flavor()
-                == tokio::runtime::RuntimeFlavor::MultiThread;
-        let result = if in_place {
-            tokio::task::block_in_place(|| {
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(call))
-            })
-            .map_err(|p| {
-                p.downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| p.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "panic".into())
-            })
-        } else {
-            tokio::task::spawn_blocking(call)
-                .await
-                .map_err(|e| e.to_string())
-        };
+        })
+        .await;
         let per_event = started.elapsed().as_secs_f64() / n.max(1) as f64;
         if !self.planning_only {
             metrics::histogram!(m::PLUGIN_CALL, "route" => route.clone()).record(per_event);
