@@ -39,7 +39,13 @@ pub(crate) async fn peers(
         RUNS.into_iter()
             .filter(|(_, k)| only.iter().any(|o| o == k))
     };
-    let python = mq_bridge_python()?;
+    // mq-bridge is needed only for its runs (`--peer-runs logical` works
+    // without it).
+    let python = if chosen().any(|(_, k)| k == "cdc" || k == "polling") {
+        mq_bridge_python()?
+    } else {
+        PathBuf::new()
+    };
     let mut runs: HashMap<&str, Vec<Value>> = HashMap::new();
     PARTITIONS.store(1, Ordering::Relaxed);
     let result = async {
@@ -193,14 +199,17 @@ pub(crate) fn peers_rows(p: &Value) -> Vec<(String, String)> {
         p[k].as_f64()
             .map_or_else(|| "n/a".to_string(), |v| format!("{v:.2}×"))
     };
-    rows.push((
-        "peers: outroute ÷ mq-bridge drain rate".into(),
-        format!(
-            "logical ÷ CDC {}, lease ÷ polling {} (goal ≥ 1.2× each)",
-            r("logical_over_cdc"),
-            r("lease_over_polling")
-        ),
-    ));
+    let either = |a: &str, b: &str| p[a].is_number() || p[b].is_number();
+    if either("logical_over_cdc", "lease_over_polling") {
+        rows.push((
+            "peers: outroute ÷ mq-bridge drain rate".into(),
+            format!(
+                "logical ÷ CDC {}, lease ÷ polling {} (goal ≥ 1.2× each)",
+                r("logical_over_cdc"),
+                r("lease_over_polling")
+            ),
+        ));
+    }
     if let Some(steady) = p["steady"].as_object().filter(|s| !s.is_empty()) {
         for (label, kind) in RUNS.into_iter().filter(|(_, k)| steady.contains_key(*k)) {
             let s = &steady[kind];
@@ -220,14 +229,19 @@ pub(crate) fn peers_rows(p: &Value) -> Vec<(String, String)> {
                 ),
             ));
         }
-        rows.push((
-            "peers steady: outroute ÷ mq-bridge relay CPU".into(),
-            format!(
-                "logical ÷ CDC {}, lease ÷ polling {} (goal ≤ 1.2×)",
-                r("steady_logical_over_cdc_cpu"),
-                r("steady_lease_over_polling_cpu")
-            ),
-        ));
+        if either(
+            "steady_logical_over_cdc_cpu",
+            "steady_lease_over_polling_cpu",
+        ) {
+            rows.push((
+                "peers steady: outroute ÷ mq-bridge relay CPU".into(),
+                format!(
+                    "logical ÷ CDC {}, lease ÷ polling {} (goal ≤ 1.2×)",
+                    r("steady_logical_over_cdc_cpu"),
+                    r("steady_lease_over_polling_cpu")
+                ),
+            ));
+        }
     }
     rows
 }
