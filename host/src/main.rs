@@ -152,6 +152,7 @@ enum ConfigAction {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    quiet_on_closed_pipe(&cli.command);
     outroute::tls_provider();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -168,6 +169,21 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("outroute: {}", ops::describe(&e));
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// A one-shot command piped into `head` ends quietly when the reader goes
+/// away, as Unix tools do: Rust ignores SIGPIPE, so `println!` panicked
+/// ("failed printing to stdout: Broken pipe"); such commands get its default
+/// back. Sockets are not affected (Rust's and librdkafka's sends pass
+/// `MSG_NOSIGNAL`). The relay (`run`, `quickstart`) keeps ignoring it: a
+/// log reader that goes away must not stop it.
+fn quiet_on_closed_pipe(command: &Command) {
+    if !matches!(command, Command::Run(_) | Command::Quickstart(_)) {
+        // SAFETY: before any thread exists; sets the signal's default action.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
         }
     }
 }

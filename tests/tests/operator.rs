@@ -425,3 +425,30 @@ async fn no_command_or_log_line_prints_a_secret() -> anyhow::Result<()> {
     db.drop_db().await;
     Ok(())
 }
+
+/// `outroute … | head`: a command whose reader went away ends quietly (by
+/// SIGPIPE, as `ls | head` does), never with a panic about a broken pipe.
+#[test]
+fn a_command_whose_reader_went_away_ends_quietly() -> anyhow::Result<()> {
+    use std::os::unix::process::ExitStatusExt;
+    // A pipe whose reading end is already closed: the first line printed
+    // meets a broken pipe, whatever the timing.
+    let (reader, writer) = std::io::pipe()?;
+    drop(reader);
+    let out = Command::new(bin())
+        .args(["reference", "config"])
+        .stdout(writer)
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !stderr.contains("panicked"),
+        "the command panicked: {stderr}"
+    );
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGPIPE),
+        "expected the end a closed pipe gives Unix tools, got {:?}; stderr: {stderr}",
+        out.status
+    );
+    Ok(())
+}
