@@ -176,9 +176,10 @@ fn main() -> ExitCode {
 /// A one-shot command piped into `head` ends quietly when the reader goes
 /// away, as Unix tools do: Rust ignores SIGPIPE, so `println!` panicked
 /// ("failed printing to stdout: Broken pipe"); such commands get its default
-/// back. Sockets are not affected (Rust's and librdkafka's sends pass
-/// `MSG_NOSIGNAL`). The relay (`run`, `quickstart`) keeps ignoring it: a
-/// log reader that goes away must not stop it.
+/// back. Sockets are not affected: Rust's socket writes (tokio, sqlx,
+/// rustls, async-nats) pass `MSG_NOSIGNAL`, and librdkafka's threads block
+/// every signal. The relay (`run`, `quickstart`) keeps ignoring it: a log
+/// reader that goes away must not stop it.
 fn quiet_on_closed_pipe(command: &Command) {
     if !matches!(command, Command::Run(_) | Command::Quickstart(_)) {
         // SAFETY: before any thread exists; sets the signal's default action.
