@@ -201,9 +201,10 @@ series! {
     /// `capture = "logical"`: WAL the slot keeps past its confirmed position
     /// (bytes).
     SLOT_LAG_BYTES = "outroute_slot_lag_bytes", Gauge ["source"];
-    /// `capture = "logical"`: how far behind the producers' commits the relay
-    /// is (seconds, the last handled transaction's commit time).
-    SLOT_LAG_SECONDS = "outroute_slot_lag_seconds", Gauge ["source"];
+    /// `capture = "logical"` or `"binlog"`: how far behind the producers'
+    /// commits the relay is (seconds, the last handled transaction's commit
+    /// time; the binlog logs whole seconds).
+    CAPTURE_LAG_SECONDS = "outroute_capture_lag_seconds", Gauge ["source"];
 }
 
 /// Install the Prometheus recorder (once per process).

@@ -4,7 +4,8 @@
 //! read what reached tansu (Kafka protocol) and NATS JetStream, and the
 //! invariant checker every end-to-end test ends with.
 //!
-//! Files: `db.rs` (databases), `mysql.rs` (MySQL/MariaDB databases and
+//! Files: `db.rs` (databases), `logical.rs` (the log-capture suites'
+//! tables and configs), `mysql.rs` (MySQL/MariaDB databases and
 //! producers), `workload.rs` (producers and the invariant
 //! checker), `process.rs` (the relay as a process), `brokers.rs` (topics,
 //! streams, consumers), `proxy.rs` (the TCP fault proxy), `secure.rs` (TLS
@@ -34,6 +35,7 @@ pub const NATS: &str = "nats://127.0.0.1:4222";
 
 pub mod brokers;
 pub mod db;
+pub mod logical;
 pub mod mysql;
 pub mod process;
 pub mod proxy;

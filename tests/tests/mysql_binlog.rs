@@ -2,7 +2,8 @@
 //! own server of `scripts/mariadb-own` (binlog on, ROW, full images): the
 //! same workload and invariant checker as the lease-mode suites
 //! (`mysql.rs`). Rows written before the first start, restarts from the
-//! recorded GTID position, a purged binlog, the four crash points, three
+//! recorded GTID position (and `status` and the lag gauge showing it), a
+//! purged binlog, the four crash points, three
 //! relays (one streams, two wait) with kills, a failing event that holds
 //! back only its aggregate, a kill in the middle of a 50,000-row producer
 //! transaction, a streaming relay frozen past its lease, a late-committing
@@ -81,6 +82,12 @@ async fn binlog_capture_publishes_in_order_through_restarts_and_a_purged_binlog(
     create_topic(&topic, 3).await?;
     let dir = test_dir("binlog-e2e");
     let config = binlog_config(&db, &dir, &t, "lanes = 8\nbatch_size = 100")?;
+    let http = free_addr();
+    std::fs::write(
+        &config,
+        std::fs::read_to_string(&config)?.replace("listen = \"\"", &format!("listen = \"{http}\"")),
+    )?;
+    let cfg = config.display().to_string();
     db.migrate(&config)?;
     let mut all = Workload::default();
     let mut add = |w: Workload| {
@@ -104,9 +111,44 @@ async fn binlog_capture_publishes_in_order_through_restarts_and_a_purged_binlog(
         log.contains("streaming from the binary log"),
         "not streaming\n{log}"
     );
+    // How far behind the producers' commits capture is: exported.
+    let (_, metrics) = http_get(&http, "/metrics").await?;
+    let lag = metric(&metrics, "outroute_capture_lag_seconds{source=\"default\"}");
+    assert!(
+        lag.is_some_and(|s| (0.0..60.0).contains(&s)),
+        "lag {lag:?}\n{metrics}"
+    );
 
     // Stopped, events written meanwhile, started again: from the position.
     relay.terminate(Duration::from_secs(15));
+    // `status` counts the transactions the server logged past the recorded
+    // position: nothing else writes to this server while this test runs.
+    let behind = || async {
+        let (code, out, err) = cli(&["status", "--json", "-c", &cfg])?;
+        anyhow::ensure!(code == 0, "status: {out}{err}");
+        let v: serde_json::Value = serde_json::from_str(&out)?;
+        Ok::<_, anyhow::Error>(v["binlog"].clone())
+    };
+    let before = behind().await?;
+    assert_eq!(before["purged"], false, "{before}");
+    assert_eq!(before["backfilled"], true, "{before}");
+    db.pool
+        .execute("CREATE TABLE noise (n INT PRIMARY KEY)")
+        .await?;
+    for n in 0..5 {
+        sqlx::query("INSERT INTO noise VALUES (?)")
+            .bind(n)
+            .execute(&db.pool)
+            .await?;
+    }
+    let after = behind().await?;
+    let count = |v: &serde_json::Value| v["behind_transactions"].as_u64();
+    assert_eq!(
+        count(&after),
+        count(&before).map(|n| n + 6),
+        "a table and five inserts later\n{before}\n{after}"
+    );
+    assert_eq!(after["position"], before["position"], "{after}");
     add(produce_mysql(&db.pool, "while-stopped", 30, 4, 5).await?);
     let mut relay = Relay::start(&config, &[])?;
     drained(&db, &relay, Duration::from_secs(60)).await;
@@ -135,6 +177,13 @@ async fn binlog_capture_publishes_in_order_through_restarts_and_a_purged_binlog(
     })
     .await;
     assert!(purged, "the older binlog files stayed");
+    let gone = behind().await?;
+    assert_eq!(gone["purged"], true, "{gone}");
+    let (_, text, _) = cli(&["status", "-c", &cfg])?;
+    assert!(
+        text.contains("PURGED: the server no longer has what follows the recorded position"),
+        "{text}"
+    );
     let mut relay = Relay::start(&config, &[])?;
     drained(&db, &relay, Duration::from_secs(60)).await;
     let told = eventually(Duration::from_secs(10), || async {

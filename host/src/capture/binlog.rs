@@ -105,15 +105,14 @@ impl Relay {
             k,
             feeds,
             mut workers,
-            mut reached_rx,
+            mut progress,
             stop,
         } = self.clone().start_partitions(view, &leases, shutdown);
         let _stop_workers = stop.clone().drop_guard();
         // Marks not yet handled by every worker (number, the position after
-        // them), how far each worker got, and the last position recorded.
+        // them, whether events came since the mark before).
         let mut marks: std::collections::VecDeque<(u64, String, bool)> = Default::default();
         let mut next_mark = 0u64;
-        let mut reached: Vec<Option<u64>> = vec![None; k];
         // The position after the last mark every worker handled, and
         // whether events came since the last record.
         let mut handled: Option<(String, bool)> = None;
@@ -127,12 +126,7 @@ impl Relay {
                 _ = shutdown.cancelled() => {
                     // Graceful: the workers finish their in-flight batches,
                     // then what they reached is recorded.
-                    stop.cancel();
-                    while workers.join_next().await.is_some() {}
-                    while let Ok((w, mark)) = reached_rx.try_recv() {
-                        reached[w] = Some(reached[w].map_or(mark, |r| r.max(mark)));
-                    }
-                    if let Some(all) = reached.iter().copied().min().flatten() {
+                    if let Some(all) = progress.finish(&stop, &mut workers).await {
                         handled = merge(handled, handled_up_to(&mut marks, all));
                     }
                     if let Some((gtid, _)) = handled {
@@ -140,13 +134,7 @@ impl Relay {
                     }
                     return Ok(());
                 }
-                ended = workers.join_next() => {
-                    return match ended {
-                        Some(Ok(Ok(()))) | None => Ok(()),
-                        Some(Ok(Err(e))) => Err(e),
-                        Some(Err(e)) => Err(anyhow!("a capture worker stopped: {e}")),
-                    };
-                }
+                ended = workers.join_next() => return worker_ended(ended),
                 // Before the marks: a replayed backlog keeps them coming
                 // without a pause, and the position must still be recorded.
                 _ = save.tick() => {
@@ -166,9 +154,8 @@ impl Relay {
                         saved_at = Instant::now();
                     }
                 }
-                Some((w, mark)) = reached_rx.recv() => {
-                    reached[w] = Some(reached[w].map_or(mark, |r| r.max(mark)));
-                    if let Some(all) = reached.iter().copied().min().flatten() {
+                Some(all) = progress.next() => {
+                    if let Some(all) = all {
                         handled = merge(handled, handled_up_to(&mut marks, all));
                     }
                 }
@@ -187,10 +174,10 @@ impl Relay {
                             // A worker that ended: join_next says why.
                             let _ = feeds[w].send(Feed::Event(c, Some(room))).await;
                         }
-                        Got::Commit(gtid, events) => {
+                        Got::Commit(gtid, events, at) => {
                             marks.push_back((next_mark, gtid, events));
                             for f in &feeds {
-                                let _ = f.send(Feed::Mark(next_mark, None)).await;
+                                let _ = f.send(Feed::Mark(next_mark, at)).await;
                             }
                             next_mark += 1;
                         }

@@ -1,8 +1,8 @@
-//! Dispatch and confirmation: a dispatcher hands each captured event to one
-//! of `relay.concurrency` partition workers by its aggregate, and every
+//! Dispatch: a dispatcher hands each captured event to one of
+//! `relay.concurrency` partition workers by its aggregate, and every
 //! transaction end to all of them as a numbered mark; a worker keeps up to
-//! two batches out; a mark is confirmable (its rows cleaned up first) once
-//! every worker handled what came before it ([`confirmable`]).
+//! two batches out; a mark may be confirmed once every worker handled what
+//! came before it ([`Progress`]; the confirming is `clean.rs`'s).
 
 use super::*;
 
@@ -25,45 +25,6 @@ pub(super) fn aggregate_key(c: &Claim) -> (&str, &str) {
 pub(super) fn aggregate_hash<A: std::hash::Hash>(aggregate: &A) -> u64 {
     use std::hash::BuildHasher;
     foldhash::fast::FixedState::with_seed(0).hash_one(aggregate)
-}
-
-/// Work for the cleaner: the rows to delete and the slot position to
-/// confirm after.
-pub(super) struct CleanupJob {
-    pub(super) rows: CapturedRows,
-    pub(super) confirm: Option<Lsn>,
-}
-
-impl CleanupJob {
-    /// Append `later`, the next job in stream order: its rows, and its
-    /// position if it has one.
-    fn merge(&mut self, later: CleanupJob) {
-        self.rows.append(later.rows);
-        if later.confirm.is_some() {
-            self.confirm = later.confirm;
-        }
-    }
-}
-
-/// How long the cleaner waits for more work while a job holds fewer than
-/// [`CLEANUP_CHUNK`] rows (see [`Relay::clean`]).
-pub(super) const CLEANUP_LINGER: Duration = Duration::from_millis(100);
-
-/// Take the marks up to `all` off the queue: their events' rows and the
-/// last one's position.
-pub(super) fn confirmable(
-    marks: &mut std::collections::VecDeque<(u64, Lsn, CapturedRows)>,
-    all: u64,
-) -> CleanupJob {
-    let mut rows = CapturedRows::default();
-    let mut confirm = None;
-    while marks.front().is_some_and(|(n, _, _)| *n <= all) {
-        if let Some((_, lsn, r)) = marks.pop_front() {
-            rows.append(r);
-            confirm = Some(lsn);
-        }
-    }
-    CleanupJob { rows, confirm }
 }
 
 /// What the dispatcher hands a partition worker, in stream order.
@@ -147,14 +108,62 @@ impl Relay {
     }
 }
 
-/// The partition workers of a stream: the feed of each, the tasks, the
-/// marks they report (worker, mark), and the token that stops them.
+/// The partition workers of a stream: the feed of each, the tasks, how
+/// far they got, and the token that stops them.
 pub(super) struct Partitions {
     pub(super) k: usize,
     pub(super) feeds: Vec<mpsc::Sender<Feed>>,
     pub(super) workers: tokio::task::JoinSet<Result<()>>,
-    pub(super) reached_rx: mpsc::UnboundedReceiver<(usize, u64)>,
+    pub(super) progress: Progress,
     pub(super) stop: CancellationToken,
+}
+
+/// How far each partition worker got (the marks they report), and so the
+/// last mark every one of them handled: what the stream may confirm.
+pub(super) struct Progress {
+    reports: mpsc::UnboundedReceiver<(usize, u64)>,
+    reached: Vec<Option<u64>>,
+}
+
+impl Progress {
+    /// Wait for the next report. `Some(all)`: the mark every worker has
+    /// handled by now (`None` while one has reported nothing yet); `None`:
+    /// every worker is gone.
+    pub(super) async fn next(&mut self) -> Option<Option<u64>> {
+        let (w, mark) = self.reports.recv().await?;
+        Some(self.note(w, mark))
+    }
+
+    fn note(&mut self, w: usize, mark: u64) -> Option<u64> {
+        self.reached[w] = Some(self.reached[w].map_or(mark, |r| r.max(mark)));
+        self.reached.iter().copied().min().flatten()
+    }
+
+    /// A graceful end: stop the workers, let them finish their in-flight
+    /// batches, and take what they reported. The mark every one handled.
+    pub(super) async fn finish(
+        &mut self,
+        stop: &CancellationToken,
+        workers: &mut tokio::task::JoinSet<Result<()>>,
+    ) -> Option<u64> {
+        stop.cancel();
+        while workers.join_next().await.is_some() {}
+        while let Ok((w, mark)) = self.reports.try_recv() {
+            self.note(w, mark);
+        }
+        self.reached.iter().copied().min().flatten()
+    }
+}
+
+/// Why a stream ends once one of its partition workers ended.
+pub(super) fn worker_ended(
+    ended: Option<Result<Result<()>, tokio::task::JoinError>>,
+) -> Result<()> {
+    match ended {
+        Some(Ok(Ok(()))) | None => Ok(()),
+        Some(Ok(Err(e))) => Err(e),
+        Some(Err(e)) => Err(anyhow!("a capture worker stopped: {e}")),
+    }
 }
 
 impl Relay {
@@ -188,7 +197,10 @@ impl Relay {
             k,
             feeds,
             workers,
-            reached_rx,
+            progress: Progress {
+                reports: reached_rx,
+                reached: vec![None; k],
+            },
             stop,
         }
     }
@@ -357,8 +369,15 @@ impl Relay {
                 return Ok(());
             }
             // Operators' `failed retry|discard` and earlier owners' records
-            // reach this partition's view of the parked queues.
-            if last_parked.elapsed() >= PARKED_EVERY {
+            // reach this partition's view of the parked queues. With none
+            // parked, only a `failed retry` of an event that held nothing
+            // can add one: looked for less often.
+            let every = if w.held.is_empty() {
+                PARKED_NONE_EVERY
+            } else {
+                PARKED_EVERY
+            };
+            if last_parked.elapsed() >= every {
                 w.held = part.own(pg.held().await?);
                 last_parked = Instant::now();
                 parked_due |= !w.held.is_empty();
@@ -448,6 +467,12 @@ impl Relay {
                 continue;
             }
             failpoint::hit("after-claim");
+            // The stream's pace: background work (the backlog gauge) slows
+            // while events come slowly and speeds up when they come fast.
+            self.paced(batch.claims.len());
+            if !self.slow() {
+                self.hurry.notify_waiters();
+            }
             let now = Utc::now();
             let pickup = metrics::histogram!(m::PICKUP, "source" => self.source.clone());
             for at in batch.claims.iter().filter_map(Claim::committed_at) {
@@ -533,77 +558,11 @@ impl Relay {
             let _ = w.reached.send((w.part.index, mark));
         }
         if let Some(at) = out.last_commit {
-            metrics::gauge!(m::SLOT_LAG_SECONDS, "source" => self.source.clone())
+            metrics::gauge!(m::CAPTURE_LAG_SECONDS, "source" => self.source.clone())
                 .set(((Utc::now() - at).num_milliseconds().max(0) as f64) / 1e3);
         }
         self.health.set_store_ok();
         Ok(true)
-    }
-
-    /// The cleaner: per confirmable mark, in stream order, delete the rows
-    /// of the events before it, then confirm the slot up to it. It stops (and
-    /// so the stream restarts from the confirmed position) on a failed
-    /// delete or a lost lease.
-    pub(super) async fn clean(
-        self: Arc<Self>,
-        mut work: mpsc::Receiver<CleanupJob>,
-        confirm: watch::Sender<Lsn>,
-        mut lease: LeaseGuard,
-    ) {
-        let Some(pg) = self.store.logical() else {
-            return;
-        };
-        let table = self
-            .capture
-            .as_ref()
-            .is_some_and(|l| l.input == LogicalInput::Table);
-        let mut noted: Option<Instant> = None;
-        while let Some(mut job) = work.recv().await {
-            // Take the jobs queued behind it too, and while they hold few
-            // rows wait up to CLEANUP_LINGER for more: at a trickle every
-            // event is a mark of its own, and one DELETE and one confirm per
-            // event cost the relay and PostgreSQL more than the event's
-            // publishing. The slot is confirmed that much later (a crash
-            // republishes it: duplicates, never a loss).
-            let linger = tokio::time::Instant::now() + CLEANUP_LINGER;
-            while job.rows.seqs.len() < CLEANUP_CHUNK {
-                match tokio::time::timeout_at(linger, work.recv()).await {
-                    Ok(Some(more)) => job.merge(more),
-                    // Shutdown (the sender is gone) or time: clean now.
-                    Ok(None) | Err(_) => break,
-                }
-            }
-            if table && !job.rows.is_empty() {
-                match pg.delete_captured(&job.rows).await {
-                    Ok(n) if n > 0 => {
-                        metrics::counter!(m::PURGED, "source" => self.source.clone()).increment(n)
-                    }
-                    Ok(_) => {}
-                    Err(e) => {
-                        tracing::warn!("deleting captured rows failed: {e:#}");
-                        return;
-                    }
-                }
-            }
-            failpoint::hit("mid-mark");
-            if !lease.still_valid() {
-                tracing::warn!(
-                    "capture lease lost before confirming; the next owner re-reads from the confirmed position"
-                );
-                return;
-            }
-            if let Some(to) = job.confirm {
-                let _ = confirm.send(to);
-                // Now and then on record: after a promotion it says where
-                // what may have been missed begins.
-                if noted.is_none_or(|at| at.elapsed() >= CONFIRMED_NOTE_INTERVAL) {
-                    if let Err(e) = pg.note_confirmed(&to.to_string()).await {
-                        tracing::debug!("recording the confirmed position: {e:#}");
-                    }
-                    noted = Some(Instant::now());
-                }
-            }
-        }
     }
 
     /// Gather a batch from a partition's feed: wait up to `wait` for the

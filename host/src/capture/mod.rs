@@ -49,7 +49,9 @@
 //! Files: this one runs the capture (the lease, the stream loop, backfill
 //! and the parked queue); `connect.rs` opens the slot, `decode.rs` reads the
 //! stream into events, `dispatch.rs` hands them to partition workers and
-//! decides what may be confirmed, `pgoutput.rs` decodes the wire format.
+//! follows how far they got, `clean.rs` deletes handled rows and confirms
+//! the slot, `pgoutput.rs` decodes the wire format; `binlog.rs` is
+//! MariaDB's binlog capture on the same workers.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -77,10 +79,12 @@ use crate::store::postgres::{
 use crate::store::{Captured, Claim, Failure, FailureKind};
 
 mod binlog;
+mod clean;
 mod connect;
 mod decode;
 mod dispatch;
 pub mod pgoutput;
+use clean::*;
 pub use connect::replication_config;
 pub use decode::Envelope;
 use decode::*;
@@ -88,6 +92,11 @@ use dispatch::*;
 
 /// How often the parked queue is looked at when nothing else happens.
 const PARKED_EVERY: Duration = Duration::from_millis(500);
+
+/// How often a partition with nothing parked looks for parked events
+/// (another relay parks nothing for this stream; an operator's `failed
+/// retry` of an event that held no aggregate waits up to this long).
+const PARKED_NONE_EVERY: Duration = Duration::from_secs(5);
 
 /// Replication messages the client reads ahead of the reader task (its
 /// default, 8,192, would hold a whole huge transaction of large rows in
@@ -236,7 +245,7 @@ impl Relay {
             k,
             feeds,
             mut workers,
-            mut reached_rx,
+            mut progress,
             stop,
         } = self.clone().start_partitions(view, &leases, shutdown);
         let _stop_workers = stop.clone().drop_guard();
@@ -255,24 +264,18 @@ impl Relay {
         );
         let _stop_cleaner = AbortOnDrop(cleaner_task);
         // Marks not yet confirmed (number, position, the sequence numbers of
-        // the events handed out before it), and how far each worker got.
+        // the events handed out before it).
         let mut marks: std::collections::VecDeque<(u64, Lsn, CapturedRows)> = Default::default();
         let mut since_mark = CapturedRows::default();
         let by_id = pg.deletes_by_id();
         let mut next_mark = 0u64;
-        let mut reached: Vec<Option<u64>> = vec![None; k];
         loop {
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => {
                     // Graceful: the workers finish their in-flight batches,
                     // then what they reported is confirmed.
-                    stop.cancel();
-                    while workers.join_next().await.is_some() {}
-                    while let Ok((w, mark)) = reached_rx.try_recv() {
-                        reached[w] = Some(reached[w].map_or(mark, |r| r.max(mark)));
-                    }
-                    if let Some(all) = reached.iter().copied().min().flatten() {
+                    if let Some(all) = progress.finish(&stop, &mut workers).await {
                         let _ = cleaner.send(confirmable(&mut marks, all)).await;
                     }
                     drop(cleaner);
@@ -280,16 +283,9 @@ impl Relay {
                     tokio::time::sleep(Duration::from_millis(300)).await;
                     return Ok(());
                 }
-                ended = workers.join_next() => {
-                    return match ended {
-                        Some(Ok(Ok(()))) | None => Ok(()),
-                        Some(Ok(Err(e))) => Err(e),
-                        Some(Err(e)) => Err(anyhow!("a capture worker stopped: {e}")),
-                    };
-                }
-                Some((w, mark)) = reached_rx.recv() => {
-                    reached[w] = Some(reached[w].map_or(mark, |r| r.max(mark)));
-                    let Some(all) = reached.iter().copied().min().flatten() else { continue };
+                ended = workers.join_next() => return worker_ended(ended),
+                Some(all) = progress.next() => {
+                    let Some(all) = all else { continue };
                     if marks.front().is_some_and(|(n, _, _)| *n <= all)
                         && cleaner.send(confirmable(&mut marks, all)).await.is_err()
                     {

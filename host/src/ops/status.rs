@@ -156,6 +156,9 @@ pub(super) fn print_status(s: &crate::store::Status, failed: &[FailedByRoute]) {
             }
         );
     }
+    if let Some(b) = &s.binlog {
+        print_binlog(b);
+    }
     println!("relays           {}", s.relays.len());
     if let Some(n) = s.relay_connections {
         println!("connections      {n} (every relay's, to this database)");
@@ -277,5 +280,42 @@ pub async fn route(action: RouteAction) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+    }
+}
+
+/// A binlog source's recorded position against the server's binary log.
+fn print_binlog(b: &crate::store::mysql::BinlogStatus) {
+    match (&b.position, b.behind_transactions) {
+        (Some(p), Some(n)) => println!(
+            "binlog           position {p}{}, {n} transactions behind the server's {}",
+            if b.backfilled {
+                ""
+            } else {
+                " (the table's pending rows first)"
+            },
+            b.server_position
+        ),
+        _ => println!(
+            "binlog           no position recorded yet (the first stream starts at a snapshot, after the table's pending rows)"
+        ),
+    }
+    if let (Some(files), Some(bytes)) = (b.files, b.bytes) {
+        println!(
+            "                 the server keeps {files} binary log file{}, {bytes} bytes{}{}",
+            if files == 1 { "" } else { "s" },
+            b.oldest_position
+                .as_deref()
+                .map_or(String::new(), |o| format!(", from position {o}")),
+            match b.expire_seconds {
+                Some(s) if s > 0 => format!(", each for {s}s"),
+                _ => String::new(),
+            }
+        );
+    }
+    if b.purged {
+        println!(
+            "                 PURGED: the server no longer has what follows the recorded position; the next stream \
+             publishes the table's pending rows first (none is lost, some may go out twice)"
+        );
     }
 }

@@ -312,7 +312,8 @@ impl Relay {
         }
     }
 
-    /// A logical source's slot: how much WAL it keeps (every second).
+    /// A logical source's slot: how much WAL it keeps (every second; every
+    /// 4 s while events come slowly).
     pub(super) async fn watch_slot(self: Arc<Self>, shutdown: CancellationToken) {
         let Some(pg) = self.store.logical() else {
             return;
@@ -329,7 +330,13 @@ impl Relay {
                 Ok(None) => tracing::warn!("the replication slot is gone (dropped?)"),
                 Err(e) => tracing::debug!("slot query failed: {e:#}"),
             }
-            sleep_or_cancel(Duration::from_secs(1), &shutdown).await;
+            self.paced_pause(
+                Duration::from_secs(1),
+                Duration::from_secs(4),
+                IdleTurn::Slot,
+                &shutdown,
+            )
+            .await;
         }
     }
 

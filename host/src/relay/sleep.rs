@@ -52,6 +52,7 @@ pub(super) enum IdleTurn {
     Quarantine = 2,
     Retention = 3,
     Floors = 4,
+    Slot = 5,
 }
 
 /// The channel the pending queue's trigger notifies a sleeping source on,
@@ -267,13 +268,13 @@ impl Relay {
         self.pace.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Count `events` claimed (for [`Pace`]).
-    pub(super) fn paced(&self, events: usize) {
+    /// Count `events` claimed or streamed (for [`Pace`]).
+    pub(crate) fn paced(&self, events: usize) {
         self.pace().add(events, Instant::now());
     }
 
     /// Events come slower than [`TRICKLE_RATE`].
-    pub(super) fn slow(&self) -> bool {
+    pub(crate) fn slow(&self) -> bool {
         self.pace().rate(Instant::now()) < TRICKLE_RATE
     }
 
@@ -388,8 +389,8 @@ impl Relay {
     }
 
     /// [`Relay::background_pause`] for a task that runs less often while
-    /// events come slowly (lease mode): `slow_every` then, ended early when
-    /// a worker finds them coming fast ([`Relay::hurry`]).
+    /// events come slowly (claimed or streamed): `slow_every` then, ended
+    /// early when a worker finds them coming fast ([`Relay::hurry`]).
     pub(super) async fn paced_pause(
         &self,
         every: Duration,
@@ -398,7 +399,7 @@ impl Relay {
         shutdown: &CancellationToken,
     ) {
         if !self.is_asleep() {
-            if !self.streams() && slow_every > every && self.slow() {
+            if slow_every > every && self.slow() {
                 let hurry = self.hurry.notified();
                 tokio::select! {
                     _ = shutdown.cancelled() => {},

@@ -450,6 +450,9 @@ pub struct Status {
     /// The replication slot of a `capture = "logical"` source.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub slot: Option<SlotStatus>,
+    /// The recorded binlog position of a `capture = "binlog"` source.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub binlog: Option<mysql::BinlogStatus>,
 }
 
 /// A logical source's replication slot, as `status` and the metrics show it.

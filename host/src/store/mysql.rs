@@ -72,7 +72,7 @@ mod mark;
 mod operator;
 mod table;
 
-pub use binlog::{BinlogPosition, valid_gtid_position};
+pub use binlog::{BinlogPosition, BinlogStatus, Gtids, valid_gtid_position};
 use claim::to_claim;
 use table::{RowKey, TableSql};
 

@@ -291,6 +291,7 @@ impl SqliteStore {
             relays: Vec::new(),
             relay_connections: None,
             slot: None,
+            binlog: None,
         })
     }
 

@@ -12,7 +12,6 @@
 //! ends with its XID event, or a `COMMIT` query (non-transactional
 //! tables), or right after its one statement (a standalone GTID: DDL).
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, anyhow, bail};
@@ -28,6 +27,7 @@ use tokio::sync::mpsc;
 use crate::capture::decode::{Budget, Room};
 use crate::config::{Marking, TableConfig};
 use crate::event::{Malformed, RawRow};
+use crate::store::mysql::Gtids;
 use crate::store::postgres::CAPTURE_LANE;
 use crate::store::{Captured, Claim};
 
@@ -50,46 +50,12 @@ pub(super) enum Got {
     Event(Box<Claim>, Room),
     /// Every event before this was handed on: the stream may resume after
     /// this GTID position once they are handled. Whether the transactions
-    /// since the last one held events.
-    Commit(String, bool),
+    /// since the last one held events, and when the last of them was
+    /// logged (whole seconds: the binlog's event time).
+    Commit(String, bool, Option<DateTime<Utc>>),
     /// The server no longer has the position asked for (purged): its
     /// message.
     Purged(String),
-}
-
-/// A GTID position being followed: per replication domain, the server id
-/// and sequence number of its last transaction.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub(super) struct Gtids(BTreeMap<u32, (u32, u64)>);
-
-impl Gtids {
-    /// Read `d-s-n,d-s-n` (as checked by `valid_gtid_position`).
-    pub(super) fn parse(p: &str) -> Result<Self> {
-        let mut m = BTreeMap::new();
-        for t in p.split(',').map(str::trim).filter(|t| !t.is_empty()) {
-            let n: Vec<&str> = t.split('-').collect();
-            let [d, s, q] = n.as_slice() else {
-                bail!("`{t}` is not a GTID (domain-server-sequence)");
-            };
-            m.insert(d.parse()?, (s.parse()?, q.parse()?));
-        }
-        Ok(Gtids(m))
-    }
-
-    fn set(&mut self, domain: u32, server: u32, seq: u64) {
-        self.0.insert(domain, (server, seq));
-    }
-}
-
-impl std::fmt::Display for Gtids {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let parts: Vec<String> = self
-            .0
-            .iter()
-            .map(|(d, (s, q))| format!("{d}-{s}-{q}"))
-            .collect();
-        f.write_str(&parts.join(","))
-    }
 }
 
 /// Where each mapped column sits in the table's binlog row.
@@ -231,7 +197,7 @@ impl Reader {
                         unmarked = false;
                         last_mark = Instant::now();
                         if out
-                            .send(Ok(Got::Commit(self.gtids.to_string(), false)))
+                            .send(Ok(Got::Commit(self.gtids.to_string(), false, None)))
                             .await
                             .is_err()
                         {
@@ -291,8 +257,11 @@ impl Reader {
                     let events = std::mem::take(&mut rows_in_tx);
                     unmarked = false;
                     last_mark = Instant::now();
+                    let at = events
+                        .then(|| DateTime::from_timestamp(i64::from(ev.header().timestamp()), 0))
+                        .flatten();
                     if out
-                        .send(Ok(Got::Commit(self.gtids.to_string(), events)))
+                        .send(Ok(Got::Commit(self.gtids.to_string(), events, at)))
                         .await
                         .is_err()
                     {
@@ -490,17 +459,6 @@ fn time(v: &BinlogValue<'_>, ty: ColumnType) -> Option<DateTime<Utc>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn gtid_positions_round_trip_and_follow_transactions() {
-        let mut g = Gtids::parse("0-1-4,1-2-99").unwrap();
-        assert_eq!(g.to_string(), "0-1-4,1-2-99");
-        g.set(0, 1, 5);
-        g.set(2, 7, 1);
-        assert_eq!(g.to_string(), "0-1-5,1-2-99,2-7-1");
-        assert_eq!(Gtids::parse("").unwrap().to_string(), "");
-        assert!(Gtids::parse("0-1").is_err());
-    }
 
     #[test]
     fn logged_timestamps_and_datetimes_read_as_utc() {

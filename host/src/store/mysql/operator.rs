@@ -185,6 +185,10 @@ impl MySqlStore {
             relays: self.live_relays().await?,
             relay_connections: None,
             slot: None,
+            binlog: match self.binlog() {
+                true => Some(self.binlog_status().await?),
+                false => None,
+            },
         })
     }
 

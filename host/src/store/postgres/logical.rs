@@ -624,6 +624,7 @@ impl PgStore {
             relays,
             relay_connections,
             slot: self.slot_status().await?,
+            binlog: None,
         })
     }
 }

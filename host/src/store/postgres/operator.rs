@@ -96,6 +96,7 @@ impl PgStore {
             relays,
             relay_connections,
             slot: None,
+            binlog: None,
         })
     }
 
