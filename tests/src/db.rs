@@ -283,3 +283,23 @@ pub async fn purge_rounds(
         }
     }
 }
+
+/// Insert an `order-updated` event of `aggregate` into the canonical
+/// outbox; its new id.
+pub async fn insert_order_event(
+    db: &TestDb,
+    aggregate: &str,
+    payload: serde_json::Value,
+) -> anyhow::Result<String> {
+    let id = uuid::Uuid::new_v4().to_string();
+    sqlx::query(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ($1::uuid, 'order', $2, 'order-updated', $3)",
+    )
+    .bind(&id)
+    .bind(aggregate)
+    .bind(payload)
+    .execute(&db.pool)
+    .await?;
+    Ok(id)
+}

@@ -1,6 +1,7 @@
 //! Helpers of the log-capture suites (`logical.rs`, `logical_slot.rs`):
 //! a test's own outbox table `ev` mapped onto log capture, a file-sink
-//! config, inserts into the canonical table, and what the file sink got.
+//! config, a Kafka one, the capture lease's owner, and what the file sink
+//! got.
 
 use crate::*;
 
@@ -65,20 +66,24 @@ pub fn sorted(mut v: Vec<String>) -> Vec<String> {
     v
 }
 
-pub async fn insert(
+/// A log-capture config publishing to Kafka topic `t<t>.<event type>`.
+pub fn kafka_config(
+    dir: &std::path::Path,
     db: &TestDb,
-    aggregate: &str,
-    payload: serde_json::Value,
-) -> anyhow::Result<String> {
-    let id = uuid::Uuid::new_v4().to_string();
-    sqlx::query(
-        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
-         VALUES ($1::uuid, 'order', $2, 'order-updated', $3)",
+    t: &str,
+    relay: &str,
+) -> anyhow::Result<std::path::PathBuf> {
+    kafka_topic_config(dir, &db.url, LOGICAL, t, relay)
+}
+
+/// The relay id holding the capture lease, if any.
+pub async fn capture_owner(db: &TestDb) -> Option<String> {
+    sqlx::query_scalar::<_, Option<String>>(
+        "SELECT owner FROM outroute_lanes WHERE lane = -1 AND lease_until > now()",
     )
-    .bind(&id)
-    .bind(aggregate)
-    .bind(payload)
-    .execute(&db.pool)
-    .await?;
-    Ok(id)
+    .fetch_optional(&db.pool)
+    .await
+    .ok()
+    .flatten()
+    .flatten()
 }

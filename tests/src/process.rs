@@ -279,6 +279,28 @@ pub enum TestSink<'a> {
     File(&'a Path),
 }
 
+/// A config on `db_url` (`store`: extra `[store]` keys, e.g. the capture
+/// mode) whose route publishes through `order-router` to Kafka topic
+/// `t<t>.<event type>`.
+pub fn kafka_topic_config(
+    dir: &Path,
+    db_url: &str,
+    store: &str,
+    t: &str,
+    relay: &str,
+) -> Result<PathBuf> {
+    let route = format!(
+        "config = {{ sink = \"kafka\", topic = \"t{t}.{{event_type}}\" }}\nallow = {{ kafka = [\"t{t}.*\"] }}"
+    );
+    write_config_with(
+        dir,
+        db_url,
+        store,
+        relay,
+        &relay_body("", &[TestSink::Kafka], "order-router", "orders", &route),
+    )
+}
+
 /// The rest of a test config after `[relay]`: the HTTP endpoint (`""` for
 /// none), the sinks, one plugin, and one route `name` using it; `route`
 /// adds the route's keys (`config = …`, `allow = …`, budgets, policies).

@@ -21,36 +21,6 @@ use outroute_e2e::*;
 
 const POINTS: [&str; 4] = ["after-claim", "before-ack", "after-ack", "mid-mark"];
 
-fn kafka_config(
-    dir: &std::path::Path,
-    db: &TestDb,
-    t: &str,
-    relay: &str,
-) -> anyhow::Result<std::path::PathBuf> {
-    let route = format!(
-        "config = {{ sink = \"kafka\", topic = \"t{t}.{{event_type}}\" }}\nallow = {{ kafka = [\"t{t}.*\"] }}"
-    );
-    write_config_with(
-        dir,
-        &db.url,
-        LOGICAL,
-        relay,
-        &relay_body("", &[TestSink::Kafka], "order-router", "orders", &route),
-    )
-}
-
-/// The relay id holding the capture lease, if any.
-async fn capture_owner(db: &TestDb) -> Option<String> {
-    sqlx::query_scalar::<_, Option<String>>(
-        "SELECT owner FROM outroute_lanes WHERE lane = -1 AND lease_until > now()",
-    )
-    .fetch_optional(&db.pool)
-    .await
-    .ok()
-    .flatten()
-    .flatten()
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn crash_at_every_point_loses_nothing_in_logical_mode() -> anyhow::Result<()> {
     let iterations: usize = std::env::var("OUTROUTE_CRASH_ITERATIONS")
@@ -183,10 +153,10 @@ async fn failed_event_holds_only_its_aggregate_durably_until_discarded() -> anyh
     let (db, out, config) = hostile_to_file("logical-hold").await?;
     let mut relay = Relay::start(&config, &[])?;
 
-    let a1 = insert(&db, "A", serde_json::json!({"n": 1})).await?;
-    let a2 = insert(&db, "A", serde_json::json!({"n": 2, "hostile": "reject"})).await?;
-    let a3 = insert(&db, "A", serde_json::json!({"n": 3})).await?;
-    let b1 = insert(&db, "B", serde_json::json!({"n": 1})).await?;
+    let a1 = insert_order_event(&db, "A", serde_json::json!({"n": 1})).await?;
+    let a2 = insert_order_event(&db, "A", serde_json::json!({"n": 2, "hostile": "reject"})).await?;
+    let a3 = insert_order_event(&db, "A", serde_json::json!({"n": 3})).await?;
+    let b1 = insert_order_event(&db, "B", serde_json::json!({"n": 1})).await?;
     assert!(file_sink_reaches(&out, 2, Duration::from_secs(20)).await);
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(
@@ -196,8 +166,8 @@ async fn failed_event_holds_only_its_aggregate_durably_until_discarded() -> anyh
 
     // The relay dies; A's queue survives it; B keeps flowing after restart.
     relay.kill();
-    let a4 = insert(&db, "A", serde_json::json!({"n": 4})).await?;
-    let b2 = insert(&db, "B", serde_json::json!({"n": 2})).await?;
+    let a4 = insert_order_event(&db, "A", serde_json::json!({"n": 4})).await?;
+    let b2 = insert_order_event(&db, "B", serde_json::json!({"n": 2})).await?;
     let mut relay = Relay::start(&config, &[])?;
     assert!(
         eventually(Duration::from_secs(20), || async {
@@ -233,7 +203,7 @@ async fn failed_event_holds_only_its_aggregate_durably_until_discarded() -> anyh
         })
         .await
     );
-    let a5 = insert(&db, "A", serde_json::json!({"n": 5})).await?;
+    let a5 = insert_order_event(&db, "A", serde_json::json!({"n": 5})).await?;
     assert!(
         eventually(Duration::from_secs(20), || async {
             delivered_ids(&out).len() >= 6
@@ -269,10 +239,10 @@ async fn failed_event_holds_only_its_aggregate_durably_until_discarded() -> anyh
 async fn an_unreadable_parked_record_fails_that_event_alone() -> anyhow::Result<()> {
     let (db, out, config) = hostile_to_file("logical-unreadable").await?;
     let relay = Relay::start(&config, &[])?;
-    let c1 = insert(&db, "C", serde_json::json!({"n": 1, "hostile": "reject"})).await?;
-    let c2 = insert(&db, "C", serde_json::json!({"n": 2})).await?;
-    let c3 = insert(&db, "C", serde_json::json!({"n": 3})).await?;
-    let d1 = insert(&db, "D", serde_json::json!({"n": 1})).await?;
+    let c1 = insert_order_event(&db, "C", serde_json::json!({"n": 1, "hostile": "reject"})).await?;
+    let c2 = insert_order_event(&db, "C", serde_json::json!({"n": 2})).await?;
+    let c3 = insert_order_event(&db, "C", serde_json::json!({"n": 3})).await?;
+    let d1 = insert_order_event(&db, "D", serde_json::json!({"n": 1})).await?;
     assert!(file_sink_reaches(&out, 1, Duration::from_secs(20)).await);
     // c2 and c3 wait behind c1 with the event itself; c2's record is damaged.
     assert!(
@@ -305,7 +275,7 @@ async fn an_unreadable_parked_record_fails_that_event_alone() -> anyhow::Result<
         "{}",
         relay.log_text()
     );
-    let d2 = insert(&db, "D", serde_json::json!({"n": 2})).await?;
+    let d2 = insert_order_event(&db, "D", serde_json::json!({"n": 2})).await?;
     assert!(file_sink_reaches(&out, 2, Duration::from_secs(20)).await);
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(sorted(delivered_ids(&out)), sorted(vec![d1, d2]));

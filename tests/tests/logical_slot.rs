@@ -61,16 +61,16 @@ async fn rows_written_before_the_slot_go_out_first_in_order() -> anyhow::Result<
     // before anyone creates the slot.
     let db = TestDb::new_logical().await?;
     let (body, lease, out) = lease_mode_first("logical-backfill", &db)?;
-    let done = insert(&db, "P", serde_json::json!({"n": 1})).await?;
+    let done = insert_order_event(&db, "P", serde_json::json!({"n": 1})).await?;
     sqlx::query("UPDATE outbox SET published_at = now() WHERE id = $1::uuid")
         .bind(&done)
         .execute(&db.pool)
         .await?;
-    let a1 = insert(&db, "A", serde_json::json!({"n": 1})).await?;
-    let a2 = insert(&db, "A", serde_json::json!({"n": 2, "hostile": "reject"})).await?;
-    let a3 = insert(&db, "A", serde_json::json!({"n": 3})).await?;
-    let b1 = insert(&db, "B", serde_json::json!({"n": 1})).await?;
-    let b2 = insert(&db, "B", serde_json::json!({"n": 2})).await?;
+    let a1 = insert_order_event(&db, "A", serde_json::json!({"n": 1})).await?;
+    let a2 = insert_order_event(&db, "A", serde_json::json!({"n": 2, "hostile": "reject"})).await?;
+    let a3 = insert_order_event(&db, "A", serde_json::json!({"n": 3})).await?;
+    let b1 = insert_order_event(&db, "B", serde_json::json!({"n": 1})).await?;
+    let b2 = insert_order_event(&db, "B", serde_json::json!({"n": 2})).await?;
 
     // Switching to logical capture: the slot never streams those five.
     // Small batches: the table is read page after page.
@@ -80,9 +80,9 @@ async fn rows_written_before_the_slot_go_out_first_in_order() -> anyhow::Result<
         said.contains("5 pending rows of `outbox` were written before the slot"),
         "{said}"
     );
-    let a4 = insert(&db, "A", serde_json::json!({"n": 4})).await?;
-    let b3 = insert(&db, "B", serde_json::json!({"n": 3})).await?;
-    let c1 = insert(&db, "C", serde_json::json!({"n": 1})).await?;
+    let a4 = insert_order_event(&db, "A", serde_json::json!({"n": 4})).await?;
+    let b3 = insert_order_event(&db, "B", serde_json::json!({"n": 3})).await?;
+    let c1 = insert_order_event(&db, "C", serde_json::json!({"n": 1})).await?;
 
     let relay = Relay::start(&config, &[])?;
     assert!(
@@ -147,7 +147,7 @@ async fn a_migrate_stopped_right_after_creating_the_slot_loses_nothing() -> anyh
     db.migrate(&lease)?;
     let mut before = Vec::new();
     for n in 0..3 {
-        before.push(insert(&db, "A", serde_json::json!({ "n": n })).await?);
+        before.push(insert_order_event(&db, "A", serde_json::json!({ "n": n })).await?);
     }
     let config = write_config_with(
         &dir.join("logical"),
@@ -174,7 +174,7 @@ async fn a_migrate_stopped_right_after_creating_the_slot_loses_nothing() -> anyh
     let (code, _, err) = cli(&["config", "check", "--store", "-c", &cfg])?;
     assert_ne!(code, 0);
     assert!(err.contains("run `outroute migrate` again"), "{err}");
-    let after = insert(&db, "A", serde_json::json!({ "n": 3 })).await?;
+    let after = insert_order_event(&db, "A", serde_json::json!({ "n": 3 })).await?;
 
     // The next migrate finishes the job.
     let (code, said, err) = cli(&["migrate", "-c", &cfg])?;
@@ -410,9 +410,9 @@ async fn an_event_failed_in_lease_mode_still_holds_and_retries_after_the_switch(
 -> anyhow::Result<()> {
     let db = TestDb::new_logical().await?;
     let (body, lease, out) = lease_mode_first("logical-adopt", &db)?;
-    let a1 = insert(&db, "A", serde_json::json!({"n": 1})).await?;
-    let a2 = insert(&db, "A", serde_json::json!({"n": 2, "hostile": "reject"})).await?;
-    let b1 = insert(&db, "B", serde_json::json!({"n": 1})).await?;
+    let a1 = insert_order_event(&db, "A", serde_json::json!({"n": 1})).await?;
+    let a2 = insert_order_event(&db, "A", serde_json::json!({"n": 2, "hostile": "reject"})).await?;
+    let b1 = insert_order_event(&db, "B", serde_json::json!({"n": 1})).await?;
     let relay = Relay::start(&lease, &[])?;
     assert!(
         file_sink_reaches(&out, 2, Duration::from_secs(30)).await,
@@ -427,11 +427,11 @@ async fn an_event_failed_in_lease_mode_still_holds_and_retries_after_the_switch(
     };
     assert!(eventually(Duration::from_secs(10), || async { failed().await == 1 }).await);
     drop(relay);
-    let a3 = insert(&db, "A", serde_json::json!({"n": 3})).await?;
+    let a3 = insert_order_event(&db, "A", serde_json::json!({"n": 3})).await?;
 
     let (config, cfg, _) = switch_to_logical(&lease, &db, "lease_ttl = \"2s\"", &body)?;
-    let a4 = insert(&db, "A", serde_json::json!({"n": 4})).await?;
-    let b2 = insert(&db, "B", serde_json::json!({"n": 2})).await?;
+    let a4 = insert_order_event(&db, "A", serde_json::json!({"n": 4})).await?;
+    let b2 = insert_order_event(&db, "B", serde_json::json!({"n": 2})).await?;
     let relay = Relay::start(&config, &[])?;
     assert!(
         file_sink_reaches(&out, 3, Duration::from_secs(30)).await,

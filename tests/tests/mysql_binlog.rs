@@ -37,16 +37,7 @@ fn binlog_config(
     t: &str,
     relay: &str,
 ) -> anyhow::Result<std::path::PathBuf> {
-    let route = format!(
-        "config = {{ sink = \"kafka\", topic = \"t{t}.{{event_type}}\" }}\nallow = {{ kafka = [\"t{t}.*\"] }}"
-    );
-    write_config_with(
-        dir,
-        &db.url,
-        "capture = \"binlog\"",
-        relay,
-        &relay_body("", &[TestSink::Kafka], "order-router", "orders", &route),
-    )
+    kafka_topic_config(dir, &db.url, "capture = \"binlog\"", t, relay)
 }
 
 async fn own_db() -> anyhow::Result<MyDb> {

@@ -14,21 +14,6 @@ use outroute::event::Event;
 use outroute::plugin::{Answer, Limit, Limits, PluginHandle, Runtime};
 use outroute_e2e::*;
 
-async fn insert(
-    db: &TestDb,
-    aggregate: &str,
-    payload: serde_json::Value,
-) -> anyhow::Result<String> {
-    let id = uuid::Uuid::new_v4().to_string();
-    sqlx::query("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1::uuid, 'order', $2, 'order-updated', $3)")
-        .bind(&id)
-        .bind(aggregate)
-        .bind(payload)
-        .execute(&db.pool)
-        .await?;
-    Ok(id)
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn hostile_plugins_fail_only_their_event_and_poison_holds_only_its_aggregate()
 -> anyhow::Result<()> {
@@ -72,13 +57,13 @@ async fn hostile_plugins_fail_only_their_event_and_poison_holds_only_its_aggrega
     for m in modes {
         hostile_ids.push((
             m,
-            insert(&db, &format!("bad-{m}"), serde_json::json!({"hostile": m})).await?,
+            insert_order_event(&db, &format!("bad-{m}"), serde_json::json!({"hostile": m})).await?,
         ));
     }
-    let poison = insert(&db, "poison", serde_json::json!({"hostile": "retry"})).await?;
+    let poison = insert_order_event(&db, "poison", serde_json::json!({"hostile": "retry"})).await?;
     let mut held = Vec::new();
     for i in 0..5 {
-        held.push(insert(&db, "poison", serde_json::json!({"n": i})).await?);
+        held.push(insert_order_event(&db, "poison", serde_json::json!({"n": i})).await?);
     }
     let mut good = Vec::new();
     // Misbehaviour that is contained without failing: a 10 s sleep (time
@@ -86,7 +71,7 @@ async fn hostile_plugins_fail_only_their_event_and_poison_holds_only_its_aggrega
     // of CPU (within the budget).
     for m in ["sleep", "stderr-flood", "slow"] {
         good.push(
-            insert(
+            insert_order_event(
                 &db,
                 &format!("benign-{m}"),
                 serde_json::json!({"hostile": m}),
@@ -96,7 +81,7 @@ async fn hostile_plugins_fail_only_their_event_and_poison_holds_only_its_aggrega
     }
     for i in 0..100 {
         good.push(
-            insert(
+            insert_order_event(
                 &db,
                 &format!("good-{}", i % 25),
                 serde_json::json!({"n": i}),
@@ -235,7 +220,7 @@ async fn a_relay_that_makes_no_progress_is_not_ready() -> anyhow::Result<()> {
         ),
     )?;
     db.migrate(&config)?;
-    insert(&db, "a", serde_json::json!({})).await?;
+    insert_order_event(&db, "a", serde_json::json!({})).await?;
     let mut relay = Relay::start(&config, &[])?;
     let not_ready = eventually(Duration::from_secs(15), || async {
         http_get(&http, "/readyz")
@@ -609,7 +594,7 @@ fn warming_fills_the_idle_pool_within_its_bounds() -> anyhow::Result<()> {
 async fn a_plugin_reaches_no_file_socket_or_environment() -> anyhow::Result<()> {
     let db = TestDb::new().await?;
     let (config, out) = file_sink_config(&db, "probe-world", "", "hostile", "r", FILE_ROUTE)?;
-    insert(&db, "probe", serde_json::json!({"hostile": "probe-world"})).await?;
+    insert_order_event(&db, "probe", serde_json::json!({"hostile": "probe-world"})).await?;
     // The relay has a rich environment of its own to leak.
     let relay = Relay::start(&config, &[("OUTROUTE_TEST_SECRET", "hunter2")])?;
     let sent = eventually(Duration::from_secs(30), || async {
@@ -695,7 +680,7 @@ async fn a_plugins_messages_are_held_to_reserved_headers_and_route_limits() -> a
     ] {
         ids.insert(
             mode,
-            insert(
+            insert_order_event(
                 &db,
                 &format!("agg-{mode}"),
                 serde_json::json!({"hostile": mode}),
@@ -759,7 +744,8 @@ async fn a_plugins_messages_are_held_to_reserved_headers_and_route_limits() -> a
     })
     .await;
     assert!(reloaded, "{}", relay.log_text());
-    let unkeyed = insert(&db, "agg-unkeyed", serde_json::json!({"hostile": "no-key"})).await?;
+    let unkeyed =
+        insert_order_event(&db, "agg-unkeyed", serde_json::json!({"hostile": "no-key"})).await?;
     let sent = eventually(Duration::from_secs(20), || async {
         file_sink_deliveries(&out).iter().any(|d| d.id() == unkeyed)
     })
@@ -787,10 +773,10 @@ async fn replay_exits_non_zero_when_it_could_not_republish_every_selected_event(
     // Two events that route themselves whatever the route's mode, one that
     // follows the route's mode.
     let kept = [
-        insert(&db, "a", serde_json::json!({"hostile": "plain"})).await?,
-        insert(&db, "b", serde_json::json!({"hostile": "plain"})).await?,
+        insert_order_event(&db, "a", serde_json::json!({"hostile": "plain"})).await?,
+        insert_order_event(&db, "b", serde_json::json!({"hostile": "plain"})).await?,
     ];
-    let follower = insert(&db, "c", serde_json::json!({})).await?;
+    let follower = insert_order_event(&db, "c", serde_json::json!({})).await?;
     let mut relay = Relay::start(&config, &[])?;
     assert!(
         file_sink_reaches(&out, 3, Duration::from_secs(30)).await,
